@@ -1,0 +1,109 @@
+"""Which array library and device an array lives on, and whether a GPU is usable.
+
+CuPy is optional: convfuse imports and runs on NumPy alone. Everything that asks about
+the GPU goes through here so that the answer (and the reason when it is "no") is one.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .errors import DeviceMismatchError, DeviceUnavailableError
+
+
+@functools.cache
+def cupy_module() -> ModuleType | None:
+    """CuPy if it imports, else None."""
+    try:
+        import cupy
+    except Exception:
+        return None
+    return cupy
+
+
+@functools.cache
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA device is usable, else a sentence saying why not."""
+    cp = cupy_module()
+    if cp is None:
+        return "CuPy is not installed (pip install 'convfuse[cu12]' or 'convfuse[cu13]')"
+    try:
+        if not cp.cuda.is_available():
+            return "no usable CUDA device or driver was found (cupy.cuda.is_available() is False)"
+        cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # a broken driver raises rather than returning False
+        return f"no usable CUDA device or driver was found ({type(exc).__name__}: {exc})"
+    return None
+
+
+def gpu_available() -> bool:
+    return gpu_unavailable_reason() is None
+
+
+def require_gpu(what: str = "this operation") -> ModuleType:
+    """Return CuPy, or raise DeviceUnavailableError naming `what` and the reason."""
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise DeviceUnavailableError(f"{what} needs a CUDA GPU, but {reason}")
+    return cupy_module()  # type: ignore[return-value]
+
+
+def is_cupy(a: Any) -> bool:
+    cp = cupy_module()
+    return cp is not None and isinstance(a, cp.ndarray)
+
+
+def device_of(a: Any) -> str:
+    """'cuda' for a CuPy array, 'cpu' for a NumPy array; TypeError for anything else."""
+    if isinstance(a, np.ndarray):
+        return "cpu"
+    if is_cupy(a):
+        return "cuda"
+    raise TypeError(f"expected a NumPy or CuPy array, got {type(a).__name__}")
+
+
+def array_module(*arrays: Any) -> ModuleType:
+    """NumPy or CuPy for the given arrays (None entries ignored); refuses to mix them."""
+    devices = {device_of(a) for a in arrays if a is not None}
+    if len(devices) > 1:
+        names = ", ".join(f"{type(a).__module__}.{type(a).__name__}" for a in arrays if a is not None)
+        raise DeviceMismatchError(f"cannot mix NumPy and CuPy arrays in one call ({names})")
+    if devices == {"cuda"}:
+        return cupy_module()  # type: ignore[return-value]
+    return np
+
+
+def resolve_device(device: str | None) -> str:
+    """Map a user's device argument to 'cuda' or 'cpu'. None picks cuda when usable."""
+    if device is None:
+        return "cuda" if gpu_available() else "cpu"
+    if not isinstance(device, str):
+        raise TypeError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+    name = device.lower()
+    if name.startswith("cuda"):
+        require_gpu(f"device={device!r}")
+        return "cuda"
+    if name == "cpu":
+        return "cpu"
+    raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+
+
+def xp_for(device: str) -> ModuleType:
+    """The array module that holds arrays of a resolved device."""
+    return require_gpu(f"device={device!r}") if device == "cuda" else np
+
+
+def to_device(a: Any, device: str) -> Any:
+    """Copy an array to 'cuda' or 'cpu' (no copy when it is there already)."""
+    if a is None:
+        return None
+    if device == "cuda":
+        cp = require_gpu("moving an array to the GPU")
+        return cp.asarray(a)
+    if is_cupy(a):
+        return a.get()  # pragma: gpu
+    return np.asarray(a)

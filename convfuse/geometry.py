@@ -1,0 +1,244 @@
+"""One validated convolution geometry that answers every shape question.
+
+Like NNlib's DenseConvDims: forward, data gradient and filter gradient all take the same
+`ConvGeometry`, built once per (input shape, weight shape, hyperparameters, layout).
+Shapes are stored as the user gives them (in `layout`); the `*_cf` properties give the
+channels-first forms the reference engine and cuDNN's descriptors use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+IntOrTuple = Union[int, Sequence[int]]
+
+_LAYOUT_NAMES = {
+    # name -> (channels_last, rank or None for "any rank")
+    "NCHW": (False, None), "NHWC": (True, None),
+    "NCW": (False, 1), "NWC": (True, 1),
+    "NCDHW": (False, 3), "NDHWC": (True, 3),
+}
+
+
+def conv_output_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
+    """PyTorch's and cuDNN's rule: floor((size + 2p - d(k-1) - 1) / s) + 1."""
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def parse_layout(layout: str, rank: int | None = None) -> bool:
+    """True for channels-last. NCHW/NHWC name the two orders for every rank."""
+    if not isinstance(layout, str) or layout.upper() not in _LAYOUT_NAMES:
+        raise ValueError(f"unknown layout {layout!r}: expected one of {', '.join(_LAYOUT_NAMES)}")
+    channels_last, fixed_rank = _LAYOUT_NAMES[layout.upper()]
+    if rank is not None and fixed_rank is not None and fixed_rank != rank:
+        raise ValueError(f"layout {layout!r} is for {fixed_rank}-d convolutions, not {rank}-d")
+    return channels_last
+
+
+def layout_name(channels_last: bool, rank: int) -> str:
+    names = {1: ("NCW", "NWC"), 2: ("NCHW", "NHWC"), 3: ("NCDHW", "NDHWC")}
+    return names[rank][int(channels_last)]
+
+
+def as_tuple(value: IntOrTuple, rank: int, what: str) -> tuple[int, ...]:
+    """Expand an int to `rank` copies; check a sequence has `rank` integer entries."""
+    items = (value,) * rank if _is_int(value) else tuple(value)  # type: ignore[arg-type]
+    if len(items) != rank or not all(_is_int(v) for v in items):
+        raise ValueError(f"{what} must be an int or {rank} ints for a {rank}-d convolution, got {value!r}")
+    return tuple(int(v) for v in items)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or type(v).__name__.startswith(("int", "uint"))
+
+
+def to_channels_first(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
+    s = tuple(shape)
+    return (s[0], s[-1], *s[1:-1]) if channels_last else s
+
+
+def from_channels_first(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
+    s = tuple(shape)
+    return (s[0], *s[2:], s[1]) if channels_last else s
+
+
+def resolve_padding(padding: IntOrTuple | str, kernel: Sequence[int], dilation: Sequence[int],
+                    stride: Sequence[int]) -> tuple[int, ...]:
+    """Accept ints and PyTorch's 'valid' and 'same' (symmetric padding only, as cuDNN's)."""
+    rank = len(kernel)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * rank
+        if padding != "same":
+            raise ValueError(f"padding must be an int, {rank} ints, 'valid' or 'same', got {padding!r}")
+        if any(s != 1 for s in stride):
+            raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
+        totals = [d * (k - 1) for k, d in zip(kernel, dilation)]
+        if any(t % 2 for t in totals):
+            raise ValueError(
+                "padding='same' would need asymmetric padding for kernel "
+                f"{tuple(kernel)} with dilation {tuple(dilation)}; cuDNN pads symmetrically"
+            )
+        return tuple(t // 2 for t in totals)
+    return as_tuple(padding, rank, "padding")
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """A validated N-d convolution (N = 1, 2, 3). Build it with `ConvGeometry.create`."""
+
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    channels_last: bool
+
+    @classmethod
+    def create(
+        cls,
+        input_shape: Sequence[int],
+        weight_shape: Sequence[int],
+        stride: IntOrTuple = 1,
+        padding: IntOrTuple | str = 0,
+        dilation: IntOrTuple = 1,
+        groups: int = 1,
+        layout: str = "NCHW",
+    ) -> ConvGeometry:
+        """Validate everything a convolution needs; ValueError names what is wrong."""
+        x_shape, w_shape = tuple(int(d) for d in input_shape), tuple(int(d) for d in weight_shape)
+        if len(w_shape) not in (3, 4, 5):
+            raise ValueError(
+                f"weight must have 3, 4 or 5 dims (out_channels, in_channels/groups, *kernel), "
+                f"got shape {w_shape}"
+            )
+        rank = len(w_shape) - 2
+        if len(x_shape) != rank + 2:
+            raise ValueError(
+                f"input must have {rank + 2} dims for a {rank}-d convolution (weight {w_shape}), "
+                f"got shape {x_shape}"
+            )
+        channels_last = parse_layout(layout, rank)
+        stride_t = as_tuple(stride, rank, "stride")
+        dilation_t = as_tuple(dilation, rank, "dilation")
+        w_cf = to_channels_first(w_shape, channels_last)
+        pad_t = resolve_padding(padding, w_cf[2:], dilation_t, stride_t)
+        geom = cls(x_shape, w_shape, stride_t, pad_t, dilation_t, int(groups), channels_last)
+        geom._validate()
+        return geom
+
+    def _validate(self) -> None:
+        x, w = self.input_shape_cf, self.weight_shape_cf
+        if any(d <= 0 for d in self.input_shape):
+            raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
+        if any(d <= 0 for d in self.weight_shape):
+            raise ValueError(f"weight shape {self.weight_shape} has a non-positive dimension")
+        if any(s < 1 for s in self.stride):
+            raise ValueError(f"stride must be >= 1, got {self.stride}")
+        if any(d < 1 for d in self.dilation):
+            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
+        if any(p < 0 for p in self.padding):
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
+        if x[1] % self.groups:
+            raise ValueError(f"in_channels ({x[1]}) must be divisible by groups ({self.groups})")
+        if w[0] % self.groups:
+            raise ValueError(f"out_channels ({w[0]}) must be divisible by groups ({self.groups})")
+        if x[1] != w[1] * self.groups:
+            raise ValueError(
+                f"input channels must match the weight: {x[1]} vs. {w[1] * self.groups} "
+                f"(weight has {w[1]} channels per group, groups={self.groups}; "
+                f"layout {self.layout})"
+            )
+        for i, (n, k, p, d) in enumerate(zip(x[2:], w[2:], self.padding, self.dilation)):
+            span = d * (k - 1) + 1
+            if span > n + 2 * p:
+                raise ValueError(
+                    f"kernel larger than the padded input along spatial dim {i}: "
+                    f"dilated kernel {span} (k={k}, dilation={d}) vs. padded size {n + 2 * p} "
+                    f"(size {n}, padding {p})"
+                )
+
+    @property
+    def rank(self) -> int:
+        return len(self.stride)
+
+    @property
+    def layout(self) -> str:
+        return layout_name(self.channels_last, self.rank)
+
+    @property
+    def batch(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def in_channels(self) -> int:
+        return self.input_shape_cf[1]
+
+    @property
+    def out_channels(self) -> int:
+        return self.weight_shape_cf[0]
+
+    @property
+    def kernel_size(self) -> tuple[int, ...]:
+        return self.weight_shape_cf[2:]
+
+    @property
+    def input_shape_cf(self) -> tuple[int, ...]:
+        return to_channels_first(self.input_shape, self.channels_last)
+
+    @property
+    def weight_shape_cf(self) -> tuple[int, ...]:
+        return to_channels_first(self.weight_shape, self.channels_last)
+
+    @property
+    def output_spatial(self) -> tuple[int, ...]:
+        return tuple(
+            conv_output_size(n, k, s, p, d)
+            for n, k, s, p, d in zip(
+                self.input_shape_cf[2:], self.kernel_size, self.stride, self.padding, self.dilation
+            )
+        )
+
+    @property
+    def output_shape_cf(self) -> tuple[int, ...]:
+        return (self.batch, self.out_channels, *self.output_spatial)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return from_channels_first(self.output_shape_cf, self.channels_last)
+
+    @property
+    def bias_shape(self) -> tuple[int, ...]:
+        return (self.out_channels,)
+
+    @property
+    def channel_axis(self) -> int:
+        """Axis of channels in input/output arrays of this layout."""
+        return self.rank + 1 if self.channels_last else 1
+
+    @property
+    def reduce_axes(self) -> tuple[int, ...]:
+        """Axes a bias gradient sums over: all but the channel axis."""
+        return tuple(a for a in range(self.rank + 2) if a != self.channel_axis)
+
+    def flops(self) -> int:
+        """Multiply-adds x 2 of the forward convolution."""
+        n_out = 1
+        for d in self.output_shape_cf:
+            n_out *= d
+        per_out = self.in_channels // self.groups
+        for k in self.kernel_size:
+            per_out *= k
+        return 2 * n_out * per_out
+
+    def describe(self) -> str:
+        return (
+            f"x{list(self.input_shape)} w{list(self.weight_shape)} {self.layout} "
+            f"stride={list(self.stride)} padding={list(self.padding)} "
+            f"dilation={list(self.dilation)} groups={self.groups}"
+        )

@@ -1,0 +1,92 @@
+"""Build convfuse._cudnn, the thin pybind11 binding of cuDNN in csrc/.
+
+The headers come from the environment the package installs into (the nvidia-cudnn wheel
+plus a CUDA runtime header set), never from a download. Search order, first hit wins:
+1. CONVFUSE_CUDNN_INCLUDE / CONVFUSE_CUDA_INCLUDE environment variables;
+2. every sys.path entry (the target environment under --no-build-isolation);
+3. cuda.pathfinder, which looks at the running interpreter's environment;
+4. $CUDA_HOME/include and /usr/local/cuda/include for the CUDA runtime headers.
+See shared FACTS: cudnn.h includes cuda_runtime_api.h, which needs crt/host_defines.h.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+
+def _site_dirs() -> list[Path]:
+    return [Path(p) for p in sys.path if p and Path(p).is_dir()]
+
+
+def _find_cudnn_include() -> Path:
+    env = os.environ.get("CONVFUSE_CUDNN_INCLUDE")
+    if env:
+        return Path(env)
+    for site in _site_dirs():
+        cand = site / "nvidia" / "cudnn" / "include"
+        if (cand / "cudnn.h").is_file():
+            return cand
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        found = find_nvidia_header_directory("cudnn")
+        if found:
+            return Path(found)
+    except ImportError:
+        pass
+    raise SystemExit(
+        "convfuse: cudnn.h not found. Install the cuDNN wheel first, e.g.\n"
+        "  pip install -r requirements/build-cu12.txt\n"
+        "then build with `pip install --no-build-isolation -e .`, or set CONVFUSE_CUDNN_INCLUDE."
+    )
+
+
+def _has_cuda_runtime_headers(folders: list[Path]) -> bool:
+    names = ("cuda_runtime_api.h", "crt/host_defines.h")
+    return all(any((f / n).is_file() for f in folders) for n in names)
+
+
+def _find_cuda_includes() -> list[Path]:
+    env = os.environ.get("CONVFUSE_CUDA_INCLUDE")
+    if env:
+        return [Path(p) for p in env.split(os.pathsep)]
+    candidates: list[list[Path]] = []
+    for site in _site_dirs():
+        nv = site / "nvidia"
+        candidates.append([nv / "cu13" / "include"])
+        candidates.append([nv / "cuda_runtime" / "include", nv / "cuda_nvcc" / "include"])
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append([Path(home) / "include"])
+    for folders in candidates:
+        if _has_cuda_runtime_headers(folders):
+            return folders
+    raise SystemExit(
+        "convfuse: CUDA runtime headers (cuda_runtime_api.h and crt/host_defines.h) not found.\n"
+        "  CUDA 12: pip install nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12\n"
+        "  CUDA 13: pip install nvidia-cuda-runtime nvidia-cuda-crt\n"
+        "or set CONVFUSE_CUDA_INCLUDE."
+    )
+
+
+cudnn_include = _find_cudnn_include()
+cudnn_lib = cudnn_include.parent / "lib"
+
+ext = Pybind11Extension(
+    "convfuse._cudnn",
+    sorted(glob.glob("csrc/*.cpp")),
+    include_dirs=["csrc", str(cudnn_include), *map(str, _find_cuda_includes())],
+    library_dirs=[str(cudnn_lib)],
+    # The wheel ships only the versioned soname; the same binary runs with cu12 and cu13 wheels.
+    extra_link_args=["-l:libcudnn.so.9"],
+    extra_compile_args=["-Wall", "-Wextra", "-Werror", "-O2"],
+    cxx_std=17,
+)
+
+setup(ext_modules=[ext], cmdclass={"build_ext": build_ext})
