@@ -70,7 +70,9 @@ def array_module(*arrays: Any) -> ModuleType:
     """NumPy or CuPy for the given arrays (None entries ignored); refuses to mix them."""
     devices = {device_of(a) for a in arrays if a is not None}
     if len(devices) > 1:
-        names = ", ".join(f"{type(a).__module__}.{type(a).__name__}" for a in arrays if a is not None)
+        names = ", ".join(
+            f"{type(a).__module__}.{type(a).__name__}" for a in arrays if a is not None
+        )
         raise DeviceMismatchError(f"cannot mix NumPy and CuPy arrays in one call ({names})")
     if devices == {"cuda"}:
         return cupy_module()  # type: ignore[return-value]

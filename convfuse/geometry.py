@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
-IntOrTuple = Union[int, Sequence[int]]
+IntOrTuple = int | Sequence[int]
 
 _LAYOUT_NAMES = {
     # name -> (channels_last, rank or None for "any rank")
@@ -44,14 +43,23 @@ def layout_name(channels_last: bool, rank: int) -> str:
 
 def as_tuple(value: IntOrTuple, rank: int, what: str) -> tuple[int, ...]:
     """Expand an int to `rank` copies; check a sequence has `rank` integer entries."""
-    items = (value,) * rank if _is_int(value) else tuple(value)  # type: ignore[arg-type]
+    if _is_int(value):
+        items: tuple = (value,) * rank
+    elif isinstance(value, (tuple, list)):
+        items = tuple(value)
+    else:
+        items = ()
     if len(items) != rank or not all(_is_int(v) for v in items):
-        raise ValueError(f"{what} must be an int or {rank} ints for a {rank}-d convolution, got {value!r}")
+        raise ValueError(
+            f"{what} must be an int or {rank} ints for a {rank}-d convolution, got {value!r}"
+        )
     return tuple(int(v) for v in items)
 
 
 def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) or type(v).__name__.startswith(("int", "uint"))
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, int) or type(v).__name__.startswith(("int", "uint"))
 
 
 def to_channels_first(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:
@@ -72,7 +80,9 @@ def resolve_padding(padding: IntOrTuple | str, kernel: Sequence[int], dilation: 
         if padding == "valid":
             return (0,) * rank
         if padding != "same":
-            raise ValueError(f"padding must be an int, {rank} ints, 'valid' or 'same', got {padding!r}")
+            raise ValueError(
+                f"padding must be an int, {rank} ints, 'valid' or 'same', got {padding!r}"
+            )
         if any(s != 1 for s in stride):
             raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
         totals = [d * (k - 1) for k, d in zip(kernel, dilation)]

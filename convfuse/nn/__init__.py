@@ -1,0 +1,1 @@
+"""Layers: parameters plus one call into the ops, PyTorch-style."""

@@ -1,0 +1,139 @@
+"""Capture a whole training step as a CUDA graph and replay it with one launch.
+
+Launch overhead dominates small shapes, so a step of forward, loss, backward and optimizer
+update is recorded once and replayed. Rules the captured step must follow:
+- it takes only the static input arrays and reads everything else from the layers and
+  optimizer (whose parameters, gradients, lr and step count already live on the device);
+- it does no device-to-host transfer (`float(loss)`, `.item()`, `.get()`, printing arrays):
+  those are syncs, which capture forbids; accumulate metrics on the device instead;
+- it calls no CuPy vendor-library wrapper (cuBLAS `@`/`matmul`, cuRAND, cuSOLVER,
+  cuSPARSE): CuPy raises during capture (see FACTS). convfuse itself calls cuDNN through
+  its own binding and its own kernels, so its layers, loss and optimizers are capturable.
+
+Warm-up steps run eagerly before capture, on the capture stream, so plans, cuDNN handles,
+algorithm choices, compiled kernels and optimizer buffers exist before recording. They are
+real training steps. Memory allocated while capturing comes from a private pool that lives
+as long as the returned `CapturedStep`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from .backend import is_cupy, require_gpu
+from .errors import CaptureError
+
+
+class CapturedStep:
+    """A recorded step: call it with new inputs to copy them in and replay the graph."""
+
+    def __init__(self, graph: Any, stream: Any, pool: Any, inputs: list[Any], outputs: Any):
+        self._graph, self._stream, self._pool = graph, stream, pool
+        self.static_inputs = inputs
+        self.outputs = outputs
+
+    def __call__(self, *inputs: Any) -> Any:  # pragma: gpu
+        if len(inputs) not in (0, len(self.static_inputs)):
+            raise TypeError(
+                f"captured step takes {len(self.static_inputs)} inputs, got {len(inputs)}"
+            )
+        import cupy
+
+        caller = cupy.cuda.get_current_stream()
+        # Order the replay after the caller's pending work (e.g. the copies that made the
+        # inputs) and the caller's later work after the replay, without a host sync.
+        _wait(self._stream, caller)
+        with self._stream:
+            for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
+                if tuple(new.shape) != tuple(static.shape) or new.dtype != static.dtype:
+                    raise ValueError(
+                        f"input {i} has shape {tuple(new.shape)} and dtype {new.dtype}, but the "
+                        f"step was captured with {tuple(static.shape)} and {static.dtype}"
+                    )
+                if is_cupy(new):
+                    cupy.copyto(static, new)
+                else:
+                    static.set(new, stream=self._stream)
+            self._graph.launch(self._stream)
+        _wait(caller, self._stream)
+        return self.outputs
+
+    def synchronize(self) -> None:  # pragma: gpu
+        self._stream.synchronize()
+
+
+def capture(step_fn: Callable[..., Any], *example_inputs: Any, warmup: int = 1) -> CapturedStep:
+    """Record `step_fn(*static_inputs)` as a CUDA graph (see the module notes for the rules).
+
+    `example_inputs` (NumPy or CuPy arrays) are copied into static device buffers, which the
+    returned callable refills at each replay. Its return value is `step_fn`'s outputs, whose
+    device arrays are rewritten by each replay.
+    """
+    cp = require_gpu("convfuse.graph.capture")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    return _capture(cp, step_fn, example_inputs, warmup)  # pragma: gpu
+
+
+def _wait(stream: Any, on: Any) -> None:  # pragma: gpu
+    """Make `stream` wait for the work queued so far on `on` (device-side, no host sync)."""
+    import cupy
+
+    event = cupy.cuda.Event(block=False, disable_timing=True)
+    event.record(on)
+    stream.wait_event(event)
+
+
+def _capture(  # pragma: gpu
+    cp: Any, step_fn: Callable[..., Any], example_inputs: tuple, warmup: int
+) -> CapturedStep:
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    caller = cp.cuda.get_current_stream()
+    _wait(stream, caller)
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        static = [cp.array(a, copy=True) for a in example_inputs]
+        for _ in range(warmup):
+            step_fn(*static)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            outputs = step_fn(*static)
+        except Exception as exc:
+            _abort_capture(stream)
+            raise CaptureError(_explain(exc)) from exc
+        try:
+            graph = stream.end_capture()
+        except Exception as exc:
+            raise CaptureError(_explain(exc)) from exc
+    _wait(caller, stream)
+    return CapturedStep(graph, stream, pool, static, outputs)
+
+
+def _abort_capture(stream: Any) -> None:  # pragma: gpu
+    # The capture may already be invalidated; either way the stream is usable again after.
+    with contextlib.suppress(Exception):
+        stream.end_capture()
+
+
+def _explain(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    hints = []
+    low = text.lower()
+    capture_words = ("unsupported", "not permitted", "invalidated")
+    if "capture" in low and any(word in low for word in capture_words):
+        hints.append(
+            "the step did something a CUDA graph cannot record, most often a device-to-host "
+            "sync (float(loss), .item(), .get(), printing an array); keep metrics on the device"
+        )
+    if any(lib in low for lib in ("cublas", "curand", "cusolver", "cusparse")):
+        hints.append(
+            "CuPy's vendor-library wrappers (matmul/@, random, linalg) raise during capture; "
+            "use convfuse layers (Linear runs through cuDNN) and pre-generated random data"
+        )
+    hint = "; ".join(hints) or "see convfuse.graph's module notes for what a step may do"
+    return f"the training step could not be captured as a CUDA graph ({text}). Why: {hint}"

@@ -1,0 +1,58 @@
+"""The example trains for real on the digits dataset and reaches a useful accuracy."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_digits.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_digits", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_run_reaches_90_percent(tmp_path, capsys):
+    example = load_example()
+    accuracy = example.main(["--epochs", "4", "--device", "cpu", "--plot", str(tmp_path / "c.png")])
+    out = capsys.readouterr().out
+    assert accuracy >= 0.9
+    assert out.strip().splitlines()[-1] == f"test accuracy: {accuracy:.4f}"
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert "epoch  4: loss" in out
+
+
+def test_cli_falls_back_to_cpu_with_a_notice(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--epochs", "1", "--batch-size", "64", "--graph",
+         "--plot", str(tmp_path / "c.png")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    if "notice:" in proc.stdout:
+        assert "falling back to the CPU reference engine" in proc.stdout
+        assert "--graph needs a GPU" in proc.stdout
+    assert lines[-1].startswith("test accuracy: 0.")
+    assert "[####" in proc.stderr  # the progress bar
+
+
+def test_cli_rejects_bad_arguments():
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--epochs" in proc.stderr
+
+
+@pytest.mark.skipif("CONVFUSE_FULL_EXAMPLE" not in __import__("os").environ,
+                    reason="the full default run takes ~a minute; set CONVFUSE_FULL_EXAMPLE=1")
+def test_default_run_reaches_95_percent(tmp_path):
+    example = load_example()
+    assert example.main(["--device", "cpu", "--plot", str(tmp_path / "c.png")]) >= 0.95

@@ -1,0 +1,28 @@
+"""Graph capture on a machine without a GPU: a clear refusal, and the failure explanations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convfuse import graph
+from convfuse.backend import gpu_unavailable_reason
+from convfuse.errors import DeviceUnavailableError
+
+
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present")
+def test_capture_without_gpu_says_why():
+    with pytest.raises(DeviceUnavailableError, match=r"graph\.capture needs a CUDA GPU"):
+        graph.capture(lambda x: x, np.zeros(3))
+
+
+def test_explanations_name_the_cause():
+    sync = RuntimeError(
+        "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing"
+    )
+    assert "device-to-host sync" in graph._explain(sync)
+    blas = RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED during capture")
+    assert "vendor-library wrappers" in graph._explain(blas)
+    other = ValueError("something else")
+    text = graph._explain(other)
+    assert "ValueError: something else" in text and "module notes" in text

@@ -1,0 +1,138 @@
+"""Linear, MaxPool2d, AvgPool2d, Flatten and Sequential on the CPU engine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import convfuse as cf
+from convfuse.errors import BackwardBeforeForwardError, DeviceMismatchError
+from tests.gradcheck import assert_grad_close
+
+
+def test_linear_forward_is_matmul_plus_bias_then_activation(rng):
+    layer = cf.Linear(7, 5, activation="tanh", dtype="float64", device="cpu", seed=1)
+    x = rng.standard_normal((4, 7))
+    expect = np.tanh(x @ layer.weight.data.T + layer.bias.data)
+    np.testing.assert_allclose(layer(x), expect, rtol=1e-12)
+    bound = 1 / math.sqrt(7)
+    assert np.abs(layer.weight.data).max() <= bound and layer.weight.shape == (5, 7)
+
+
+@pytest.mark.parametrize("act,bias", [("identity", True), ("relu", False), ("gelu", True)])
+def test_linear_gradients(act, bias, rng):
+    layer = cf.Linear(6, 3, bias=bias, activation=act, dtype="float64", device="cpu", seed=2)
+    x = rng.standard_normal((5, 6))
+    r = rng.standard_normal((5, 3))
+    layer(x)
+    dx = layer.backward(r)
+
+    def loss():
+        return float(np.sum(layer(x) * r))
+
+    assert_grad_close(dx, loss, x)
+    assert_grad_close(layer.weight.grad, loss, layer.weight.data)
+    if bias:
+        assert_grad_close(layer.bias.grad, loss, layer.bias.data)
+    else:
+        assert layer.bias is None and len(layer.parameters()) == 1
+
+
+def test_linear_rejects_bad_input(rng):
+    layer = cf.Linear(6, 3, device="cpu")
+    with pytest.raises(ValueError, match=r"expects input of shape \(N, 6\)"):
+        layer(np.zeros((2, 5), dtype=np.float32))
+    with pytest.raises(ValueError, match="dtype"):
+        layer(np.zeros((2, 6), dtype=np.float64))
+    layer(np.zeros((2, 6), dtype=np.float32))
+    with pytest.raises(ValueError, match="dy has shape"):
+        layer.backward(np.zeros((3, 3), dtype=np.float32))
+
+
+def blocks(x, k):
+    n, c, h, w = x.shape
+    return x[:, :, : h // k * k, : w // k * k].reshape(n, c, h // k, k, w // k, k)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_maxpool_and_avgpool_forward(layout, rng):
+    x = rng.standard_normal((2, 3, 6, 7))
+    xin = np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if layout == "NHWC" else x
+    back = (lambda a: a.transpose(0, 3, 1, 2)) if layout == "NHWC" else (lambda a: a)
+    np.testing.assert_allclose(back(cf.MaxPool2d(2, layout=layout)(xin)),
+                               blocks(x, 2).max(axis=(3, 5)))
+    np.testing.assert_allclose(back(cf.AvgPool2d(2, layout=layout)(xin)),
+                               blocks(x, 2).mean(axis=(3, 5)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("cls,kw", [(cf.MaxPool2d, dict(kernel_size=3, stride=2, padding=1)),
+                                    (cf.AvgPool2d, dict(kernel_size=(2, 3), stride=1, padding=1))])
+def test_pool_gradients(cls, kw, rng):
+    pool = cls(**kw)
+    x = rng.standard_normal((2, 2, 6, 5))
+    y = pool(x)
+    r = rng.standard_normal(y.shape)
+    dx = pool.backward(r)
+    assert_grad_close(dx, lambda: float(np.sum(pool(x) * r)), x, max_entries=60)
+    with pytest.raises(BackwardBeforeForwardError):
+        pool.backward(r)
+
+
+def test_pool_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError):
+        cf.MaxPool2d(2, padding=2)  # padding must be at most half the kernel (PyTorch's rule)
+    with pytest.raises(ValueError):
+        cf.AvgPool2d(0)
+    with pytest.raises(ValueError, match="4-d input"):
+        cf.MaxPool2d(2)(np.zeros((2, 3, 4)))
+
+
+def make_net(seed=0, dtype="float64"):
+    return cf.Sequential(
+        cf.Conv2d(1, 4, 3, padding=1, activation="relu", dtype=dtype, device="cpu", seed=seed),
+        cf.MaxPool2d(2),
+        cf.Conv2d(4, 6, 3, padding=1, activation="silu", dtype=dtype, device="cpu", seed=seed + 1),
+        cf.AvgPool2d(2),
+        cf.Flatten(),
+        cf.Linear(6 * 2 * 2, 3, dtype=dtype, device="cpu", seed=seed + 2),
+    )
+
+
+def test_sequential_end_to_end_gradients(rng):
+    net = make_net()
+    x = rng.standard_normal((3, 1, 8, 8))
+    r = rng.standard_normal((3, 3))
+    net(x)
+    dx = net.backward(r)
+
+    def loss():
+        return float(np.sum(net(x) * r))
+
+    assert_grad_close(dx, loss, x, rtol=1e-5, atol=1e-7)
+    for p in net.parameters():
+        assert_grad_close(p.grad, loss, p.data, rtol=1e-5, atol=1e-7, max_entries=10)
+    assert len(net.parameters()) == 6 and len(net) == 6
+    net.zero_grad()
+    assert all(not p.grad.any() for p in net.parameters())
+
+
+def test_flatten_round_trip_and_sequential_checks(rng):
+    flat = cf.Flatten()
+    x = rng.standard_normal((2, 3, 4))
+    y = flat(x)
+    assert y.shape == (2, 12) and np.shares_memory(y, x)
+    np.testing.assert_array_equal(flat.backward(y), x)
+    with pytest.raises(TypeError, match="is not a layer"):
+        cf.Sequential(cf.Flatten(), "relu")
+    if not cf.gpu_available():
+        with pytest.raises(cf.DeviceUnavailableError):
+            make_net().to("cuda")
+
+
+def test_layer_refuses_input_from_another_device(monkeypatch):
+    layer = cf.Conv2d(1, 1, 1, device="cpu")
+    layer.device = "cuda"  # as if the layer had moved; the input stays on the CPU
+    with pytest.raises(DeviceMismatchError, match="is on 'cuda' but its input is on 'cpu'"):
+        layer(np.zeros((1, 1, 2, 2), dtype=np.float32))
