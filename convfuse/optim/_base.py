@@ -1,0 +1,229 @@
+"""What every convfuse optimizer shares: flat groups, the learning rate, step dispatch, state.
+
+A step is, per dtype group, one fused kernel launch on the GPU or one vectorised NumPy pass
+on the CPU, over the group's flat buffers (see _flat.py). On the GPU the learning rate and
+the step count live in device memory, so `step()` queues one launch per group and nothing
+else: no synchronisation, no allocation, no host-to-device copy. That is what makes it
+capturable in a CUDA graph, and setting `.lr` queues an async fill of the device scalar.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes, kernels
+from ..backend import to_device
+from ..nn.parameter import Parameter
+from ._flat import (
+    FlatGroup,
+    build_groups,
+    check_homes,
+    check_params,
+    device_context,
+    slots_in_order,
+)
+
+BLOCK = 256
+_SUFFIX = {
+    dtypes.float32: "f32", dtypes.float64: "f64", dtypes.float16: "f16", dtypes.bfloat16: "bf16",
+}
+
+
+def real(value: Any, what: str) -> float:
+    """`value` as a Python float; TypeError naming `what` unless it is a real number."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_lr(lr: Any) -> float:
+    value = real(lr, "lr")
+    if not value >= 0.0:  # `not >=` rather than `<`, so that NaN is refused too
+        raise ValueError(f"Invalid learning rate: {lr}")
+    return value
+
+
+class FlatOptimizer:
+    """Base class: subclasses set `_kernel` (the kernel name without its dtype suffix) and
+    implement `_validated` (keyword hyperparameters -> `defaults`, raising PyTorch's
+    messages), `_state_names_of`, `_update_cpu` and `_hyper_args` (the kernel's trailing
+    scalar arguments, in its order)."""
+
+    _kernel = ""
+
+    def __init__(self, params: Iterable[Parameter], lr: Any, **hyper: Any) -> None:
+        self._lr = check_lr(lr)
+        self.defaults: dict[str, Any] = self._validated(**hyper)
+        self._groups: list[FlatGroup] = build_groups(check_params(params), self._state_names())
+        self._device_id = self._groups[0].device_id
+        self._lr_dev: Any = None
+        if self._device_id >= 0:  # pragma: gpu
+            self._setup_gpu()
+
+    # -- subclass interface -------------------------------------------------------------
+    def _validated(self, **hyper: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _state_names_of(self, defaults: dict[str, Any]) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _state_names(self) -> tuple[str, ...]:
+        return self._state_names_of(self.defaults)
+
+    def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
+        raise NotImplementedError
+
+    def _hyper_args(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _state_args(self, g: FlatGroup) -> tuple[Any, ...]:
+        return tuple(g.state[name] for name in self._state_names())
+
+    # -- GPU ------------------------------------------------------------------------------
+    def _setup_gpu(self) -> None:  # pragma: gpu
+        import cupy
+
+        with device_context(self._device_id):
+            attrs = cupy.cuda.Device(self._device_id).attributes
+            # A grid-stride loop over at most one full wave of resident blocks: enough to
+            # saturate memory bandwidth, and fixed at construction so a captured graph and
+            # an eager step launch the same grid.
+            per_sm = max(1, attrs["MaxThreadsPerMultiProcessor"] // BLOCK)
+            cap = attrs["MultiProcessorCount"] * per_sm
+            self._lr_dev = cupy.full((), self._lr, dtype=cupy.float64)
+            for g in self._groups:
+                g.step_dev = cupy.zeros(1, dtype=cupy.int64)
+                g.ticket_dev = cupy.zeros(1, dtype=cupy.uint32)
+                g.kernel = kernels.function("optim", f"{self._kernel}_{_SUFFIX[g.dtype]}")
+                g.grid = max(1, min(-(-g.numel // BLOCK), cap))
+
+    def _kernel_args(self, g: FlatGroup) -> tuple[Any, ...]:
+        """The launch arguments in the kernels' order (on the CPU the device scalars are
+        None; the test suite checks the order and types against optim.cu)."""
+        return (g.data, g.grad, *self._state_args(g), np.int64(g.numel), self._lr_dev,
+                g.step_dev, g.ticket_dev, *self._hyper_args())
+
+    def _launch(self, g: FlatGroup) -> None:  # pragma: gpu
+        with device_context(g.device_id):
+            g.kernel((g.grid,), (BLOCK,), self._kernel_args(g))
+
+    # -- public API -----------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        """The learning rate (a host-side mirror: reading it never touches the device)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: Any) -> None:
+        self._lr = check_lr(value)
+        if self._lr_dev is not None:  # pragma: gpu
+            with device_context(self._device_id):
+                self._lr_dev.fill(self._lr)  # an async kernel on the current stream
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self._device_id < 0 else "cuda"
+
+    def zero_grad(self) -> None:
+        """Zero every gradient: one fill of each group's flat grad buffer."""
+        for g in self._groups:
+            with device_context(g.device_id):
+                g.grad.fill(0)
+
+    def step(self) -> None:
+        """Apply one update to every parameter from its current `.grad`."""
+        check_homes(self._groups)
+        for g in self._groups:
+            if g.on_gpu:  # pragma: gpu
+                self._launch(g)
+            else:
+                g.step += 1
+                # IEEE semantics, as on the GPU and in PyTorch: inf/NaN propagate silently.
+                with np.errstate(all="ignore"):
+                    self._update_cpu(g, g.step, self._lr)
+
+    def _steps_taken(self, g: FlatGroup) -> int:
+        if g.on_gpu:  # pragma: gpu
+            return int(g.step_dev.get()[0])  # synchronises: state_dict is not on the hot path
+        return g.step
+
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch-shaped state: per-parameter host (NumPy) copies, keyed by position."""
+        steps = {id(g): self._steps_taken(g) for g in self._groups}
+        state: dict[int, dict[str, Any]] = {}
+        for g, s in slots_in_order(self._groups):
+            entry: dict[str, Any] = {"step": steps[id(g)]}
+            for name in self._state_names():
+                view = g.state[name][s.offset : s.offset + s.size].reshape(s.shape)
+                entry[name] = np.array(to_device(view, "cpu"), copy=True)
+            state[s.index] = entry
+        n = sum(len(g.slots) for g in self._groups)
+        group = {"lr": self._lr, **self.defaults, "params": list(range(n))}
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (hyperparameters, lr, steps and buffers)."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
+            raise ValueError("state_dict must be a dict with keys 'state' and 'param_groups'")
+        groups = state_dict["param_groups"]
+        if not (isinstance(groups, (list, tuple)) and len(groups) == 1
+                and isinstance(groups[0], dict)):
+            raise ValueError("state_dict['param_groups'] must be a list of exactly one dict")
+        group = groups[0]
+        n = sum(len(g.slots) for g in self._groups)
+        if list(group.get("params", ())) != list(range(n)):
+            raise ValueError(f"state_dict is for {len(group.get('params', ()))} parameters, "
+                             f"this optimizer has {n}")
+        hyper = {k: v for k, v in group.items() if k not in ("lr", "params")}
+        defaults = self._validated(**hyper)
+        names = self._state_names_of(defaults)
+        if names != self._state_names():
+            raise ValueError(f"state_dict needs state {names}, this optimizer keeps "
+                             f"{self._state_names()}")
+        lr = check_lr(group.get("lr"))
+        plan = self._checked_entries(state_dict["state"], names)
+        self.defaults = defaults
+        self.lr = lr
+        for g in self._groups:
+            with device_context(g.device_id):
+                for s in g.slots:
+                    for name in names:
+                        value = plan[s.index][name].astype(g.compute_dtype).reshape(-1)
+                        g.state[name][s.offset : s.offset + s.size] = to_device(value, self.device)
+                self._set_steps(g, plan[g.slots[0].index]["step"])
+
+    def _checked_entries(self, state: Any, names: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+        plan: dict[int, dict[str, Any]] = {}
+        for g in self._groups:
+            steps = set()
+            for s in g.slots:
+                entry = state.get(s.index) if isinstance(state, dict) else None
+                if not isinstance(entry, dict) or set(entry) != {"step", *names}:
+                    raise ValueError(f"state_dict['state'][{s.index}] must hold "
+                                     f"{sorted({'step', *names})}")
+                steps.add(int(entry["step"]))
+                arrays = {k: np.asarray(to_device(entry[k], "cpu")) for k in names}
+                for k, a in arrays.items():
+                    if a.shape != s.shape:
+                        raise ValueError(f"state_dict['state'][{s.index}][{k!r}] has shape "
+                                         f"{a.shape}, the parameter has {s.shape}")
+                plan[s.index] = {"step": int(entry["step"]), **arrays}
+            if len(steps) != 1 or min(steps) < 0:
+                raise ValueError(f"parameters of dtype {g.dtype} must share one step count >= 0, "
+                                 f"got {sorted(steps)}")
+        return plan
+
+    def _set_steps(self, g: FlatGroup, t: int) -> None:
+        if g.on_gpu:  # pragma: gpu
+            g.step_dev.fill(t)
+        else:
+            g.step = t
+
+    def __repr__(self) -> str:
+        hyper = ", ".join(f"{k}={v}" for k, v in self.defaults.items())
+        sizes = ", ".join(f"{g.dtype}: {len(g.slots)} params" for g in self._groups)
+        return f"{type(self).__name__}(lr={self._lr}, {hyper}; {self.device}; {sizes})"

@@ -1,0 +1,211 @@
+"""Flat buffers: every parameter of one dtype re-homed into one data and one grad buffer.
+
+Why: an optimizer step over one contiguous buffer per dtype is one kernel launch (or one
+vectorised NumPy pass) instead of one per parameter, zero_grad is one fill, and the
+optimizer state sits in flat buffers of the same layout. Layers read `Parameter.data` and
+`.grad` afresh at every call (docs/DESIGN.md), so replacing both with views of the flat
+buffers is invisible to them.
+
+Each parameter starts on a 256-byte boundary (the base is aligned too): cuDNN wants at least
+16 bytes, and 256 keeps every view at the start of a memory transaction. The gaps are zero
+in data and grad and stay zero under every update rule here (with eps = 0 Adam turns a
+gap into NaN, as it would a real parameter with zero gradient; gaps are never read back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from ..backend import array_module, device_of, is_cupy
+from ..errors import DeviceMismatchError
+from ..nn.parameter import Parameter
+
+ALIGN_BYTES = 256
+
+
+@dataclass
+class Slot:
+    """Where one parameter lives in its group's flat buffers (offsets in elements)."""
+
+    index: int  # position in the list the optimizer was given
+    param: Parameter
+    offset: int
+    size: int
+    shape: tuple[int, ...]
+    data: Any = None  # the views handed to the parameter, to notice if it is re-assigned
+    grad: Any = None
+
+
+@dataclass
+class FlatGroup:
+    """All parameters of one dtype: flat data, grad and optimizer state buffers."""
+
+    dtype: np.dtype
+    compute_dtype: np.dtype  # state and arithmetic: float64 for float64, else float32
+    device_id: int  # -1 on the CPU
+    slots: list[Slot]
+    data: Any
+    grad: Any
+    state: dict[str, Any] = field(default_factory=dict)
+    step: int = 0  # steps taken (CPU; on the GPU the count lives in `step_dev`)
+    step_dev: Any = None
+    ticket_dev: Any = None
+    kernel: Any = None
+    grid: int = 1
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device_id >= 0
+
+    @property
+    def numel(self) -> int:
+        return int(self.data.size)
+
+
+def _device_id(a: Any) -> int:
+    """The CUDA device a CuPy array lives on, -1 for a NumPy array."""
+    if is_cupy(a):  # pragma: gpu
+        return int(a.device.id)
+    return -1
+
+
+def device_context(device_id: int) -> contextlib.AbstractContextManager:
+    """Make `device_id` current for allocations and launches (a no-op on the CPU)."""
+    if device_id >= 0:  # pragma: gpu
+        import cupy
+
+        return cupy.cuda.Device(device_id)
+    return contextlib.nullcontext()
+
+
+def _address(a: Any) -> int:
+    if is_cupy(a):  # pragma: gpu
+        return int(a.data.ptr)
+    return int(a.ctypes.data)
+
+
+def aligned_zeros(xp: Any, n: int, dtype: np.dtype) -> Any:
+    """A zeroed 1-D array of n elements whose first element sits on an ALIGN_BYTES boundary."""
+    item = np.dtype(dtype).itemsize
+    spare = ALIGN_BYTES // item
+    raw = xp.zeros(n + spare, dtype=dtype)
+    skip = (-_address(raw) % ALIGN_BYTES) // item
+    return raw[skip : skip + n]
+
+
+def _padded(n: int, dtype: np.dtype) -> int:
+    step = ALIGN_BYTES // np.dtype(dtype).itemsize
+    return -(-n // step) * step
+
+
+def check_params(params: Iterable[Parameter]) -> list[Parameter]:
+    """The parameters as a list, or a typed error naming what is wrong with them."""
+    if isinstance(params, Parameter):
+        raise TypeError(
+            "params must be an iterable of Parameter, got a single Parameter; wrap it in a list"
+        )
+    try:
+        plist = list(params)
+    except TypeError:
+        raise TypeError(
+            f"params must be an iterable of Parameter, got {type(params).__name__}"
+        ) from None
+    if not plist:
+        raise ValueError("optimizer got an empty parameter list")
+    seen: dict[int, int] = {}
+    for i, p in enumerate(plist):
+        if not isinstance(p, Parameter):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, expected a convfuse Parameter")
+        if id(p) in seen:
+            raise ValueError(f"params[{i}] is the same Parameter as params[{seen[id(p)]}]: {p!r}")
+        seen[id(p)] = i
+        device_of(p.data)  # TypeError unless a NumPy or CuPy array
+        try:
+            dtypes.canonical(p.data.dtype)
+        except ValueError as exc:
+            raise ValueError(f"params[{i}]: {exc}") from None
+        if p.grad is not None:
+            array_module(p.data, p.grad)  # refuses NumPy mixed with CuPy
+            if p.grad.shape != p.data.shape or p.grad.dtype != p.data.dtype:
+                raise ValueError(
+                    f"params[{i}] has grad {p.grad.dtype}{tuple(p.grad.shape)} but data "
+                    f"{p.data.dtype}{tuple(p.data.shape)}"
+                )
+    where = {(p.device, _device_id(p.data)) for p in plist}
+    where |= {(device_of(p.grad), _device_id(p.grad)) for p in plist if p.grad is not None}
+    if len(where) > 1:
+        names = ", ".join(sorted(f"{d}:{i}" if i >= 0 else d for d, i in where))
+        raise DeviceMismatchError(f"optimizer parameters must all be on one device, got {names}")
+    return plist
+
+
+def build_groups(plist: list[Parameter], state_names: tuple[str, ...]) -> list[FlatGroup]:
+    """Group checked parameters by dtype and re-home each into its group's flat buffers.
+
+    Values of data and grad are copied in (a None grad becomes zeros); state buffers named
+    in `state_names` start at zero in the compute dtype.
+    """
+    by_dtype: dict[np.dtype, list[tuple[int, Parameter]]] = {}
+    for i, p in enumerate(plist):
+        by_dtype.setdefault(np.dtype(p.data.dtype), []).append((i, p))
+    device_id = _device_id(plist[0].data)
+    xp = array_module(plist[0].data)
+    groups = []
+    with device_context(device_id):
+        for dt, members in by_dtype.items():
+            slots, offset = [], 0
+            for i, p in members:
+                size = int(p.data.size)
+                slots.append(Slot(i, p, offset, size, tuple(p.data.shape)))
+                offset += _padded(size, dt)
+            total = max(offset, 1)  # an all-empty group still gets a buffer to point at
+            group = FlatGroup(
+                dtype=dt,
+                compute_dtype=dtypes.compute_dtype(dt),
+                device_id=device_id,
+                slots=slots,
+                data=aligned_zeros(xp, total, dt),
+                grad=aligned_zeros(xp, total, dt),
+            )
+            for name in state_names:
+                group.state[name] = aligned_zeros(xp, total, group.compute_dtype)
+            for s in slots:
+                _rehome(group, s)
+            groups.append(group)
+    return groups
+
+
+def _rehome(group: FlatGroup, s: Slot) -> None:
+    p, end = s.param, s.offset + s.size
+    group.data[s.offset : end] = p.data.reshape(-1)
+    if p.grad is not None:
+        group.grad[s.offset : end] = p.grad.reshape(-1)
+    s.data = group.data[s.offset : end].reshape(s.shape)
+    s.grad = group.grad[s.offset : end].reshape(s.shape)
+    p.data, p.grad = s.data, s.grad
+
+
+def check_homes(groups: list[FlatGroup]) -> None:
+    """Raise if code replaced a re-homed parameter's arrays: the step would miss them."""
+    for g in groups:
+        for s in g.slots:
+            if s.param.data is not s.data or s.param.grad is not s.grad:
+                which = "data" if s.param.data is not s.data else "grad"
+                raise RuntimeError(
+                    f"params[{s.index}] ({s.param!r}) had its .{which} replaced after this "
+                    "optimizer re-homed it into a flat buffer (by an assignment, or by another "
+                    "optimizer built on the same parameters); write into it in place "
+                    f"(p.{which}[...] = value) so that the optimizer sees the change"
+                )
+
+
+def slots_in_order(groups: list[FlatGroup]) -> Iterator[tuple[FlatGroup, Slot]]:
+    """Every (group, slot) pair in the order the parameters were given."""
+    pairs = [(g, s) for g in groups for s in g.slots]
+    return iter(sorted(pairs, key=lambda gs: gs[1].index))

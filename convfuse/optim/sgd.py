@@ -1,0 +1,94 @@
+"""SGD with momentum and Nesterov, PyTorch's rule (torch.optim.SGD, dampening = 0).
+
+Per element, in the compute dtype (float64 for float64 parameters, else float32):
+    d = g + weight_decay * p
+    buf = d                    on the first step, else  buf = momentum * buf + d
+    d = d + momentum * buf     with nesterov, else      d = buf        (only if momentum != 0)
+    p = p - lr * d
+The GPU kernel (kernels/optim.cu, sgd_*) and `_update_cpu` below evaluate the same
+expressions in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..nn.parameter import Parameter
+from ._base import FlatOptimizer, real
+from ._flat import FlatGroup
+
+
+class SGD(FlatOptimizer):
+    """Stochastic gradient descent over flat buffers; one fused launch per dtype per step.
+
+    `SGD(params, lr, momentum=0.0, weight_decay=0.0, nesterov=False)`. The momentum buffer
+    is float32 for float16/bfloat16 parameters.
+    """
+
+    _kernel = "sgd"
+
+    def __init__(
+        self,
+        params: Iterable[Parameter],
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        super().__init__(
+            params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+        )
+
+    def _validated(self, **hyper: Any) -> dict[str, Any]:
+        unknown = set(hyper) - {"momentum", "weight_decay", "nesterov"}
+        if unknown:
+            raise ValueError(f"unknown SGD hyperparameter(s) {sorted(unknown)}")
+        momentum = real(hyper.get("momentum", 0.0), "momentum")
+        weight_decay = real(hyper.get("weight_decay", 0.0), "weight_decay")
+        nesterov = hyper.get("nesterov", False)
+        if not momentum >= 0.0:
+            raise ValueError(f"Invalid momentum value: {hyper['momentum']}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {hyper['weight_decay']}")
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+        if nesterov and momentum <= 0:
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        return {"momentum": momentum, "weight_decay": weight_decay, "nesterov": bool(nesterov)}
+
+    def _state_names_of(self, defaults: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if defaults["momentum"] != 0 else ()
+
+    def _state_args(self, g: FlatGroup) -> tuple[Any, ...]:
+        if self.defaults["momentum"] != 0:
+            return (g.state["momentum_buffer"],)
+        return (np.uint64(0),)  # NULL: the kernel never touches buf when momentum == 0
+
+    def _hyper_args(self) -> tuple[Any, ...]:
+        h = self.defaults
+        return (np.float64(h["momentum"]), np.float64(h["weight_decay"]), np.int32(h["nesterov"]))
+
+    def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
+        h = self.defaults
+        momentum, wd, nesterov = h["momentum"], h["weight_decay"], h["nesterov"]
+        ct = g.compute_dtype
+        # Python floats meet the arrays as weak scalars (NEP 50): each is rounded to the
+        # compute dtype once and the arithmetic stays in it, as in the kernel.
+        p = g.data if g.data.dtype == ct else g.data.astype(ct)
+        d = g.grad.astype(ct)  # a copy: the gradient is left as the layers wrote it
+        if wd != 0:
+            d += wd * p
+        if momentum != 0:
+            buf = g.state["momentum_buffer"]
+            if t == 1:
+                buf[...] = d
+            else:
+                buf *= momentum
+                buf += d
+            d = d + momentum * buf if nesterov else buf
+        p += -lr * d
+        if p is not g.data:
+            g.data[...] = p  # float16/bfloat16: rounded to nearest even, once
