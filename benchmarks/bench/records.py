@@ -1,0 +1,87 @@
+"""One JSON-able record per measured case, and the context every section receives."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import Engine
+from .peaks import Peaks
+from .timing import Budget, Stats, measure
+
+
+@dataclass
+class Context:
+    engine: Engine
+    peaks: Peaks
+    quick: bool
+    budget: Budget
+    seed: int
+    log: Callable[[str], None]
+    torch: Any = None  # torch_cmp.TorchSide, or None
+    torch_note: str = ""
+    precisions: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16")
+    layouts: tuple[str, ...] = ("NCHW", "NHWC")
+    # fused forward medians by (case, precision, layout), for backward/forward ratios
+    forward_medians: dict[tuple[str, str, str], float] = field(default_factory=dict)
+
+    def time(self, fn: Callable[[int], Any], n_sets: int) -> Stats:
+        return measure(self.engine.timer, fn, n_sets, self.budget)
+
+
+def new(section: str, case: str, **fields: Any) -> dict[str, Any]:
+    rec: dict[str, Any] = {"section": section, "case": case, "status": "ok"}
+    rec.update(fields)
+    rec.setdefault("timings", {})
+    rec.setdefault("checks", [])
+    rec.setdefault("ratios", {})
+    rec.setdefault("roofline", {})
+    rec.setdefault("notes", [])
+    return rec
+
+
+def skip(rec: dict[str, Any], reason: str) -> dict[str, Any]:
+    rec["status"] = "skipped"
+    rec["reason"] = reason
+    return rec
+
+
+def fail(rec: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    rec["status"] = "error"
+    rec["reason"] = f"{type(exc).__name__}: {exc}"
+    rec["traceback"] = traceback.format_exception(type(exc), exc, exc.__traceback__)[-6:]
+    return rec
+
+
+def check_failed(rec: dict[str, Any], why: str) -> dict[str, Any]:
+    rec["status"] = "check_failed"
+    rec["reason"] = f"outputs disagree, so nothing was timed: {why}"
+    return rec
+
+
+def put_timing(rec: dict[str, Any], name: str, stats: Stats) -> None:
+    rec["timings"][name] = stats.to_json()
+
+
+def median(rec: dict[str, Any], name: str) -> float | None:
+    t = rec["timings"].get(name)
+    return None if t is None else t["median_s"]
+
+
+def ratio(rec: dict[str, Any], label: str, num: str, den: str) -> None:
+    a, b = median(rec, num), median(rec, den)
+    if a is not None and b:
+        rec["ratios"][label] = a / b
+
+
+def put_floor(rec: dict[str, Any], work: Any, floor_s: float, precision_key: str,
+              forms: tuple[str, ...]) -> None:
+    """Record the work, the floor, and floor/time (the fraction of roofline) per form."""
+    rec["work"] = {"flops": work.flops, "bytes": work.bytes, "peak_key": precision_key}
+    rec["floor_s"] = floor_s
+    for form in forms:
+        t = median(rec, form)
+        if t:
+            rec["roofline"][form] = floor_s / t

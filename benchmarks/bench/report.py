@@ -1,0 +1,209 @@
+"""The printed tables and the JSON file.
+
+Times are medians in milliseconds with [min-max] of the repetitions. Ratios are of
+medians: below 1 means the first-named form is faster. "roofline" is floor / median
+time: the fraction of the physical floor achieved (1 = at the floor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Column = tuple[str, Callable[[dict], str]]
+
+SECTION_TITLES = {
+    "forward": "Layer forward: fused vs unfused (conv, then bias, [residual] and act passes)",
+    "backward": "Layer backward: convfuse's full backward vs its fused forward",
+    "biasgrad": "Bias gradient: three paths on the same dy",
+    "train": "Training step (digits net: forward, loss, backward, Adam)",
+    "adam": "Optimizer: fused Adam vs separate array operations",
+}
+
+# What each form is on each engine: the CPU forms stand in for the GPU ones by name only.
+FORMS = {
+    "gpu": {
+        "forward": "fused = ops.conv_bias_act: one cudnnConvolutionBiasActivationForward; "
+                   "unfused = cudnnConvolutionForward, then CuPy passes: += bias, "
+                   "+= residual, relu; PyTorch = F.conv2d(x, w, b), += z, relu_()",
+        "backward": "convfuse.functional.conv_bias_act_backward (dz, db, dw, dx); "
+                    "fwd = the fused forward above",
+        "biasgrad": "cudnn = relu kernel + cudnnConvolutionBackwardBias; generic = the same "
+                    "relu kernel + CuPy dz.sum(axis); fused = one act-backward + bias kernel "
+                    "(with identity it still writes dz = dy: ops.activation_backward_bias "
+                    "always returns dz)",
+        "train": "fused = convfuse layers + CrossEntropyLoss + fused Adam; unfused = "
+                 "cuDNN convolutions, CuPy passes, cuBLAS matmul, per-tensor CuPy Adam; graph "
+                 "= the fused step as one CUDA graph",
+        "adam": "fused = convfuse.optim.Adam (one kernel over the flat buffer); unfused = "
+                "separate CuPy operations; PyTorch = torch.optim.Adam(fused=True)",
+    },
+    "cpu": {
+        "forward": "CPU: fused = ops.conv_bias_act on the reference engine; unfused = its "
+                   "conv_forward, then NumPy passes: += bias, += residual, relu",
+        "backward": "CPU: the reference engine's conv_bias_act_backward",
+        "biasgrad": "CPU: 'cudnn' = the reference engine's conv_backward_bias, 'fused' = its "
+                    "activation_backward_bias, 'generic' = NumPy's sum (named for the GPU "
+                    "paths they stand in for)",
+        "train": "CPU: fused = convfuse layers on the reference engine; unfused = the same net "
+                 "from reference-engine convolutions and NumPy passes",
+        "adam": "CPU: fused = convfuse.optim.Adam's vectorised NumPy pass; unfused = separate "
+                "NumPy operations",
+    },
+}
+
+
+def ms(rec: dict, form: str) -> str:
+    t = rec["timings"].get(form)
+    if t is None:
+        return "-"
+    return f"{_num(t['median_s'] * 1e3)} [{_num(t['min_s'] * 1e3)}-{_num(t['max_s'] * 1e3)}]"
+
+
+def ms_only(rec: dict, form: str) -> str:
+    t = rec["timings"].get(form)
+    return "-" if t is None else _num(t["median_s"] * 1e3)
+
+
+def _num(x: float) -> str:
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    digits = max(0, 2 - math.floor(math.log10(abs(x))))
+    return f"{x:.{digits}f}"
+
+
+def ratio(rec: dict, key: str) -> str:
+    r = rec["ratios"].get(key)
+    return "-" if r is None else f"{r:.2f}"
+
+
+def frac(rec: dict, form: str) -> str:
+    f = rec["roofline"].get(form)
+    return "-" if f is None else f"{100 * f:.1f}%"
+
+
+def floor_ms(rec: dict) -> str:
+    f = rec.get("floor_s")
+    return "-" if f is None else _num(f * 1e3)
+
+
+def _best_roofline(rec: dict) -> str:
+    best = max(rec["roofline"].values(), default=None)
+    return "-" if best is None else f"{100 * best:.1f}%"
+
+
+COLUMNS: dict[str, list[Column]] = {
+    "forward": [
+        ("case", lambda r: r["case"]), ("prec", lambda r: r["precision"]),
+        ("layout", lambda r: r["layout"]), ("fused ms", lambda r: ms(r, "fused")),
+        ("unfused ms", lambda r: ms(r, "unfused")),
+        ("fused/unfused", lambda r: ratio(r, "fused/unfused")),
+        ("PyTorch ms", lambda r: ms_only(r, "torch")),
+        ("convfuse/PyTorch", lambda r: ratio(r, "convfuse/pytorch")),
+        ("floor ms", floor_ms), ("roofline fused", lambda r: frac(r, "fused")),
+        ("roofline unfused", lambda r: frac(r, "unfused")),
+    ],
+    "backward": [
+        ("case", lambda r: r["case"]), ("prec", lambda r: r["precision"]),
+        ("layout", lambda r: r["layout"]),
+        ("fwd ms", lambda r: "-" if "forward_median_s" not in r
+         else _num(r["forward_median_s"] * 1e3)),
+        ("bwd ms", lambda r: ms(r, "backward")),
+        ("bwd/fwd", lambda r: ratio(r, "backward/forward")),
+        ("floor ms", floor_ms), ("roofline bwd", lambda r: frac(r, "backward")),
+    ],
+    "biasgrad": [
+        ("dy", lambda r: f"{r['case']} {r['shape']}"), ("act", lambda r: r["activation"]),
+        ("prec", lambda r: r["precision"]), ("layout", lambda r: r["layout"]),
+        ("cudnn ms", lambda r: ms_only(r, "cudnn")),
+        ("generic ms", lambda r: ms_only(r, "generic")),
+        ("fused ms", lambda r: ms_only(r, "fused")), ("winner", lambda r: r.get("winner", "-")),
+        ("fused/cudnn", lambda r: ratio(r, "fused/cudnn")),
+        ("generic/cudnn", lambda r: ratio(r, "generic/cudnn")),
+        ("floor ms", floor_ms), ("roofline best", _best_roofline),
+    ],
+    "train": [
+        ("batch", lambda r: str(r["batch"])), ("fused ms", lambda r: ms(r, "fused")),
+        ("unfused ms", lambda r: ms_only(r, "unfused")),
+        ("graph ms", lambda r: ms_only(r, "graph")),
+        ("torch eager ms", lambda r: ms_only(r, "torch_eager")),
+        ("torch compile ms", lambda r: ms_only(r, "torch_compile")),
+        ("fused/unfused", lambda r: ratio(r, "fused/unfused")),
+        ("graph/fused", lambda r: ratio(r, "graph/fused")),
+        ("convfuse/PyTorch", lambda r: ratio(r, "convfuse/pytorch")),
+        ("floor ms", floor_ms), ("roofline fused", lambda r: frac(r, "fused")),
+        ("roofline graph", lambda r: frac(r, "graph")),
+    ],
+    "adam": [
+        ("params", lambda r: f"{r['params']:,}"), ("fused ms", lambda r: ms(r, "fused")),
+        ("unfused ms", lambda r: ms_only(r, "unfused")),
+        ("PyTorch ms", lambda r: ms_only(r, "torch")),
+        ("fused/unfused", lambda r: ratio(r, "fused/unfused")),
+        ("convfuse/PyTorch", lambda r: ratio(r, "convfuse/pytorch")),
+        ("floor ms", floor_ms), ("roofline fused", lambda r: frac(r, "fused")),
+        ("GB/s fused", lambda r: "-" if "achieved_GBps" not in r
+         else f"{r['achieved_GBps'].get('fused', 0):.1f}"),
+    ],
+}
+
+
+def table(section: str, recs: list[dict]) -> str:
+    """One section's table: measured rows, then failures, then skips grouped by reason."""
+    cols = COLUMNS[section]
+    shown = [r for r in recs if r["status"] == "ok"]
+    rows = [[get(r) for _, get in cols] for r in shown]
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, (h, _) in enumerate(cols)]
+    lines = ["  ".join(h.ljust(w) for (h, _), w in zip(cols, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    for r in recs:
+        if r["status"] in ("error", "check_failed"):
+            where = " ".join(str(r.get(k)) for k in ("case", "precision", "layout", "activation")
+                             if r.get(k) is not None)
+            lines.append(f"{r['status'].upper()}: {where}: {r['reason']}")
+    skipped: dict[str, int] = {}
+    for r in recs:
+        if r["status"] == "skipped":
+            skipped[r["reason"]] = skipped.get(r["reason"], 0) + 1
+    lines += [f"skipped {n} case(s): {reason}" for reason, n in skipped.items()]
+    notes = sorted({n for r in shown for n in r["notes"]})
+    lines += [f"note: {n}" for n in notes]
+    for r in shown:
+        for form, how in r.get("forms", {}).items():
+            if not how.startswith("measured"):
+                lines.append(f"{r['case']}: {form}: {how}")
+    return "\n".join(lines)
+
+
+def print_report(results: dict[str, list[dict]], engine_kind: str, footer: list[str]) -> None:
+    for section, recs in results.items():
+        print()
+        print(f"== {SECTION_TITLES[section]} ==")
+        print(FORMS[engine_kind][section])
+        print(table(section, recs))
+    print()
+    for line in footer:
+        print(line)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=_jsonable) + "\n")
+
+
+def _jsonable(obj: Any) -> Any:
+    """numpy scalars and arrays (e.g. a device count) as plain JSON values."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def counts(results: dict[str, list[dict]]) -> dict[str, int]:
+    out = {"ok": 0, "skipped": 0, "error": 0, "check_failed": 0}
+    for recs in results.values():
+        for r in recs:
+            out[r["status"]] = out.get(r["status"], 0) + 1
+    return out

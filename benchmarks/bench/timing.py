@@ -1,0 +1,157 @@
+"""Timing: warm-up, then many timed repetitions; median with min and max.
+
+On the GPU each repetition is bracketed by two CUDA events recorded on the current stream,
+and the host does not wait between repetitions: the events measure device time, plus any
+gap the host leaves by launching more slowly than the device runs (which is the real cost
+of a launch-bound eager step). On the CPU, perf_counter brackets each call.
+
+`fn(i)` runs the operation on input set `i`; the caller passes how many sets it made so
+consecutive repetitions read different memory when one set would sit in cache.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PILOT_REPS = 3
+
+
+@dataclass(frozen=True)
+class Stats:
+    median: float
+    min: float
+    max: float
+    mean: float
+    samples: tuple[float, ...]
+
+    @property
+    def reps(self) -> int:
+        return len(self.samples)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median_s": self.median, "min_s": self.min, "max_s": self.max,
+                "mean_s": self.mean, "reps": self.reps, "samples_s": list(self.samples)}
+
+
+def summarize(samples: Sequence[float]) -> Stats:
+    if not samples:
+        raise ValueError("no timing samples to summarize")
+    values = tuple(float(s) for s in samples)
+    return Stats(statistics.median(values), min(values), max(values), statistics.fmean(values),
+                 values)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Warm-up calls, then as many repetitions as fit in `seconds`, within [min, max]."""
+
+    warmup: int
+    min_reps: int
+    max_reps: int
+    seconds: float
+
+    def reps_for(self, seconds_per_call: float) -> int:
+        if seconds_per_call <= 0:
+            return self.max_reps
+        wanted = math.ceil(self.seconds / seconds_per_call)
+        return max(self.min_reps, min(self.max_reps, wanted))
+
+
+class Timer(Protocol):
+    kind: str
+
+    def sync(self) -> None: ...
+
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        ...
+
+
+class CpuTimer:
+    kind = "cpu: time.perf_counter around each call"
+
+    def sync(self) -> None:
+        return None
+
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        out = []
+        for r in range(reps):
+            t0 = time.perf_counter()
+            fn((start + r) % n_sets)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
+class CupyEventTimer:  # pragma: gpu
+    """CUDA events from CuPy on the current stream (the stream convfuse's ops use)."""
+
+    kind = "gpu: cupy.cuda.Event pairs on the current stream"
+
+    def __init__(self, cupy: Any) -> None:
+        self._cp = cupy
+
+    def sync(self) -> None:
+        self._cp.cuda.get_current_stream().synchronize()
+
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        cp = self._cp
+        pairs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
+        for r, (begin, end) in enumerate(pairs):
+            begin.record()
+            fn((start + r) % n_sets)
+            end.record()
+        pairs[-1][1].synchronize()
+        return [cp.cuda.get_elapsed_time(begin, end) / 1e3 for begin, end in pairs]
+
+
+class TorchEventTimer:  # pragma: gpu
+    """torch.cuda.Event pairs on PyTorch's current stream (PyTorch may not use CuPy's)."""
+
+    kind = "gpu: torch.cuda.Event pairs on PyTorch's current stream"
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+
+    def sync(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        cuda = self._torch.cuda
+        pairs = [(cuda.Event(enable_timing=True), cuda.Event(enable_timing=True))
+                 for _ in range(reps)]
+        for r, (begin, end) in enumerate(pairs):
+            begin.record()
+            fn((start + r) % n_sets)
+            end.record()
+        pairs[-1][1].synchronize()
+        return [begin.elapsed_time(end) / 1e3 for begin, end in pairs]
+
+
+def measure(timer: Timer, fn: Callable[[int], Any], n_sets: int, budget: Budget) -> Stats:
+    """Warm up, size the run from a short pilot, then time `reps` calls of `fn`."""
+    if n_sets < 1:
+        raise ValueError(f"n_sets must be >= 1, got {n_sets}")
+    for i in range(budget.warmup):
+        fn(i % n_sets)
+    timer.sync()
+    pilot = timer.sample(fn, n_sets, budget.warmup, PILOT_REPS)
+    reps = budget.reps_for(statistics.median(pilot))
+    return summarize(timer.sample(fn, n_sets, budget.warmup + PILOT_REPS, reps))
+
+
+def rotation_sets(working_set_bytes: int, cache_bytes: int, max_sets: int,
+                  memory_budget_bytes: int) -> int:
+    """How many input sets to rotate among so that repetitions do not hit a warm cache.
+
+    A set at least as large as the cache needs no rotation. A smaller one is repeated
+    until the sets together are twice the cache, within `max_sets` and the memory budget.
+    """
+    if working_set_bytes <= 0 or working_set_bytes >= cache_bytes:
+        return 1
+    wanted = math.ceil(2 * cache_bytes / working_set_bytes)
+    affordable = max(1, memory_budget_bytes // working_set_bytes)
+    return max(1, min(wanted, max_sets, affordable))

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Fused against unfused: layer forward, bias gradient, layer backward, training step and
+Adam, with PyTorch and each case's physical floor alongside.
+
+    python benchmarks/fused_vs_unfused.py [--quick] [--out results.json] [--plot chart.png]
+
+Without a GPU it says so, runs the same harness on convfuse's CPU reference engine
+(labelled CPU), writes the JSON and the PNG, and exits 0. See benchmarks/README.md.
+Exit status: 0 when every case was measured or skipped with a reason; 1 when a case
+failed or two forms disagreed (the JSON and the table say which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import convfuse as cf
+except ImportError:  # running from a checkout without an install
+    sys.path.insert(0, str(HERE.parent))
+    import convfuse as cf
+
+from bench import adam, backward, biasgrad, env, forward, peaks, report, torch_cmp, train  # noqa: E402
+from bench.cases import LAYOUTS, PRECISIONS  # noqa: E402
+from bench.engine import Engine, make_engine  # noqa: E402
+from bench.plot import save as save_plot  # noqa: E402
+from bench.records import Context  # noqa: E402
+from bench.timing import Budget  # noqa: E402
+
+SECTIONS = {"forward": forward.run, "backward": backward.run, "biasgrad": biasgrad.run,
+            "train": train.run, "adam": adam.run}
+RESULTS_DIR = HERE / "results"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="fewer cases and repetitions (GPU) / small shapes (CPU)")
+    p.add_argument("--out", type=Path, default=Path("fused_vs_unfused.json"),
+                   help="JSON file with every raw number and the environment")
+    p.add_argument("--plot", type=Path, default=Path("fused_vs_unfused.png"),
+                   help="PNG bar chart of the ratios")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help=f"comma-separated subset of {','.join(PRECISIONS)}")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="NCHW,NHWC or one of them")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
+    p.add_argument("--heuristics", action="store_true",
+                   help="choose convfuse's algorithms by heuristics instead of autotuning "
+                        "(PyTorch always runs with cudnn.benchmark=True)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-result", action="store_true",
+                   help="GPU only: also keep the JSON in benchmarks/results/, named after "
+                        "the device")
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="measure nothing: print the tables and draw --plot from a saved JSON")
+    p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+    args = p.parse_args(argv)
+    args.sections = _subset(p, "--sections", args.sections, SECTIONS)
+    args.precisions = _subset(p, "--precisions", args.precisions, PRECISIONS)
+    args.layouts = _subset(p, "--layouts", args.layouts.upper(), LAYOUTS)
+    return args
+
+
+def _subset(p: argparse.ArgumentParser, flag: str, text: str, known) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in items if s not in known]
+    if unknown or not items:
+        p.error(f"{flag}: unknown or empty {unknown or text!r}; choose from {', '.join(known)}")
+    return items
+
+
+def budget_for(engine: Engine, quick: bool) -> Budget:
+    if engine.is_gpu:  # pragma: gpu
+        return Budget(5, 10, 100, 0.2) if quick else Budget(10, 30, 1000, 1.0)
+    return Budget(1, 3, 10, 0.05) if quick else Budget(2, 5, 30, 0.5)
+
+
+def result_name(device_name: str, when: datetime.datetime) -> str:
+    """A results/ file stem that names the device: 'nvidia-h100-80gb-hbm3-20261121-2130'."""
+    device = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    return f"{device}-{when:%Y%m%d-%H%M}"
+
+
+def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Run the chosen sections; return the JSON payload (raw numbers and environment)."""
+    engine, notice = make_engine(None if args.device == "auto" else args.device)
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr,
+                                                                    flush=True))
+    print(f"convfuse {cf.__version__} fused-vs-unfused benchmark on {engine.label}"
+          + (" (--quick)" if args.quick else ""), flush=True)
+    if notice:
+        print(notice, flush=True)
+    with cf.config.flags(benchmark=engine.is_gpu and not args.heuristics):
+        used_peaks, peaks_info = peaks.resolve(engine, args.quick)
+        torch_side, torch_note = torch_cmp.load(engine, args.no_torch)
+        ctx = Context(engine, used_peaks, args.quick, budget_for(engine, args.quick), args.seed,
+                      log, torch_side, torch_note, args.precisions, args.layouts)
+        print(f"peaks for the floors: {used_peaks.source}", flush=True)
+        print(f"PyTorch: {torch_note or torch_side.label}", flush=True)
+        results = {name: SECTIONS[name](ctx) for name in SECTIONS if name in args.sections}
+    return {
+        "schema": 1,
+        "engine": engine.kind,
+        "label": engine.label,
+        "device_name": engine.info.get("name"),
+        "notice": notice,
+        "environment": env.collect(engine, argv, torch_note),
+        "peaks": peaks_info,
+        "method": {
+            "budget": vars(ctx.budget),
+            "timer": engine.timer.kind,
+            "statistic": "median of the repetitions, with min and max; ratios of medians",
+            "cache_bytes_for_rotation": engine.cache_bytes,
+            "convfuse_autotune": engine.is_gpu and not args.heuristics,
+            "torch_cudnn_benchmark": True,
+            "seed": args.seed,
+            "quick": args.quick,
+            "sections": list(args.sections),
+            "precisions": list(args.precisions),
+            "layouts": list(args.layouts),
+        },
+        "forms": {k: report.FORMS[engine.kind][k] for k in results},
+        "bias_grad_recommendation": (biasgrad.recommendation(results["biasgrad"], engine.is_gpu)
+                                     if "biasgrad" in results else None),
+        "counts": report.counts(results),
+        "results": results,
+    }
+
+
+def render(payload: dict, args: argparse.Namespace) -> None:
+    """The tables on stdout and the PNG, from a payload (just measured, or loaded)."""
+    on_gpu = payload["engine"] == "gpu"
+    footer = []
+    if payload["bias_grad_recommendation"]:
+        footer.append(f"bias gradient: {payload['bias_grad_recommendation']['text']}")
+    footer.append("cases: " + ", ".join(f"{n} {k}" for k, n in payload["counts"].items()))
+    footer.append(f"JSON: {args.from_json or args.out}   chart: {args.plot}")
+    if not on_gpu:
+        footer.append("CPU run: no GPU numbers were measured; nothing here is a GPU result. "
+                      "Floors use measured CPU copy and GEMM rates, so a roofline above 100% "
+                      "means a case beat those measurements (e.g. from cache), not physics.")
+    report.print_report(payload["results"], payload["engine"], footer)
+    title = f"convfuse: ratios of median times on {payload['label']}"
+    if not on_gpu:
+        title += "\nCPU reference engine: says nothing about GPU performance"
+    save_plot(args.plot, payload["results"], title)
+
+
+def keep_result(payload: dict, args: argparse.Namespace) -> None:
+    if payload["engine"] != "gpu":
+        print("--save-result: not saved; benchmarks/results/ keeps GPU runs only")
+        return
+    stem = result_name(payload["device_name"], datetime.datetime.now())  # pragma: gpu
+    shutil.copyfile(args.out, RESULTS_DIR / f"{stem}.json")  # pragma: gpu
+    print(f"kept in {RESULTS_DIR / stem}.json (chart: --from-json it with --plot)")  # pragma: gpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.from_json:
+        payload = json.loads(args.from_json.read_text())
+        print(f"from {args.from_json}: {payload['label']}, "
+              f"{payload['environment']['timestamp_utc']}")
+    else:
+        payload = measure_all(args, argv)
+        report.write_json(args.out, payload)
+    render(payload, args)
+    if args.save_result and not args.from_json:
+        keep_result(payload, args)
+    counts = payload["counts"]
+    return 1 if counts.get("error") or counts.get("check_failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
