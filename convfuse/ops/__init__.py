@@ -1,0 +1,36 @@
+"""Stateless ops (DESIGN.md "Ops"): validate the arrays, then dispatch on their type.
+
+NumPy arrays run on the reference engine (`convfuse.ops.reference.<kind>`), CuPy arrays
+on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation or pooling. Every
+check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
+cuDNN. Arrays passed in are never modified; `out=` arguments are written.
+
+Which engine ran: the ops look the engine function up on its module at every call, so a
+test observes (or replaces) an engine by patching e.g.
+`convfuse.ops.reference.conv.conv_forward` with monkeypatch.setattr.
+"""
+
+from __future__ import annotations
+
+from .activation import activation_backward, activation_backward_bias, activation_forward
+from .conv import (
+    conv_backward_bias,
+    conv_backward_data,
+    conv_backward_filter,
+    conv_bias_act,
+    conv_forward,
+)
+from .pooling import pool_backward, pool_forward
+
+__all__ = [
+    "activation_backward",
+    "activation_backward_bias",
+    "activation_forward",
+    "conv_backward_bias",
+    "conv_backward_data",
+    "conv_backward_filter",
+    "conv_bias_act",
+    "conv_forward",
+    "pool_backward",
+    "pool_forward",
+]

@@ -1,0 +1,169 @@
+"""Validation every op runs before any engine (and so before any cuDNN call), and the
+choice of engine by array type.
+
+Checks run in stages over all of an op's arrays, so the first error reported is the most
+basic one: not an array, NumPy mixed with CuPy, dtype, shape, contiguity, alignment, and
+last the device (which needs a GPU to ask about). Arrays are only inspected, never copied
+or modified.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import backend
+from ..dtypes import SUPPORTED
+from ..errors import DeviceMismatchError
+from ..geometry import ConvGeometry
+
+# cuDNN and the vectorised custom kernels may use 16-byte loads; CuPy's pool hands out
+# 512-byte aligned blocks, so only views at odd offsets fail this.
+ALIGNMENT = 16
+
+
+class Arg(NamedTuple):
+    """One array argument of an op: its name, value and required shape (None: any).
+
+    `optional` arguments may be None; `output` ones are written by the op.
+    """
+
+    name: str
+    array: Any
+    shape: tuple[int, ...] | None
+    optional: bool = False
+    output: bool = False
+
+
+def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleType:
+    """Check `args` for `op`; return NumPy or CuPy, the module of the arrays."""
+    present = [a for a in args if a.array is not None]
+    for a in args:
+        if a.array is None and not a.optional:
+            raise TypeError(f"{op}: {a.name} must be a NumPy or CuPy array, got None")
+    for a in present:
+        if not isinstance(a.array, np.ndarray) and not backend.is_cupy(a.array):
+            raise TypeError(
+                f"{op}: {a.name} must be a NumPy or CuPy array, got {type(a.array).__name__}"
+            )
+    on_gpu = [backend.is_cupy(a.array) for a in present]
+    if any(on_gpu) and not all(on_gpu):
+        kinds = ", ".join(
+            f"{a.name}: {'CuPy' if g else 'NumPy'}" for a, g in zip(present, on_gpu, strict=True)
+        )
+        raise DeviceMismatchError(f"{op}: cannot mix NumPy and CuPy arrays in one call ({kinds})")
+    _check_dtypes(op, present)
+    for a in present:
+        _check_layout(op, a, layout)
+    if any(on_gpu):
+        _check_gpu_arrays(op, present)
+        return backend.cupy_module()  # type: ignore[return-value]
+    return np
+
+
+def _check_dtypes(op: str, present: Sequence[Arg]) -> None:
+    supported = set(SUPPORTED.values())
+    first = None
+    for a in present:
+        dt = a.array.dtype
+        if dt not in supported:
+            raise ValueError(
+                f"{op}: {a.name} has unsupported dtype {dt}; convfuse supports "
+                f"{', '.join(SUPPORTED)}"
+            )
+        if first is None:
+            first = a
+        elif dt != first.array.dtype:
+            raise ValueError(
+                f"{op}: {a.name} has dtype {dt} but {first.name} has dtype "
+                f"{first.array.dtype}; all arrays of one call must share a dtype"
+            )
+
+
+def _check_layout(op: str, a: Arg, layout: str | None) -> None:
+    shape = tuple(a.array.shape)
+    if a.shape is not None and shape != tuple(a.shape):
+        where = f" (layout {layout})" if layout else ""
+        raise ValueError(
+            f"{op}: {a.name} has shape {shape} but {tuple(a.shape)} is expected{where}"
+        )
+    if not a.array.flags.c_contiguous:
+        raise ValueError(f"{op}: {a.name} is not C-contiguous; call ascontiguousarray")
+    if a.output and isinstance(a.array, np.ndarray) and not a.array.flags.writeable:
+        raise ValueError(f"{op}: {a.name} is read-only but the op writes its result there")
+
+
+def _check_gpu_arrays(op: str, present: Sequence[Arg]) -> None:
+    for a in present:
+        ptr = a.array.data.ptr
+        if ptr % ALIGNMENT:
+            raise ValueError(
+                f"{op}: {a.name} starts at address {ptr:#x}, which is not {ALIGNMENT}-byte "
+                "aligned; pass a copy (cupy.ascontiguousarray(a.copy()))"
+            )
+    current = current_device()
+    for a in present:
+        dev = a.array.device.id
+        if dev != current:
+            raise DeviceMismatchError(
+                f"{op}: {a.name} lives on CUDA device {dev} but the current device is "
+                f"{current}; call it under `with cupy.cuda.Device({dev}):`"
+            )
+
+
+def current_device() -> int:
+    """The current CUDA device id; DeviceUnavailableError when no GPU is usable."""
+    cp = backend.require_gpu("an op on CuPy arrays")
+    return int(cp.cuda.runtime.getDevice())  # pragma: gpu
+
+
+def check_geometry(op: str, geom: Any) -> ConvGeometry:
+    if not isinstance(geom, ConvGeometry):
+        raise TypeError(
+            f"{op}: geom must be a ConvGeometry (ConvGeometry.create(...)), got "
+            f"{type(geom).__name__}"
+        )
+    return geom
+
+
+def check_pool_geometry(op: str, pgeom: Any) -> Any:
+    from ..pool_geometry import PoolGeometry
+
+    if not isinstance(pgeom, PoolGeometry):
+        raise TypeError(
+            f"{op}: pgeom must be a PoolGeometry (PoolGeometry.create(...)), got "
+            f"{type(pgeom).__name__}"
+        )
+    return pgeom
+
+
+def check_scalar(op: str, name: str, value: Any) -> float:
+    """A finite real number, returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+    return out
+
+
+def check_beta(op: str, beta: Any, out: Any, out_name: str = "out") -> float:
+    """cuDNN's beta: 0 overwrites `out`, anything else accumulates into it (so needs it)."""
+    b = check_scalar(op, "beta", beta)
+    if b != 0.0 and out is None:
+        raise ValueError(f"{op}: beta={beta!r} accumulates into {out_name}, but {out_name} is None")
+    return b
+
+
+def engine(xp: ModuleType, kind: str) -> ModuleType:
+    """The engine module for `kind` ("conv", "activation", "pooling"): the NumPy
+    reference for NumPy arrays, cuDNN for CuPy arrays. Ops look the function up on this
+    module at every call, so tests see which engine ran by patching it there."""
+    package = "reference" if xp is np else "cudnn"
+    return importlib.import_module(f"convfuse.ops.{package}.{kind}")

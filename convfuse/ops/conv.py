@@ -1,0 +1,73 @@
+"""Convolution ops: validate, then run on the engine of the arrays (DESIGN.md "Ops")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import activations
+from . import _checks
+from ._checks import Arg, check_beta, check_geometry, check_scalar, validate
+
+
+def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str | None = "identity",
+                  residual: Any = None, residual_scale: float = 1.0) -> tuple[Any, Any]:
+    """y = act(conv(x, w) + b + residual_scale * residual); returns (y, z).
+
+    z is the pre-activation, returned only when the activation's backward needs it
+    (activations.saves(act) == "preactivation": silu, gelu), else None. b and residual
+    may be None.
+    """
+    op = "conv_bias_act"
+    g = check_geometry(op, geom)
+    act = activations.normalize(activation)
+    scale = check_scalar(op, "residual_scale", residual_scale)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),
+        Arg("b", b, g.bias_shape, optional=True),
+        Arg("residual", residual, g.output_shape, optional=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv").conv_bias_act(x, w, b, g, act, residual, scale)
+
+
+def conv_forward(x: Any, w: Any, geom: Any) -> Any:
+    """y = conv(x, w), no bias and no activation."""
+    op = "conv_forward"
+    g = check_geometry(op, geom)
+    xp = validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+    return _checks.engine(xp, "conv").conv_forward(x, w, g)
+
+
+def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None, beta: float = 0.0) -> Any:
+    """dx = beta * out + conv_transpose(dz, w)."""
+    op = "conv_backward_data"
+    g = check_geometry(op, geom)
+    b = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
+        Arg("out", out, g.input_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv").conv_backward_data(dz, w, g, out, b)
+
+
+def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None, beta: float = 0.0) -> Any:
+    """dw = beta * out + (gradient of the convolution with respect to w)."""
+    op = "conv_backward_filter"
+    g = check_geometry(op, geom)
+    b = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
+        Arg("out", out, g.weight_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv").conv_backward_filter(x, dz, g, out, b)
+
+
+def conv_backward_bias(dz: Any, geom: Any, out: Any = None, beta: float = 0.0) -> Any:
+    """db = beta * out + dz summed over every axis but the channels; shape (K,)."""
+    op = "conv_backward_bias"
+    g = check_geometry(op, geom)
+    b = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("dz", dz, g.output_shape),
+        Arg("out", out, g.bias_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv").conv_backward_bias(dz, g, out, b)

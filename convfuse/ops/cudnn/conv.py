@@ -1,0 +1,154 @@
+"""The convolution ops on CuPy arrays: one cuDNN call each, through a cached ConvPlan.
+
+Outputs and workspace come from CuPy's pool; nothing else is allocated per call (the
+zero bias for bias-free layers is cached per device, dtype and channel count).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ... import activations
+from ..._binding import cudnn
+from ...errors import CudnnError
+from ...plan import Candidate, ConvPlan, get_plan
+from .. import elementwise
+from .handle import Workspace, context, get_handle
+
+_zero_bias: dict[tuple[int, str, int], Any] = {}
+_zero_bias_lock = threading.Lock()
+
+
+def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
+    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros."""
+    key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
+    with _zero_bias_lock:
+        bias = _zero_bias.get(key)
+        if bias is None:
+            bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
+        return bias
+
+
+def _where(plan: ConvPlan, what: str, cand: Candidate | None = None) -> str:
+    algo = f" algo={cand.algo} workspace={cand.workspace}" if cand is not None else ""
+    return f"{what} for {plan.describe()}{algo}"
+
+
+def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity",
+                  residual: Any = None,
+                  residual_scale: float = 1.0) -> tuple[Any, Any]:  # pragma: gpu
+    """y = act(conv(x, w) + b + residual_scale * residual) in one fused cuDNN call, plus one
+    activation kernel when cuDNN cannot apply the activation itself."""
+    import cupy as cp
+
+    act = activations.normalize(activation)
+    handle = get_handle()
+    plan = get_plan(geom, x.dtype, act, residual is not None)
+    conv_out = cp.empty(geom.output_shape, dtype=x.dtype)
+    bias = b if b is not None else zero_bias(cp, x.dtype, geom.out_channels)
+    if residual is not None:
+        z_ptr, alpha2 = residual.data.ptr, float(residual_scale)
+    else:
+        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
+        z_ptr, alpha2 = conv_out.data.ptr, 0.0
+    _fused_forward(plan, handle, x, w, bias, z_ptr, alpha2, conv_out)
+    if act in activations.FUSED_IN_CUDNN:
+        return conv_out, None
+    if activations.saves(act) == "preactivation":
+        y = cp.empty_like(conv_out)
+        elementwise.activation_forward(conv_out, act, y)
+        return y, conv_out
+    elementwise.activation_forward(conv_out, act, conv_out)
+    return conv_out, None
+
+
+def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, bias: Any, z_ptr: int,
+                   alpha2: float, y: Any) -> None:  # pragma: gpu
+    """convolutionBiasActivationForward with the plan's fused forward algorithm.
+
+    The heuristics rank algorithms for convolutionForward; should cuDNN refuse one for
+    the fused call (NOT_SUPPORTED), the plan moves to the next ranked one for good. The
+    IDENTITY algorithm is forced (Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]), so a
+    refusal there is raised.
+    """
+    lib = cudnn()
+    while True:
+        cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr), fused=True)
+        ws = Workspace(cand.workspace)
+        try:
+            lib.convolutionBiasActivationForward(
+                handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
+                plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, alpha2,
+                plan.y_desc, z_ptr, plan.bias_desc, bias.data.ptr, plan.act_desc,
+                plan.y_desc, y.data.ptr)
+            return
+        except CudnnError as err:
+            refused = err.status == lib.CUDNN_STATUS_NOT_SUPPORTED
+            if refused and plan.reject("fwd", cand, fused=True):
+                continue
+            raise err.with_context(_where(plan, "convolutionBiasActivationForward", cand)) from None
+
+
+def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_plan(geom, x.dtype)
+    y = cp.empty(geom.output_shape, dtype=x.dtype)
+    cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr))
+    ws = Workspace(cand.workspace)
+    with context(lambda: _where(plan, "conv_forward", cand)):
+        cudnn().convolutionForward(
+            handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
+    return y
+
+
+def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
+                       beta: float = 0.0) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_plan(geom, dz.dtype)
+    dx = out if out is not None else cp.empty(geom.input_shape, dtype=dz.dtype)
+    beta = float(beta) if out is not None else 0.0
+    cand = plan.choice("bwd_data", handle, (w.data.ptr, dz.data.ptr))
+    ws = Workspace(cand.workspace)
+    with context(lambda: _where(plan, "conv_backward_data", cand)):
+        cudnn().convolutionBackwardData(
+            handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.x_desc, dx.data.ptr)
+    return dx
+
+
+def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
+                         beta: float = 0.0) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_plan(geom, x.dtype)
+    dw = out if out is not None else cp.empty(geom.weight_shape, dtype=x.dtype)
+    beta = float(beta) if out is not None else 0.0
+    cand = plan.choice("bwd_filter", handle, (x.data.ptr, dz.data.ptr))
+    ws = Workspace(cand.workspace)
+    with context(lambda: _where(plan, "conv_backward_filter", cand)):
+        cudnn().convolutionBackwardFilter(
+            handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.w_desc, dw.data.ptr)
+    return dw
+
+
+def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
+                       beta: float = 0.0) -> Any:  # pragma: gpu
+    """db of shape (K,), written through the plan's 1xKx1x1 bias descriptor (same bytes)."""
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_plan(geom, dz.dtype)
+    db = out if out is not None else cp.empty(geom.bias_shape, dtype=dz.dtype)
+    beta = float(beta) if out is not None else 0.0
+    with context(lambda: _where(plan, "conv_backward_bias")):
+        cudnn().convolutionBackwardBias(
+            handle, 1.0, plan.y_desc, dz.data.ptr, beta, plan.bias_desc, db.data.ptr)
+    return db

@@ -1,0 +1,52 @@
+"""Convolution and pooling plans: cuDNN descriptors, algorithm choice and workspace,
+cached by a hashable key (DESIGN.md "Plans").
+
+`get_plan(geom, dtype, activation, residual)` reads the flags in force
+(`convfuse.config.get()`) into its key, so changing a flag such as allow_tf32 gives a new
+plan rather than mutating a cached one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import get as get_flags
+from .algorithms import Candidate, NoAlgorithmError, WorkspaceFallbackWarning
+from .cache import CacheInfo, PlanCache
+from .conv import ConvPlan, PlanKey
+from .pool import PoolPlan, PoolPlanKey
+
+_conv_plans = PlanCache(ConvPlan)
+_pool_plans = PlanCache(PoolPlan)
+
+
+def get_plan(geom: Any, dtype: Any, activation: str | None = "identity",
+             residual: bool = False) -> ConvPlan:
+    """The cached plan for this convolution under the current flags."""
+    return _conv_plans.get(PlanKey.create(geom, dtype, activation, residual, get_flags()))
+
+
+def get_pool_plan(pgeom: Any, dtype: Any) -> PoolPlan:
+    return _pool_plans.get(PoolPlanKey.create(pgeom, dtype, get_flags()))
+
+
+def plan_cache_info() -> CacheInfo:
+    """(hits, misses, size) of the convolution plan cache."""
+    return _conv_plans.info()
+
+
+def pool_plan_cache_info() -> CacheInfo:
+    return _pool_plans.info()
+
+
+def clear_plan_cache() -> None:
+    """Empty the convolution and pooling plan caches and reset their counts."""
+    _conv_plans.clear()
+    _pool_plans.clear()
+
+
+__all__ = [
+    "CacheInfo", "Candidate", "ConvPlan", "NoAlgorithmError", "PlanKey", "PoolPlan",
+    "PoolPlanKey", "WorkspaceFallbackWarning", "clear_plan_cache", "get_plan",
+    "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
+]
