@@ -1,0 +1,164 @@
+// Softmax cross-entropy: per-row loss, correct flag and gradient in one pass, then a mean.
+//
+// Launched by convfuse/loss.py. xent_rows_<dtype>_<label type> reads a row of logits
+// (N, C) and its label, and writes
+//   row_loss[r]    = logsumexp(x) - x[label]      (max-subtracted, in float or double)
+//   row_correct[r] = argmax(x) == label           (first maximum wins, as numpy.argmax)
+//   dlogits[r, :]  = (softmax(x) - onehot(label)) / N
+// so backward costs nothing extra. A label outside [0, C) cannot be reported without a
+// host sync, so its row gets a NaN loss (making the mean NaN) and a zero gradient.
+// xent_mean_<compute type> then sums the N row values in a fixed order with one block and
+// stores the mean loss at row_loss[N] and the correct count at row_correct[N]: loss.py
+// allocates both buffers with one extra element and returns views of those.
+//
+// No atomics, allocation or host synchronisation: results are bit-reproducible and both
+// kernels can be captured in a CUDA graph.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// Threads per block of both kernels (xent_mean's shared arrays are sized by it).
+#define XENT_BLOCK 256
+
+namespace {
+
+template <typename T> struct Io;
+template <> struct Io<float> {
+    typedef float C;
+    static __device__ __forceinline__ float load(float v) { return v; }
+    static __device__ __forceinline__ float store(float v) { return v; }
+};
+template <> struct Io<double> {
+    typedef double C;
+    static __device__ __forceinline__ double load(double v) { return v; }
+    static __device__ __forceinline__ double store(double v) { return v; }
+};
+template <> struct Io<__half> {
+    typedef float C;
+    static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
+    static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
+};
+template <> struct Io<__nv_bfloat16> {
+    typedef float C;
+    static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
+};
+
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float neg_inf(float) { return -__int_as_float(0x7f800000); }
+__device__ __forceinline__ double neg_inf(double) { return -__longlong_as_double(0x7ff0000000000000LL); }
+__device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ double quiet_nan(double) { return __longlong_as_double(0x7ff8000000000000LL); }
+
+// One warp per row (grid-stride over rows): lanes stride across the C columns, and
+// xor-shuffles combine the lanes so that every lane holds the same row max, argmax and
+// exp-sum (float addition is commutative, so both partners of a butterfly agree exactly).
+template <typename T, typename L>
+__device__ void xent_rows(const T* logits, const L* labels, long long N, long long C,
+                          double inv_n, T* dlogits, typename Io<T>::C* row_loss,
+                          long long* row_correct) {
+    typedef typename Io<T>::C F;
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const long long warps_per_block = blockDim.x >> 5;
+    const long long stride = (long long)gridDim.x * warps_per_block;
+    for (long long r = (long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5); r < N;
+         r += stride) {
+        const T* x = logits + r * C;
+        T* g = dlogits + r * C;
+
+        // Max and first argmax; NaN never compares greater, so a NaN row keeps a finite
+        // max and its NaN reaches the loss through the exp-sum. am == C means "none".
+        F m = neg_inf(F(0));
+        long long am = C;
+        for (long long j = lane; j < C; j += 32) {
+            const F v = Io<T>::load(x[j]);
+            if (v > m) { m = v; am = j; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const F om = __shfl_xor_sync(full, m, o);
+            const long long oa = __shfl_xor_sync(full, am, o);
+            if (om > m || (om == m && oa < am)) { m = om; am = oa; }
+        }
+
+        F s = F(0);
+        for (long long j = lane; j < C; j += 32) s += m_exp(Io<T>::load(x[j]) - m);
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(full, s, o);
+
+        const long long label = (long long)labels[r];
+        const bool valid = label >= 0 && label < C;
+        if (lane == 0) {
+            // logsumexp - x[label] = log(s) - (x[label] - m): no cancellation of m.
+            row_loss[r] = valid ? m_log(s) - (Io<T>::load(x[label]) - m) : quiet_nan(F(0));
+            row_correct[r] = (valid && am == label) ? 1 : 0;
+        }
+        const F scale = F(inv_n), inv_s = F(1) / s;
+        for (long long j = lane; j < C; j += 32) {
+            F d = F(0);
+            if (valid) {
+                d = m_exp(Io<T>::load(x[j]) - m) * inv_s;
+                if (j == label) d -= F(1);
+                d *= scale;
+            }
+            g[j] = Io<T>::store(d);
+        }
+    }
+}
+
+// One block of XENT_BLOCK threads: strided partial sums, then a fixed shared-memory tree.
+template <typename F>
+__device__ void xent_mean(F* row_loss, long long* row_correct, long long N) {
+    __shared__ F loss_sums[XENT_BLOCK];
+    __shared__ long long correct_sums[XENT_BLOCK];
+    F a = F(0);
+    long long c = 0;
+    for (long long i = threadIdx.x; i < N; i += blockDim.x) {
+        a += row_loss[i];
+        c += row_correct[i];
+    }
+    loss_sums[threadIdx.x] = a;
+    correct_sums[threadIdx.x] = c;
+    __syncthreads();
+    for (unsigned h = blockDim.x >> 1; h > 0; h >>= 1) {
+        if (threadIdx.x < h) {
+            loss_sums[threadIdx.x] += loss_sums[threadIdx.x + h];
+            correct_sums[threadIdx.x] += correct_sums[threadIdx.x + h];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        row_loss[N] = loss_sums[0] / F(N);
+        row_correct[N] = correct_sums[0];
+    }
+}
+
+}  // namespace
+
+#define CONVFUSE_XENT_ROWS(SUFFIX, T, LSUFFIX, L)                                            \
+    extern "C" __global__ void __launch_bounds__(XENT_BLOCK) xent_rows_##SUFFIX##_##LSUFFIX( \
+        const T* logits, const L* labels, long long N, long long C, double inv_n,            \
+        T* dlogits, Io<T>::C* row_loss, long long* row_correct) {                            \
+        xent_rows<T, L>(logits, labels, N, C, inv_n, dlogits, row_loss, row_correct);        \
+    }
+
+#define CONVFUSE_XENT(SUFFIX, T)                  \
+    CONVFUSE_XENT_ROWS(SUFFIX, T, i32, int)       \
+    CONVFUSE_XENT_ROWS(SUFFIX, T, i64, long long)
+
+CONVFUSE_XENT(f32, float)
+CONVFUSE_XENT(f64, double)
+CONVFUSE_XENT(f16, __half)
+CONVFUSE_XENT(bf16, __nv_bfloat16)
+
+// Named by the compute type of the row values: f32 serves float32/float16/bfloat16 logits.
+extern "C" __global__ void __launch_bounds__(XENT_BLOCK)
+xent_mean_f32(float* row_loss, long long* row_correct, long long N) {
+    xent_mean<float>(row_loss, row_correct, N);
+}
+extern "C" __global__ void __launch_bounds__(XENT_BLOCK)
+xent_mean_f64(double* row_loss, long long* row_correct, long long N) {
+    xent_mean<double>(row_loss, row_correct, N);
+}

@@ -1,0 +1,277 @@
+"""Launchers for the activation kernels of convfuse/kernels/activation.cu (CuPy arrays).
+
+The cuDNN engine calls these for every activation cuDNN's fused call cannot apply, and for
+the fused activation-backward + bias-gradient path (Note [fused activation-backward + bias
+gradient] in activation.cu). Everything is validated here, before any launch; launches go
+to the current stream of the arrays' device, with no host sync, so a step using them can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import kernels
+from ..activations import normalize
+from ..backend import array_module, cupy_module
+from ..dtypes import canonical, compute_dtype
+from ..errors import DeviceMismatchError
+from ..geometry import ConvGeometry
+
+#: Codes the kernels switch on; activation.cu's ACT_* defines mirror them.
+ACTIVATION_CODES: dict[str, int] = {
+    "identity": 0, "relu": 1, "sigmoid": 2, "tanh": 3, "elu": 4,
+    "relu6": 5, "leaky_relu": 6, "silu": 7, "gelu": 8,
+}
+
+#: Threads per block; activation.cu's BIAS_BLOCK sizes shared memory by the same number.
+BIAS_BLOCK = 256
+ELEMENTWISE_BLOCK = 256
+#: Cap on parts per channel (or column tile): bias_finish then reads at most 32 partials
+#: per lane, and a single small channel still spreads over ~4 blocks per SM of a large GPU.
+MAX_PARTS = 1024
+#: Widest column tile of the rows kernel (columns one block owns).
+MAX_TILE = 64
+#: NCHW tensors with fewer spatial elements per channel than this use the rows kernel,
+#: whose loads stay coalesced however short the per-channel runs are.
+MIN_CHANNEL_RUN = 32
+
+_SUFFIXES = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}
+
+
+def activation_code(activation: str | None) -> int:
+    """The kernel code of an activation name (aliases accepted; ValueError otherwise)."""
+    return ACTIVATION_CODES[normalize(activation)]
+
+
+def kernel_suffix(dtype: Any) -> str:
+    """'f32', 'f64', 'f16' or 'bf16': the dtype part of a kernel's name."""
+    return _SUFFIXES[canonical(dtype).name]
+
+
+@dataclass(frozen=True)
+class BiasLaunch:
+    """How activation_backward_bias launches its kernels for one output shape.
+
+    kernel: "channel" (block per channel part) or "rows" (block per column tile and row
+    part); int_args: the kernel's integer arguments after the three tensors. Partial sums
+    are laid out [parts][cols], with `group` adjacent columns per channel.
+    """
+
+    kernel: str
+    grid: tuple[int, ...]
+    block: int
+    int_args: tuple[int, ...]
+    channels: int
+    parts: int
+    cols: int
+    group: int
+
+    @property
+    def needs_finish(self) -> bool:
+        """False when each block's sum is already a whole channel's (written to db)."""
+        return self.parts > 1 or self.group > 1
+
+    @property
+    def partial_size(self) -> int:
+        return self.parts * self.cols if self.needs_finish else 0
+
+    @property
+    def finish_grid(self) -> tuple[int]:
+        warps_per_block = BIAS_BLOCK // 32
+        return (max(1, min(-(-self.channels // warps_per_block), 4096)),)
+
+
+def plan_bias_grad(shape: tuple[int, ...], channels_last: bool, sm_count: int) -> BiasLaunch:
+    """Choose kernel, tiling and parts so that about 8 blocks per SM have work.
+
+    Each block still gets at least 8 elements per thread (splitting finer costs more in
+    partial sums than it gains), and the split depends only on the shape and SM count, so
+    a given device always sums in the same order.
+    """
+    n, k = shape[0], (shape[-1] if channels_last else shape[1])
+    spatial = math.prod(shape[1:-1] if channels_last else shape[2:])
+    target = max(1, sm_count) * 8
+    if not channels_last and spatial >= MIN_CHANNEL_RUN:
+        length = n * spatial
+        cap = min(MAX_PARTS, max(1, length // (BIAS_BLOCK * 8)))
+        parts = max(1, min(-(-target // k), cap))
+        return BiasLaunch("channel", (k * parts,), BIAS_BLOCK, (n, k, spatial, parts),
+                          channels=k, parts=parts, cols=k, group=1)
+    rows, cols, group = (n * spatial, k, 1) if channels_last else (n, k * spatial, spatial)
+    tile = cols if cols <= MAX_TILE else -(-cols // -(-cols // MAX_TILE))
+    row_groups = BIAS_BLOCK // tile
+    tiles = -(-cols // tile)
+    cap = min(MAX_PARTS, max(1, rows // (row_groups * 8)))
+    parts = max(1, min(-(-target // tiles), cap))
+    return BiasLaunch("rows", (tiles, parts), row_groups * tile, (rows, cols, tile),
+                      channels=k, parts=parts, cols=cols, group=group)
+
+
+# ---- validation (runs on any array type, so the CPU suite exercises it) ----
+
+def _check_array(name: str, a: Any) -> None:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{name} must be a CuPy array, got {type(a).__name__}")
+    try:
+        canonical(a.dtype)
+    except ValueError as exc:
+        raise TypeError(f"{name}: {exc}") from None
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (shape {tuple(a.shape)})")
+
+
+def _check_like(name: str, a: Any, ref_name: str, ref: Any) -> None:
+    _check_array(name, a)
+    if tuple(a.shape) != tuple(ref.shape):
+        raise ValueError(
+            f"{name} has shape {tuple(a.shape)}, but {ref_name} has shape {tuple(ref.shape)}"
+        )
+    if a.dtype != ref.dtype:
+        raise TypeError(f"{name} has dtype {a.dtype}, but {ref_name} has dtype {ref.dtype}")
+
+
+def _check_saved(saved: Any, act: str, dy: Any) -> None:
+    if saved is None:
+        if act != "identity":
+            raise ValueError(
+                f"activation {act!r} needs the saved tensor for its backward "
+                "(see convfuse.activations.saves), got None"
+            )
+        return
+    _check_like("saved", saved, "dy", dy)
+
+
+def _require_cupy(what: str, *arrays: Any) -> None:
+    if array_module(*arrays) is np:
+        raise TypeError(
+            f"{what} launches a CUDA kernel and takes CuPy arrays, got NumPy arrays; "
+            f"convfuse.ops.{what} runs NumPy arrays on the reference engine"
+        )
+
+
+# ---- public launchers ----
+
+def activation_forward(z: Any, activation: str, out: Any) -> Any:
+    """out = act(z) elementwise; out may be z itself. Returns out."""
+    code = activation_code(activation)
+    _check_array("z", z)
+    _check_like("out", out, "z", z)
+    _require_cupy("activation_forward", z, out)
+    _launch_elementwise("act_forward", (z, out), code)  # pragma: gpu
+    return out  # pragma: gpu
+
+
+def activation_backward(dy: Any, saved: Any, activation: str, out: Any) -> Any:
+    """out = dz from dy and the saved output (or pre-activation for silu/gelu). Returns out."""
+    act = normalize(activation)
+    _check_array("dy", dy)
+    _check_saved(saved, act, dy)
+    _check_like("out", out, "dy", dy)
+    _require_cupy("activation_backward", dy, saved, out)
+    # identity never reads the saved tensor, so dy stands in for it
+    sv = dy if saved is None else saved  # pragma: gpu
+    _launch_elementwise("act_backward", (dy, sv, out), ACTIVATION_CODES[act])  # pragma: gpu
+    return out  # pragma: gpu
+
+
+def activation_backward_bias(
+    dy: Any, saved: Any, activation: str, geom: ConvGeometry, dz_out: Any, db_out: Any,
+    beta: float = 0.0,
+) -> tuple[Any, Any]:
+    """dz_out = activation backward; db_out = per-channel sum of dz + beta * db_out.
+
+    One pass over dy and saved; deterministic (see activation.cu). With beta == 0 db_out
+    is not read. geom is the geometry of the convolution whose output dy is the gradient of.
+    """
+    act = normalize(activation)
+    if not isinstance(geom, ConvGeometry):
+        raise TypeError(f"geom must be a convfuse.geometry.ConvGeometry, got {type(geom).__name__}")
+    _check_array("dy", dy)
+    if tuple(dy.shape) != geom.output_shape:
+        raise ValueError(
+            f"dy has shape {tuple(dy.shape)}, but the convolution's output has shape "
+            f"{geom.output_shape} ({geom.layout})"
+        )
+    _check_saved(saved, act, dy)
+    _check_like("dz_out", dz_out, "dy", dy)
+    _check_array("db_out", db_out)
+    if tuple(db_out.shape) != geom.bias_shape:
+        raise ValueError(
+            f"db_out has shape {tuple(db_out.shape)}, expected {geom.bias_shape} "
+            f"(out_channels={geom.out_channels})"
+        )
+    if db_out.dtype != dy.dtype:
+        raise TypeError(f"db_out has dtype {db_out.dtype}, but dy has dtype {dy.dtype}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.integer, np.floating)):
+        raise TypeError(f"beta must be a real number, got {type(beta).__name__}")
+    if not math.isfinite(beta):
+        raise ValueError(f"beta must be finite, got {beta}")
+    _require_cupy("activation_backward_bias", dy, saved, dz_out, db_out)
+    _launch_bias(dy, saved, ACTIVATION_CODES[act], geom, dz_out, db_out, float(beta))  # pragma: gpu
+    return dz_out, db_out  # pragma: gpu
+
+
+# ---- GPU-only launching ----
+
+@functools.cache
+def _sm_count(device_id: int) -> int:  # pragma: gpu
+    runtime = cupy_module().cuda.runtime
+    return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
+
+
+def _device_of_all(*arrays: Any) -> Any:  # pragma: gpu
+    devices = {a.device.id for a in arrays if a is not None}
+    if len(devices) > 1:
+        raise DeviceMismatchError(f"arrays live on different GPUs {sorted(devices)}")
+    return arrays[0].device
+
+
+def _launch_elementwise(kernel: str, tensors: tuple[Any, ...], code: int) -> None:  # pragma: gpu
+    """Launch act_forward (z, y) or act_backward (dy, saved, dz) over all elements."""
+    device = _device_of_all(*tensors)
+    n = tensors[0].size
+    if n == 0:
+        return
+    with device:
+        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(device.id) * 32))
+        fn = kernels.function("activation", f"{kernel}_{kernel_suffix(tensors[0].dtype)}")
+        fn((blocks,), (ELEMENTWISE_BLOCK,), (*tensors, np.int64(n), np.int32(code)))
+
+
+def _launch_bias(dy: Any, saved: Any, code: int, geom: ConvGeometry, dz_out: Any, db_out: Any,
+                 beta: float) -> None:  # pragma: gpu
+    cp = cupy_module()
+    device = _device_of_all(dy, saved, dz_out, db_out)
+    with device:
+        plan = plan_bias_grad(geom.output_shape, geom.channels_last, _sm_count(device.id))
+        suffix = kernel_suffix(dy.dtype)
+        # Scratch comes from CuPy's current allocator: under convfuse.graph.capture that is
+        # the captured step's private pool, which keeps it alive for every replay.
+        partial = (cp.empty(plan.partial_size, dtype=compute_dtype(dy.dtype))
+                   if plan.needs_finish else np.uint64(0))  # NULL: blocks write db directly
+        sv = dy if saved is None else saved  # identity never reads it
+        first = kernels.function("activation", f"act_bias_{plan.kernel}_{suffix}")
+        first(plan.grid, (plan.block,),
+              (dy, sv, dz_out, *(np.int64(v) for v in plan.int_args), partial, db_out,
+               np.float64(beta), np.int32(code)))
+        if plan.needs_finish:
+            finish = kernels.function("activation", f"act_bias_finish_{suffix}")
+            finish(plan.finish_grid, (BIAS_BLOCK,),
+                   (partial, np.int64(plan.parts), np.int64(plan.channels),
+                    np.int64(plan.group), db_out, np.float64(beta)))
+
+
+def kernel_names() -> list[str]:
+    """Every kernel this module launches (the CPU suite checks each is in the cubin)."""
+    names = []
+    for suffix in _SUFFIXES.values():
+        names += [f"act_forward_{suffix}", f"act_backward_{suffix}",
+                  f"act_bias_channel_{suffix}", f"act_bias_rows_{suffix}",
+                  f"act_bias_finish_{suffix}"]
+    return names

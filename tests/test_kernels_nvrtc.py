@@ -1,0 +1,269 @@
+"""The CUDA sources compile with NVRTC for every checked architecture (no GPU needed), and
+the launchers agree with them: kernel names, activation codes, block sizes, and a launch
+plan that covers every element exactly once."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import numpy as np
+import pytest
+
+from convfuse import activations, kernels, loss
+from convfuse.geometry import ConvGeometry
+from convfuse.kernels import KernelCompileError
+from convfuse.ops import elementwise
+
+#: Each source with the kernels its launchers call.
+LAUNCHED = [("activation", elementwise.kernel_names()), ("loss", loss.kernel_names())]
+
+
+@functools.cache
+def cubin(name: str, arch: str) -> bytes:
+    return kernels.nvrtc_compile(name, arch)
+
+
+def test_sources_are_shipped():
+    assert {"activation", "loss"} <= set(kernels.names())
+
+
+@pytest.mark.parametrize("arch", kernels.CHECKED_ARCHS)
+@pytest.mark.parametrize("name", kernels.names())
+def test_source_compiles(name, arch):
+    try:
+        binary = cubin(name, arch)
+    except KernelCompileError as exc:  # the message carries NVRTC's log
+        pytest.fail(str(exc), pytrace=False)
+    assert binary[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", kernels.CHECKED_ARCHS)
+@pytest.mark.parametrize(("module", "names"), LAUNCHED)
+def test_every_launched_kernel_is_in_the_cubin(module, names, arch):
+    binary = cubin(module, arch)
+    # extern "C" names sit unmangled, NUL-delimited, in the ELF string table.
+    missing = [n for n in names if b"\0" + n.encode() + b"\0" not in binary]
+    assert not missing, f"{module}.cu lacks kernels the launchers call: {missing}"
+
+
+def test_broken_source_raises_with_the_log(monkeypatch):
+    broken = 'extern "C" __global__ void k(float* a) { a[0] = undeclared_thing_xyz; }\n'
+    monkeypatch.setattr(kernels, "source", lambda name: broken)
+    with pytest.raises(KernelCompileError) as info:
+        kernels.nvrtc_compile("tmp_broken", "sm_90")
+    msg = str(info.value)
+    assert "tmp_broken.cu failed to compile for sm_90" in msg
+    assert "undeclared_thing_xyz" in msg and "error" in msg
+
+
+def _defines(name: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"#define (\w+) (\d+)\b", kernels.source(name))}
+
+
+def test_activation_codes_match_the_source():
+    defines = _defines("activation")
+    in_source = {k[4:].lower(): v for k, v in defines.items() if k.startswith("ACT_")}
+    assert in_source == elementwise.ACTIVATION_CODES
+    assert set(in_source) == set(activations.ACTIVATIONS)
+    assert defines["BIAS_BLOCK"] == elementwise.BIAS_BLOCK
+    assert _defines("loss")["XENT_BLOCK"] == loss.XENT_BLOCK
+
+
+@pytest.mark.parametrize("name", ["activation", "loss"])
+def test_reductions_use_no_atomics(name):
+    # Determinism rests on fixed-order sums; an atomic would break reproducibility.
+    assert not re.search(r"\batomic\w*\s*\(", kernels.source(name))
+
+
+_F64_MATH = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:add|sub|mul|fma|div|rcp|sqrt|ex2|lg2|neg|abs|min|max)(?:\.\w+)*\.f64\b",
+    re.M,
+)
+
+
+@pytest.mark.parametrize(("name", "launched"), LAUNCHED)
+def test_narrow_dtypes_compute_in_float_not_double(name, launched):
+    # An accidental promotion (say fabs(float) resolving to the double overload) would
+    # silently run float kernels at double rate, 1/64 of float on consumer GPUs.
+    lib = kernels.nvrtc()
+    prog = lib.createProgram(kernels.source(name), f"{name}.cu", [], [])
+    try:
+        lib.compileProgram(prog, kernels.compile_options("compute_80"))  # PTX only
+        ptx = lib.getPTX(prog)
+    finally:
+        lib.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = {e.split("(")[0]: e for e in ptx.split(".entry ")[1:]}
+    narrow = [k for k in entries if not k.endswith("_f64") and "_f64_" not in k]
+    assert set(narrow) == {k for k in launched if "_f64" not in k}
+    promoted = {k: len(_F64_MATH.findall(entries[k])) for k in narrow}
+    assert not any(promoted.values()), promoted
+    # ...while the pattern does find the double kernels' arithmetic
+    double_kernel = {"activation": "act_forward_f64", "loss": "xent_rows_f64_i64"}[name]
+    assert _F64_MATH.search(entries[double_kernel])
+
+
+def test_activation_code_and_suffix():
+    assert elementwise.activation_code("swish") == elementwise.ACTIVATION_CODES["silu"]
+    assert elementwise.activation_code(None) == 0
+    with pytest.raises(ValueError, match="unknown activation 'mish'"):
+        elementwise.activation_code("mish")
+    assert [elementwise.kernel_suffix(d) for d in ("float32", "float64", "float16", "bfloat16")] \
+        == ["f32", "f64", "f16", "bf16"]
+
+
+# ---- launch plan of the fused activation-backward + bias kernels ----
+
+def _visit_channel(plan, shape):
+    """Transliterates bias_channel's index walk: visits[i] counts how often i is read."""
+    n, k, s = plan.int_args[:3]
+    parts = plan.parts
+    visits = np.zeros(int(np.prod(shape)), dtype=np.int64)
+    channel_of = np.broadcast_to(np.arange(k)[None, :, None], (n, k, s)).ravel()
+    length, step = n * s, plan.block
+    chunk = -(-length // parts)
+    dn, ds = divmod(step, s)
+    for b in range(plan.grid[0]):
+        kk, p = divmod(b, parts)
+        begin, end = p * chunk, min(length, p * chunk + chunk)
+        for t in range(step):
+            j = begin + t
+            nn, ss = divmod(j, s)
+            while j < end:
+                i = (nn * k + kk) * s + ss
+                assert channel_of[i] == kk
+                visits[i] += 1
+                j += step
+                ss += ds
+                nn += dn
+                if ss >= s:
+                    ss -= s
+                    nn += 1
+    return visits
+
+
+def _visit_rows(plan, channel_of):
+    """Transliterates bias_rows' walk; also checks each (part, column) partial is written."""
+    rows, cols, tile = plan.int_args
+    groups = plan.block // tile
+    tiles, parts = plan.grid
+    visits = np.zeros(rows * cols, dtype=np.int64)
+    written = np.zeros((parts, cols), dtype=np.int64)
+    chunk = -(-rows // parts)
+    for bx in range(tiles):
+        for p in range(parts):
+            begin, end = p * chunk, min(rows, p * chunk + chunk)
+            for t in range(plan.block):
+                rg, c = t // tile, bx * tile + t % tile
+                if c >= cols:
+                    continue
+                for r in range(begin + rg, end, groups):
+                    i = r * cols + c
+                    assert channel_of[i] == c // plan.group
+                    visits[i] += 1
+                if rg == 0:
+                    written[p, c] += 1
+    assert (written == 1).all()
+    return visits
+
+
+@pytest.mark.parametrize(
+    ("shape", "layout", "sm_count"),
+    [
+        ((2, 3, 7, 9), "NCHW", 4),       # channel kernel, several parts per channel
+        ((1, 1, 64, 80), "NCHW", 2),     # K=1: parts spread one channel over blocks
+        ((3, 5, 2, 2), "NCHW", 4),       # 4 spatial elements: rows kernel with groups
+        ((4, 70, 1, 1), "NCHW", 1),      # 1x1 spatial: (N, K) rows, tile < K
+        ((2, 5, 6, 3), "NHWC", 4),       # K=3 channels-last
+        ((1, 9, 11, 130), "NHWC", 8),    # K=130: two tiles of 65 columns
+        ((3, 17, 1), "NWC", 2),          # 1-D conv output, K=1
+    ],
+)
+def test_bias_plan_visits_every_element_once(shape, layout, sm_count):
+    channels_last = layout.endswith("C")
+    plan = elementwise.plan_bias_grad(shape, channels_last, sm_count)
+    k = shape[-1] if channels_last else shape[1]
+    assert plan.channels == k
+    assert 1 <= plan.parts <= elementwise.MAX_PARTS and plan.block <= elementwise.BIAS_BLOCK
+    cf_axis = len(shape) - 1 if channels_last else 1
+    channel_of = np.indices(shape)[cf_axis].ravel()
+    if plan.kernel == "channel":
+        assert not channels_last and plan.block % 32 == 0
+        visits = _visit_channel(plan, shape)
+    else:
+        tile = plan.int_args[2]
+        assert plan.block % tile == 0 and plan.grid[0] * tile >= plan.cols
+        visits = _visit_rows(plan, channel_of)
+    assert (visits == 1).all()
+    assert plan.partial_size == (plan.parts * plan.cols if plan.needs_finish else 0)
+
+
+def test_bias_plan_parts_follow_the_device_and_size():
+    small = elementwise.plan_bias_grad((1, 4, 8, 8), False, 132)
+    assert small.kernel == "channel" and small.parts == 1 and not small.needs_finish
+    big = elementwise.plan_bias_grad((128, 4, 74, 74), False, 132)
+    assert big.parts > 1 and big.grid == (4 * big.parts,)
+    assert big.parts == elementwise.plan_bias_grad((128, 4, 74, 74), False, 132).parts
+    nhwc = elementwise.plan_bias_grad((128, 74, 74, 64), True, 132)
+    assert nhwc.kernel == "rows" and nhwc.grid[0] == 1 and nhwc.parts > 1
+    assert elementwise.plan_bias_grad((2, 3, 4, 4), False, 1).group == 16
+    # bias_finish runs one warp per channel, 8 warps per block
+    assert elementwise.plan_bias_grad((64, 70, 1, 1), False, 1).finish_grid == (9,)
+    assert elementwise.plan_bias_grad((2, 3, 4, 4), False, 1).finish_grid == (1,)
+
+
+# ---- launcher validation (runs before any launch, so NumPy arrays exercise it) ----
+
+def _geom(layout="NCHW"):
+    if layout == "NCHW":
+        return ConvGeometry.create((2, 3, 6, 6), (4, 3, 3, 3), padding=1)
+    return ConvGeometry.create((2, 6, 6, 3), (4, 3, 3, 3), padding=1, layout="NHWC")
+
+
+def test_launchers_validate_before_launching():
+    z = np.zeros((2, 4, 6, 6), np.float32)
+    with pytest.raises(TypeError, match="out must be a CuPy array, got list"):
+        elementwise.activation_forward(z, "relu", [0.0])
+    with pytest.raises(ValueError, match="unknown activation"):
+        elementwise.activation_forward(z, "mish", z)
+    with pytest.raises(ValueError, match=r"out has shape \(3,\), but z has shape"):
+        elementwise.activation_forward(z, "relu", np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="out has dtype float64"):
+        elementwise.activation_forward(z, "relu", z.astype(np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        elementwise.activation_forward(z, "relu", np.zeros((6, 6, 4, 2), np.float32).T)
+    with pytest.raises(TypeError, match="z: unsupported dtype int32"):
+        elementwise.activation_forward(z.astype(np.int32), "relu", z)
+    with pytest.raises(TypeError, match="takes CuPy arrays"):
+        elementwise.activation_forward(z, "relu", z)
+    with pytest.raises(ValueError, match="'gelu' needs the saved tensor"):
+        elementwise.activation_backward(z, None, "gelu", z)
+    with pytest.raises(TypeError, match="takes CuPy arrays"):
+        elementwise.activation_backward(z, None, "identity", z)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_bias_launcher_validates_before_launching(layout):
+    geom = _geom(layout)
+    dy = np.zeros(geom.output_shape, np.float32)
+    db = np.zeros(4, np.float32)
+    before = dy.copy()
+    call = elementwise.activation_backward_bias
+    with pytest.raises(TypeError, match="ConvGeometry"):
+        call(dy, dy, "relu", "geom", dy, db)
+    with pytest.raises(ValueError, match="convolution's output has shape"):
+        call(dy[:1], dy[:1], "relu", geom, dy[:1], db)
+    with pytest.raises(ValueError, match=r"db_out has shape \(3,\), expected \(4,\)"):
+        call(dy, dy, "relu", geom, dy, db[:3])
+    with pytest.raises(TypeError, match="db_out has dtype float64"):
+        call(dy, dy, "relu", geom, dy, db.astype(np.float64))
+    with pytest.raises(TypeError, match="beta must be a real number"):
+        call(dy, dy, "relu", geom, dy, db, beta="1")
+    with pytest.raises(ValueError, match="beta must be finite"):
+        call(dy, dy, "relu", geom, dy, db, beta=float("nan"))
+    with pytest.raises(ValueError, match="'silu' needs the saved tensor"):
+        call(dy, None, "silu", geom, dy, db)
+    with pytest.raises(TypeError, match="takes CuPy arrays"):
+        call(dy, dy, "relu", geom, dy, db, beta=1.0)
+    np.testing.assert_array_equal(dy, before)

@@ -1,0 +1,173 @@
+"""CrossEntropyLoss on the CPU against an independent float64 oracle and finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from convfuse import backend
+from convfuse.errors import BackwardBeforeForwardError, DeviceMismatchError
+from convfuse.loss import CrossEntropyLoss
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16]
+
+
+def oracle(logits, labels):
+    """Row losses, correct flags and gradient in float64, one row at a time with exact sums.
+
+    Shifts each row by its own label's logit (not the max): exp may then overflow for
+    huge logits, so it falls back to the max shift only where it must.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    n, c = x.shape
+    losses, grad = [], np.zeros_like(x)
+    for i in range(n):
+        row, lab = [float(v) for v in x[i]], int(labels[i])
+        shift = row[lab] if max(row) - row[lab] < 700 else max(row)
+        total = math.fsum(math.exp(v - shift) for v in row)
+        losses.append(math.log(total) + shift - row[lab])
+        for j, v in enumerate(row):
+            grad[i, j] = (math.exp(v - shift) / total - (j == lab)) / n
+    first_max = [max(range(c), key=lambda j, r=x[i]: (r[j], -j)) for i in range(n)]
+    correct = sum(int(first_max[i] == labels[i]) for i in range(n))
+    return math.fsum(losses) / n, correct, grad
+
+
+def make_batch(rng, n, c, dtype, scale=3.0):
+    logits = (rng.standard_normal((n, c)) * scale).astype(dtype)
+    labels = rng.integers(0, c, n)
+    # make about half the rows confidently right, so correct is neither 0 nor n
+    right = rng.random(n) < 0.5
+    logits[right, labels[right]] = (np.abs(logits[right]).max(axis=1) + 2).astype(dtype)
+    return logits, labels
+
+
+def grad_tolerance(dtype):
+    """The gradient is rounded once to its dtype; 16-bit types get one ulp of slack."""
+    if np.dtype(dtype) in (np.float64, np.float32):
+        return 1e-12 if dtype == np.float64 else 2e-6
+    return float(ml_dtypes.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_loss_correct_and_gradient_match_float64_oracle(rng, dtype):
+    logits, labels = make_batch(rng, 9, 7, dtype)
+    loss_fn = CrossEntropyLoss()
+    loss = loss_fn(logits, labels)
+    want_loss, want_correct, want_grad = oracle(logits, labels)
+
+    out_dtype = np.float64 if dtype == np.float64 else np.float32
+    assert isinstance(loss, np.ndarray) and loss.shape == () and loss.dtype == out_dtype
+    # 16-bit logits widen exactly and the loss is computed in float32, as for float32
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-12 if dtype == np.float64 else 2e-6)
+    assert loss_fn.correct.shape == () and loss_fn.correct.dtype == np.int64
+    assert int(loss_fn.correct) == want_correct and 0 < want_correct < 9
+
+    grad = loss_fn.backward()
+    assert grad.shape == logits.shape and grad.dtype == np.dtype(dtype)
+    eps = grad_tolerance(dtype)
+    np.testing.assert_allclose(grad.astype(np.float64), want_grad, rtol=eps, atol=eps / 9)
+
+
+def test_gradient_matches_finite_differences(rng):
+    logits, labels = make_batch(rng, 4, 5, np.float64, scale=1.0)
+    loss_fn = CrossEntropyLoss()
+    loss_fn(logits, labels)
+    grad = loss_fn.backward()
+    h = 1e-6
+    fd = np.zeros_like(logits)
+    for idx in np.ndindex(*logits.shape):
+        plus, minus = logits.copy(), logits.copy()
+        plus[idx] += h
+        minus[idx] -= h
+        fd[idx] = (float(loss_fn(plus, labels)) - float(loss_fn(minus, labels))) / (2 * h)
+    np.testing.assert_allclose(grad, fd, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(grad.sum(axis=1), 0.0, atol=1e-15)  # softmax sums to one
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_huge_logits_stay_finite(dtype):
+    logits = np.array([[1e4, 0.0, -1e4], [1e4, 0.0, -1e4], [-1e4, -1e4, -1e4]], dtype=dtype)
+    labels = np.array([0, 2, 1])
+    loss_fn = CrossEntropyLoss()
+    loss = float(loss_fn(logits, labels))
+    grad = loss_fn.backward().astype(np.float64)
+    # row 0 is certain and right (0), row 1 is 2e4 off, row 2 is uniform (log 3)
+    np.testing.assert_allclose(loss, (0.0 + 2e4 + math.log(3)) / 3, rtol=1e-6)
+    want = np.array([[0, 0, 0], [1, 0, -1], [1 / 3, -2 / 3, 1 / 3]]) / 3
+    np.testing.assert_allclose(grad, want, atol=1e-3 if dtype == np.float16 else 1e-7)
+    assert int(loss_fn.correct) == 1  # row 2 ties: the first maximum (0) is not label 1
+
+
+def test_agrees_with_scipy_log_softmax(rng):
+    special = pytest.importorskip("scipy.special")
+    logits, labels = make_batch(rng, 6, 11, np.float64)
+    want = -special.log_softmax(logits, axis=1)[np.arange(6), labels].mean()
+    np.testing.assert_allclose(float(CrossEntropyLoss()(logits, labels)), want, rtol=1e-13)
+
+
+@pytest.mark.parametrize("label_dtype", [np.int8, np.uint8, np.int32, np.int64, np.uint64])
+def test_any_integer_label_dtype(rng, label_dtype):
+    logits, labels = make_batch(rng, 5, 4, np.float64)
+    want, _, _ = oracle(logits, labels)
+    got = float(CrossEntropyLoss()(logits, labels.astype(label_dtype)))
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_inputs_are_not_modified(rng):
+    logits, labels = make_batch(rng, 5, 3, np.float32)
+    logits_before, labels_before = logits.copy(), labels.copy()
+    loss_fn = CrossEntropyLoss()
+    loss_fn(logits, labels)
+    grad = loss_fn.backward()
+    assert not np.shares_memory(grad, logits)
+    np.testing.assert_array_equal(logits, logits_before)
+    np.testing.assert_array_equal(labels, labels_before)
+
+
+def test_backward_needs_a_forward_and_is_handed_out_once(rng):
+    loss_fn = CrossEntropyLoss()
+    assert loss_fn.correct is None and repr(loss_fn) == "CrossEntropyLoss()"
+    with pytest.raises(BackwardBeforeForwardError, match="needs a forward"):
+        loss_fn.backward()
+    logits, labels = make_batch(rng, 3, 3, np.float32)
+    loss_fn(logits, labels)
+    loss_fn.backward()
+    with pytest.raises(BackwardBeforeForwardError):
+        loss_fn.backward()
+
+
+@pytest.mark.parametrize(
+    ("logits", "labels", "error", "match"),
+    [
+        (np.zeros((2, 3, 1), np.float32), np.zeros(2, np.int64), ValueError, r"2-D \(N, C\)"),
+        (np.zeros(3, np.float32), np.zeros(3, np.int64), ValueError, "2-D"),
+        (np.zeros((2, 3), np.float32), np.zeros((2, 1), np.int64), ValueError, r"1-D \(N,\)"),
+        (np.zeros((2, 3), np.float32), np.zeros(2, np.float32), TypeError, "integer array"),
+        (np.zeros((2, 3), np.float32), np.zeros(2, bool), TypeError, "integer array"),
+        (np.zeros((2, 3), np.int64), np.zeros(2, np.int64), TypeError, "float array"),
+        (np.zeros((2, 3), np.float32), np.zeros(3, np.int64), ValueError, "3 entries, .* 2 rows"),
+        (np.zeros((0, 3), np.float32), np.zeros(0, np.int64), ValueError, "at least one row"),
+        (np.zeros((2, 0), np.float32), np.zeros(2, np.int64), ValueError, "one class"),
+        (np.zeros((3, 4), np.float32), np.array([0, 1, 4]), ValueError, r"\[0, 4\).* 4 at row 2"),
+        (np.zeros((3, 4), np.float32), np.array([0, -1, 2]), ValueError, "got -1 at row 1"),
+        ([[0.0, 1.0]], np.zeros(1, np.int64), TypeError, "NumPy or CuPy array"),
+    ],
+)
+def test_bad_input_raises_before_computing(logits, labels, error, match):
+    loss_fn = CrossEntropyLoss()
+    with pytest.raises(error, match=match):
+        loss_fn(logits, labels)
+    assert loss_fn.correct is None
+
+
+def test_mixing_numpy_and_cupy_raises(monkeypatch):
+    class FakeDeviceArray:  # stands in for a CuPy array: no GPU is needed to test the check
+        shape, dtype, ndim = (2,), np.dtype(np.int64), 1
+
+    monkeypatch.setattr(backend, "is_cupy", lambda a: isinstance(a, FakeDeviceArray))
+    with pytest.raises(DeviceMismatchError, match="cannot mix NumPy and CuPy"):
+        CrossEntropyLoss()(np.zeros((2, 3), np.float32), FakeDeviceArray())
