@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 
@@ -74,6 +74,9 @@ def _find_cuda_includes() -> list[Path]:
         "or set CONVFUSE_CUDA_INCLUDE."
     )
 
+
+# Compile the csrc/ files in parallel (NPY_NUM_BUILD_JOBS overrides the job count).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 cudnn_include = _find_cudnn_include()
 cudnn_lib = cudnn_include.parent / "lib"

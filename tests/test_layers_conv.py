@@ -24,7 +24,7 @@ KERNEL = {1: 3, 2: (3, 2), 3: (2, 3, 2)}
 
 
 def make(rank, act="relu", groups=1, stride=1, padding=1, dilation=1, bias=True,
-         layout="NCHW", cin=4, cout=6, seed=0):
+         layout="NCHW", cin=4, cout=8, seed=0):
     return LAYERS[rank](cin, cout, KERNEL[rank], stride=stride, padding=padding,
                         dilation=dilation, groups=groups, bias=bias, activation=act,
                         layout=layout, dtype="float64", device="cpu", seed=seed)
@@ -57,10 +57,11 @@ def test_forward_matches_naive_loops(rank, act, groups, stride, padding, dilatio
     x = random_input(rank, rng)
     z = rng.standard_normal(layer(x).shape)
     y = layer(x, residual=z)
-    b = layer.bias.data if bias else None
-    expect = naive.conv_forward(x, layer.weight.data, b, stride=stride, padding=padding,
+    expect = naive.conv_forward(x, layer.weight.data, stride=stride, padding=padding,
                                 dilation=dilation, groups=groups)
-    expect = naive.activation(expect + z, act)
+    if bias:
+        expect += layer.bias.data.reshape(1, -1, *([1] * rank))
+    expect = naive.act_array(act, expect + z)
     np.testing.assert_allclose(y, expect, rtol=1e-11, atol=1e-12)
 
 
@@ -155,8 +156,10 @@ def test_default_init_matches_pytorch_bounds_and_seed():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_reduced_precision_follows_float64(dtype, rng):
     ref = make(2, "relu")
-    low = cf.Conv2d(4, 6, KERNEL[2], padding=1, activation="relu", dtype=dtype, device="cpu",
+    low = cf.Conv2d(4, 8, KERNEL[2], padding=1, activation="relu", dtype=dtype, device="cpu",
                     seed=0)
+    ref.weight.data[...] = low.weight.data.astype(np.float64)
+    ref.bias.data[...] = low.bias.data.astype(np.float64)
     x = random_input(2, rng)
     y = low(x.astype(low.dtype))
     assert y.dtype == low.dtype
@@ -169,7 +172,7 @@ def test_bad_input_gets_clear_errors(rng):
     layer = make(2, "relu")
     x = random_input(2, rng)
     with pytest.raises(BackwardBeforeForwardError):
-        layer.backward(np.zeros((2, 6, 6, 4)))
+        layer.backward(np.zeros((2, 8, 6, 4)))
     with pytest.raises(ValueError, match="expects a 4-d input"):
         layer(x[0])
     with pytest.raises(ValueError, match=r"input channels must match the weight: 3 vs\. 4"):
@@ -180,7 +183,7 @@ def test_bad_input_gets_clear_errors(rng):
         layer(x.tolist())
     y = layer(x)
     with pytest.raises(ValueError, match="dy has shape"):
-        layer.backward(np.zeros((2, 6, 3, 3)))
+        layer.backward(np.zeros((2, 8, 3, 3)))
     layer.backward(np.ones_like(y))  # the rejected dy did not consume the forward
     with pytest.raises(ValueError, match="unknown activation"):
         make(2, "swishy")
