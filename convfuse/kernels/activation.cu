@@ -246,7 +246,7 @@ __device__ typename Io<T>::C channel_loop(const T* dy, const T* sv, T* dz, long 
     for (; j < end; j += step) {
         const long long i = (n * K + k) * S + s;
         const C g = act_backward<A, C>(Io<T>::load(dy[i]), Io<T>::load(sv[i]));
-        dz[i] = Io<T>::store(g);
+        if (dz) dz[i] = Io<T>::store(g);  // NULL: bias gradient only (identity)
         acc += g;
         s += ds;
         n += dn;
@@ -282,7 +282,7 @@ __device__ typename Io<T>::C rows_loop(const T* dy, const T* sv, T* dz, long lon
     for (long long r = begin; r < end; r += R) {
         const long long i = r * cols + c;
         const C g = act_backward<A, C>(Io<T>::load(dy[i]), Io<T>::load(sv[i]));
-        dz[i] = Io<T>::store(g);
+        if (dz) dz[i] = Io<T>::store(g);  // NULL: bias gradient only (identity)
         acc += g;
     }
     return acc;

@@ -188,6 +188,7 @@ def activation_backward_bias(
 
     One pass over dy and saved; deterministic (see activation.cu). With beta == 0 db_out
     is not read. geom is the geometry of the convolution whose output dy is the gradient of.
+    For identity, dz_out may be None: then only the bias gradient is computed (dz is dy).
     """
     act = normalize(activation)
     if not isinstance(geom, ConvGeometry):
@@ -199,7 +200,10 @@ def activation_backward_bias(
             f"{geom.output_shape} ({geom.layout})"
         )
     _check_saved(saved, act, dy)
-    _check_like("dz_out", dz_out, "dy", dy)
+    if dz_out is None and act != "identity":
+        raise ValueError(f"dz_out may be None only for identity, not {act!r}")
+    if dz_out is not None:
+        _check_like("dz_out", dz_out, "dy", dy)
     _check_array("db_out", db_out)
     if tuple(db_out.shape) != geom.bias_shape:
         raise ValueError(
@@ -257,8 +261,9 @@ def _launch_bias(dy: Any, saved: Any, code: int, geom: ConvGeometry, dz_out: Any
                    if plan.needs_finish else np.uint64(0))  # NULL: blocks write db directly
         sv = dy if saved is None else saved  # identity never reads it
         first = kernels.function("activation", f"act_bias_{plan.kernel}_{suffix}")
+        dz = np.uint64(0) if dz_out is None else dz_out  # NULL: no dz written
         first(plan.grid, (plan.block,),
-              (dy, sv, dz_out, *(np.int64(v) for v in plan.int_args), partial, db_out,
+              (dy, sv, dz, *(np.int64(v) for v in plan.int_args), partial, db_out,
                np.float64(beta), np.int32(code)))
         if plan.needs_finish:
             finish = kernels.function("activation", f"act_bias_finish_{suffix}")

@@ -106,7 +106,8 @@ def test_fused_forward_is_one_cudnn_call(act, monkeypatch):
     assert calls == ["convolutionBiasActivationForward"]
 
 
-def test_bias_gradient_takes_the_intended_path(monkeypatch):
+@pytest.mark.parametrize("act", ["gelu", "identity"])
+def test_bias_gradient_takes_the_intended_path(act, monkeypatch):
     """cudnnConvolutionBackwardBias or the fused kernel, per config; never cupy.sum."""
     import cupy as cp
 
@@ -125,7 +126,7 @@ def test_bias_gradient_takes_the_intended_path(monkeypatch):
     x = cp.asarray(np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32))
     grads = []
     for path in ("cudnn", "fused"):
-        layer = cf.Conv2d(4, 8, 3, activation="gelu", device="cuda", seed=5)
+        layer = cf.Conv2d(4, 8, 3, activation=act, device="cuda", seed=5)
         with cf.config.flags(bias_grad=path):
             y = layer(x)
             layer.backward(cp.ones_like(y))

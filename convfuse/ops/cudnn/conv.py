@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ... import activations
+from ... import activations, config
 from ..._binding import cudnn
 from ...errors import CudnnError
 from ...plan import Candidate, ConvPlan, get_plan
@@ -141,13 +141,18 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
 
 def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
                        beta: float = 0.0) -> Any:  # pragma: gpu
-    """db of shape (K,), written through the plan's 1xKx1x1 bias descriptor (same bytes)."""
+    """db of shape (K,): cudnnConvolutionBackwardBias through the plan's 1xKx1x1 bias
+    descriptor (same bytes), or the bias-only mode of the fused kernel when
+    config bias_grad == "fused"; never a generic reduction."""
     import cupy as cp
 
-    handle = get_handle()
-    plan = get_plan(geom, dz.dtype)
     db = out if out is not None else cp.empty(geom.bias_shape, dtype=dz.dtype)
     beta = float(beta) if out is not None else 0.0
+    if config.get().bias_grad == "fused":
+        elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
+        return db
+    handle = get_handle()
+    plan = get_plan(geom, dz.dtype)
     with context(lambda: _where(plan, "conv_backward_bias")):
         cudnn().convolutionBackwardBias(
             handle, 1.0, plan.y_desc, dz.data.ptr, beta, plan.bias_desc, db.data.ptr)
