@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 
@@ -51,8 +49,7 @@ def test_cli_rejects_bad_arguments():
     assert proc.returncode != 0 and "--epochs" in proc.stderr
 
 
-@pytest.mark.skipif("CONVFUSE_FULL_EXAMPLE" not in __import__("os").environ,
-                    reason="the full default run takes ~a minute; set CONVFUSE_FULL_EXAMPLE=1")
 def test_default_run_reaches_95_percent(tmp_path):
+    """The README's main job, as a user runs it on the CPU (the issue's bar: >= 0.95)."""
     example = load_example()
     assert example.main(["--device", "cpu", "--plot", str(tmp_path / "c.png")]) >= 0.95
