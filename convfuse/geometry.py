@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 IntOrTuple = int | Sequence[int]
 
 _LAYOUT_NAMES = {
@@ -41,25 +43,22 @@ def layout_name(channels_last: bool, rank: int) -> str:
     return names[rank][int(channels_last)]
 
 
-def as_tuple(value: IntOrTuple, rank: int, what: str) -> tuple[int, ...]:
+def as_tuple(value: IntOrTuple, rank: int, what: str, op: str = "convolution") -> tuple[int, ...]:
     """Expand an int to `rank` copies; check a sequence has `rank` integer entries."""
-    if _is_int(value):
+    if is_int(value):
         items: tuple = (value,) * rank
     elif isinstance(value, (tuple, list)):
         items = tuple(value)
     else:
         items = ()
-    if len(items) != rank or not all(_is_int(v) for v in items):
-        raise ValueError(
-            f"{what} must be an int or {rank} ints for a {rank}-d convolution, got {value!r}"
-        )
+    if len(items) != rank or not all(is_int(v) for v in items):
+        raise ValueError(f"{what} must be an int or {rank} ints for a {rank}-d {op}, got {value!r}")
     return tuple(int(v) for v in items)
 
 
-def _is_int(v: object) -> bool:
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, int) or type(v).__name__.startswith(("int", "uint"))
+def is_int(v: object) -> bool:
+    """A Python or NumPy integer, but not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def to_channels_first(shape: Sequence[int], channels_last: bool) -> tuple[int, ...]:

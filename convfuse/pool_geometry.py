@@ -16,33 +16,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from .geometry import (
     IntOrTuple,
+    as_tuple,
     from_channels_first,
+    is_int,
     layout_name,
     parse_layout,
     to_channels_first,
 )
 
 POOL_MODES = ("max", "avg")
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _ints(value: object, rank: int, what: str) -> tuple[int, ...]:
-    """An int expanded to `rank` copies, or a sequence of exactly `rank` ints."""
-    if _is_int(value):
-        return (int(value),) * rank  # type: ignore[call-overload]
-    items = tuple(value) if isinstance(value, Sequence) else None
-    if items is None or len(items) != rank or not all(_is_int(v) for v in items):
-        raise ValueError(
-            f"{what} must be an int or {rank} ints for a {rank}-d pooling, got {value!r}"
-        )
-    return tuple(int(v) for v in items)
 
 
 def pool_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -74,7 +58,7 @@ class PoolGeometry:
         """Validate a pooling; stride defaults to the kernel size (as in PyTorch)."""
         if isinstance(input_shape, (str, bytes)) or not isinstance(input_shape, Sequence):
             raise TypeError(f"input_shape must be a sequence of ints, got {input_shape!r}")
-        if not all(_is_int(d) for d in input_shape):
+        if not all(is_int(d) for d in input_shape):
             raise TypeError(f"input_shape must hold ints, got {tuple(input_shape)!r}")
         shape = tuple(int(d) for d in input_shape)
         if len(shape) not in (3, 4, 5):
@@ -84,9 +68,9 @@ class PoolGeometry:
             )
         rank = len(shape) - 2
         channels_last = parse_layout(layout, rank)
-        kernel = _ints(kernel_size, rank, "kernel_size")
-        stride_t = kernel if stride is None else _ints(stride, rank, "stride")
-        pad = _ints(padding, rank, "padding")
+        kernel = as_tuple(kernel_size, rank, "kernel_size", "pooling")
+        stride_t = kernel if stride is None else as_tuple(stride, rank, "stride", "pooling")
+        pad = as_tuple(padding, rank, "padding", "pooling")
         if not isinstance(mode, str) or mode.lower() not in POOL_MODES:
             raise ValueError(f"pooling mode must be one of {', '.join(POOL_MODES)}, got {mode!r}")
         geom = cls(shape, kernel, stride_t, pad, mode.lower(), channels_last)

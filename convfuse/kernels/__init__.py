@@ -59,7 +59,8 @@ def nvrtc() -> ModuleType:
 
 
 def compile_options(arch: str | None = None) -> list[str]:
-    opts = ["--std=c++17", *(f"-I{d}" for d in include_dirs())]
+    here = str(resources.files(__name__))  # for the shared common.cuh
+    opts = ["--std=c++17", f"-I{here}", *(f"-I{d}" for d in include_dirs())]
     if arch:
         opts.append(f"-arch={arch}")
     return opts

@@ -15,8 +15,7 @@
 // Pointers carry no __restrict__: out may alias an input (in-place activation), which is
 // safe because each element is read and written by the same thread at the same index.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 #define ACT_IDENTITY 0
 #define ACT_RELU 1
@@ -33,31 +32,8 @@
 
 namespace {
 
-template <typename T> struct Io;
-template <> struct Io<float> {
-    typedef float C;
-    static __device__ __forceinline__ float load(float v) { return v; }
-    static __device__ __forceinline__ float store(float v) { return v; }
-};
-template <> struct Io<double> {
-    typedef double C;
-    static __device__ __forceinline__ double load(double v) { return v; }
-    static __device__ __forceinline__ double store(double v) { return v; }
-};
-template <> struct Io<__half> {
-    typedef float C;
-    static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
-    static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
-};
-template <> struct Io<__nv_bfloat16> {
-    typedef float C;
-    static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
-};
 
 // Explicit overloads so float math never silently promotes to double.
-__device__ __forceinline__ float m_exp(float x) { return expf(x); }
-__device__ __forceinline__ double m_exp(double x) { return exp(x); }
 __device__ __forceinline__ float m_expm1(float x) { return expm1f(x); }
 __device__ __forceinline__ double m_expm1(double x) { return expm1(x); }
 __device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }

@@ -14,38 +14,14 @@
 // No atomics, allocation or host synchronisation: results are bit-reproducible and both
 // kernels can be captured in a CUDA graph.
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 // Threads per block of both kernels (xent_mean's shared arrays are sized by it).
 #define XENT_BLOCK 256
 
 namespace {
 
-template <typename T> struct Io;
-template <> struct Io<float> {
-    typedef float C;
-    static __device__ __forceinline__ float load(float v) { return v; }
-    static __device__ __forceinline__ float store(float v) { return v; }
-};
-template <> struct Io<double> {
-    typedef double C;
-    static __device__ __forceinline__ double load(double v) { return v; }
-    static __device__ __forceinline__ double store(double v) { return v; }
-};
-template <> struct Io<__half> {
-    typedef float C;
-    static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
-    static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
-};
-template <> struct Io<__nv_bfloat16> {
-    typedef float C;
-    static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
-};
 
-__device__ __forceinline__ float m_exp(float x) { return expf(x); }
-__device__ __forceinline__ double m_exp(double x) { return exp(x); }
 __device__ __forceinline__ float m_log(float x) { return logf(x); }
 __device__ __forceinline__ double m_log(double x) { return log(x); }
 __device__ __forceinline__ float neg_inf(float) { return -__int_as_float(0x7f800000); }
