@@ -21,3 +21,23 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+def _register_hypothesis_profiles() -> None:
+    """HYPOTHESIS_PROFILE=ci (the default: bounded and derandomized) or long (thousands of
+    random examples); see docs/VERIFYING.md. Neither writes an example database into the
+    checkout: a failure prints the seed blob (@reproduce_failure) instead."""
+    import os
+
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # hypothesis is a test extra; only the fuzz tests need it
+        return
+    common = {"deadline": None, "print_blob": True, "database": None,
+              "suppress_health_check": [HealthCheck.too_slow]}
+    settings.register_profile("ci", max_examples=300, derandomize=True, **common)
+    settings.register_profile("long", max_examples=5000, **common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+_register_hypothesis_profiles()

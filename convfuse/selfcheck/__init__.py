@@ -1,0 +1,91 @@
+"""`convfuse selfcheck`: what this install can be trusted to do, in one command.
+
+It prints the environment, names install problems with their fixes, runs the CPU-side
+checks (libcudnn and the binding load, descriptors, cuDNN's shape rules, plans, the custom
+kernels' NVRTC compile, the reference engine against a tiny oracle) and, when a GPU is
+usable, every cuDNN-backed op, layer, an autotuned plan, the fused optimizers and a
+captured training step against the float64 reference. It exits 0 only if all of it passes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ..backend import gpu_unavailable_reason
+from . import cpu_checks, environment, install, reference_checks
+from .report import SKIP, CheckResult, Problem, Report, write_text
+from .runner import run_check
+
+#: What only a GPU can show; listed in the report whenever the GPU checks did not run.
+GPU_ONLY = (
+    "cuDNN compute calls (fused conv+bias+activation, backward data/filter/bias, "
+    "activation, pooling) give the reference engine's results",
+    "algorithm choice, workspace sizes and autotuning (they need a cuDNN handle)",
+    "the custom CUDA kernels' results (activations, loss, optimizers): here they were "
+    "only compiled",
+    "float16/bfloat16 tensor-core paths and TF32",
+    "the fused optimizers and CUDA-graph capture of a training step",
+)
+
+
+def run(cpu_only: bool = False, kernels: bool = True) -> Report:
+    """Run every check this machine allows and return the report (never raises)."""
+    report = Report()
+    report.problems.extend(install.static_problems(environment.driver_version()))
+    load_error = None
+    try:
+        path, lib, problems = install.load_binding()
+    except Exception as exc:  # an unforeseen way to break: still a named problem
+        path, lib, problems = None, None, []
+        load_error = f"{type(exc).__name__}: {exc}"
+        report.problems.append(Problem(f"loading cuDNN failed unexpectedly ({load_error})",
+                                       "reinstall: pip install --force-reinstall "
+                                       "'convfuse[cu12]' (or cu13), then rerun selfcheck"))
+    report.problems.extend(problems)
+    report.environment = environment.collect(path, lib, load_error)
+
+    reason = gpu_unavailable_reason()
+    if reason is None and cpu_only:  # (a GPU is usable, but the user asked us not to use it)
+        reason = "GPU checks skipped (--cpu-only)"
+    report.gpu_reason = reason
+    if reason is not None:
+        report.not_checked = list(GPU_ONLY)
+
+    checks = report.checks
+    checks.append(run_check("binding", "libcudnn and convfuse._cudnn load",
+                            lambda: cpu_checks.library_loaded(path, lib)))
+    if lib is not None:
+        for name, fn in cpu_checks.binding_checks(lib, gpu=reason is None):
+            checks.append(run_check("binding", name, fn))
+    else:
+        checks.append(CheckResult("binding", "descriptors, shape rules, plans", SKIP,
+                                  "need convfuse._cudnn (see install problems)"))
+    if kernels:
+        checks.append(run_check("kernels", "CUDA kernels compile (NVRTC)",
+                                cpu_checks.kernels_compile))
+    for name, fn in reference_checks.REFERENCE_CHECKS:
+        checks.append(run_check("reference", name, fn))
+    if reason is None and lib is not None:  # pragma: gpu
+        from .gpu_checks import run_gpu_checks
+
+        checks.extend(run_gpu_checks())
+    elif reason is None:  # pragma: gpu
+        report.not_checked = ["every GPU check: the cuDNN binding did not load",
+                              *GPU_ONLY]
+    return report
+
+
+def selfcheck(json_path: str | None = None, out: TextIO | None = None,
+              cpu_only: bool = False, kernels: bool = True) -> int:
+    """Run, print the text report to `out` (stdout), write JSON if asked; the exit code."""
+    out = out or sys.stdout
+    report = run(cpu_only=cpu_only, kernels=kernels)
+    write_text(report, out)
+    if json_path:
+        report.write_json(json_path)
+        out.write(f"Full report written to {json_path}\n")
+    return report.exit_code
+
+
+__all__ = ["GPU_ONLY", "Report", "run", "selfcheck"]
