@@ -1,0 +1,74 @@
+"""convfuse.optim's state_dict round trips: a loaded optimizer continues identically, and
+mismatched state is refused without being half-loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convfuse import Parameter
+from convfuse.optim import SGD, Adam, AdamW
+from tests._optim_helpers import grad_sequence, make_params, run
+
+
+# -- state round trip ------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [
+    lambda ps: SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    lambda ps: AdamW(ps, lr=0.01, betas=(0.8, 0.99)),
+])
+def test_state_dict_round_trip_continues_identically(rng, make):
+    shapes = [(3, 2), (4,)]
+    a = make_params(rng, np.float32, shapes) + make_params(rng, np.float64, [(2,)])
+    b = [Parameter(p.data.copy()) for p in a]
+    opt_a = make(a)
+    grads = grad_sequence(rng, [p.shape for p in a], 5)
+    run(opt_a, a, grads[:3])
+    opt_a.lr = 0.02
+    sd = opt_a.state_dict()
+    for p, q in zip(a, b):
+        q.data[...] = p.data
+    opt_b = make(b)
+    opt_b.load_state_dict(sd)
+    assert opt_b.lr == 0.02 and opt_b.defaults == opt_a.defaults
+    run(opt_a, a, grads[3:])
+    run(opt_b, b, grads[3:])
+    for p, q in zip(a, b):
+        np.testing.assert_array_equal(p.data, q.data)
+    key = next(k for k in sd["state"][0] if k != "step")
+    sd["state"][0][key][...] = 7.0  # state_dict hands out copies
+    assert not (opt_a.state_dict()["state"][0][key] == 7.0).any()
+
+
+def test_load_state_dict_rejects_mismatches(rng):
+    params = make_params(rng, np.float32, [(3,), (2,)])
+    opt = Adam(params)
+    good = opt.state_dict()
+    with pytest.raises(ValueError, match="keys 'state' and 'param_groups'"):
+        opt.load_state_dict({"state": {}})
+    with pytest.raises(ValueError, match="for 1 parameters, this optimizer has 2"):
+        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0], "params": [0]}]})
+    bad = opt.state_dict()
+    bad["state"][1]["exp_avg"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=r"\[1\]\['exp_avg'\] has shape \(3,\)"):
+        opt.load_state_dict(bad)
+    bad = opt.state_dict()
+    bad["state"][1]["step"] = 4
+    with pytest.raises(ValueError, match="share one step count"):
+        opt.load_state_dict(bad)
+    bad = opt.state_dict()
+    bad["param_groups"][0]["betas"] = (2.0, 0.9)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 0"):
+        opt.load_state_dict(bad)
+    with pytest.raises(ValueError, match="exactly one dict"):
+        opt.load_state_dict({**good, "param_groups": [good["param_groups"][0]] * 2})
+    with pytest.raises(ValueError, match=r"\['state'\]\[1\] must hold \['exp_avg', 'exp_avg_sq'"):
+        opt.load_state_dict({**good, "state": {0: good["state"][0]}})
+    with pytest.raises(ValueError, match="unknown Adam hyperparameter"):
+        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0], "amsgrad": 1}]})
+    sgd = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="unknown SGD hyperparameter"):
+        sgd.load_state_dict(good)
+    plain = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1).state_dict()
+    with pytest.raises(ValueError, match=r"needs state \(\), this optimizer keeps"):
+        sgd.load_state_dict(plain)
+    assert opt.state_dict()["state"][0]["step"] == 0  # nothing was half-loaded

@@ -1,0 +1,83 @@
+"""convfuse.optim's argument validation: bad hyperparameters and parameter lists are refused
+with PyTorch's messages, and a refused construction leaves the parameters alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convfuse import Parameter
+from convfuse.optim import SGD, Adam, AdamW
+
+
+# -- validation ------------------------------------------------------------------------------
+def _p():
+    return [Parameter(np.zeros(3, np.float32))]
+
+
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: SGD(_p(), lr=-1), ValueError, "Invalid learning rate: -1"),
+        (lambda: SGD(_p(), lr=float("nan")), ValueError, "Invalid learning rate: nan"),
+        (lambda: SGD(_p(), lr=0.1, momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),
+        (lambda: SGD(_p(), lr=0.1, weight_decay=-1e-4), ValueError,
+         "Invalid weight_decay value: -0.0001"),
+        (lambda: SGD(_p(), lr=0.1, nesterov=True), ValueError,
+         "Nesterov momentum requires a momentum and zero dampening"),
+        (lambda: SGD(_p(), lr=0.1, momentum=0.9, nesterov="yes"), TypeError, "nesterov must be"),
+        (lambda: SGD(_p(), lr=None), TypeError, "lr must be a real number"),
+        (lambda: Adam(_p(), lr=-0.1), ValueError, "Invalid learning rate: -0.1"),
+        (lambda: Adam(_p(), eps=-1e-8), ValueError, "Invalid epsilon value: -1e-08"),
+        (lambda: Adam(_p(), betas=(1.0, 0.999)), ValueError,
+         "Invalid beta parameter at index 0: 1.0"),
+        (lambda: Adam(_p(), betas=(0.9, -0.1)), ValueError,
+         "Invalid beta parameter at index 1: -0.1"),
+        (lambda: Adam(_p(), betas=(0.9,)), ValueError, "betas must be a pair"),
+        (lambda: Adam(_p(), betas=(0.9, "x")), TypeError, r"betas\[1\] must be a real number"),
+        (lambda: AdamW(_p(), weight_decay=-0.01), ValueError, "Invalid weight_decay value: -0.01"),
+        (lambda: SGD([], lr=0.1), ValueError, "optimizer got an empty parameter list"),
+        (lambda: SGD(iter([]), lr=0.1), ValueError, "empty parameter list"),
+        (lambda: SGD(Parameter(np.zeros(2)), lr=0.1), TypeError, "single Parameter"),
+        (lambda: SGD(3, lr=0.1), TypeError, "iterable of Parameter, got int"),
+        (lambda: SGD([np.zeros(2)], lr=0.1), TypeError, r"params\[0\] is a ndarray"),
+        (lambda: SGD([Parameter(np.zeros(2, np.int32))], lr=0.1), ValueError,
+         r"params\[0\]: unsupported dtype int32"),
+    ],
+)
+def test_validation_errors(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_duplicate_parameters_are_refused():
+    p, q = Parameter(np.zeros(2)), Parameter(np.zeros(2))
+    with pytest.raises(ValueError, match=r"params\[2\] is the same Parameter as params\[0\]"):
+        SGD([p, q, p], lr=0.1)
+
+
+def test_grad_that_does_not_match_data_is_refused():
+    p = Parameter(np.zeros((2, 3), np.float32))
+    p.grad = np.zeros((3, 2), np.float32)
+    with pytest.raises(ValueError, match=r"params\[0\] has grad float32\(3, 2\) but data"):
+        SGD([p], lr=0.1)
+    p.grad = np.zeros((2, 3), np.float64)
+    with pytest.raises(ValueError, match="float64"):
+        SGD([p], lr=0.1)
+
+
+def test_failed_construction_leaves_parameters_alone():
+    p = Parameter(np.ones(3, np.float32))
+    data = p.data
+    with pytest.raises(ValueError):
+        SGD([p], lr=-1.0)
+    with pytest.raises(ValueError, match="same Parameter"):
+        SGD([p, p], lr=1.0)
+    assert p.data is data
+
+
+def test_none_grad_becomes_zeros():
+    p = Parameter(np.ones(3))
+    p.grad = None
+    SGD([p], lr=0.1)
+    assert p.grad is not None and p.grad.shape == (3,) and not p.grad.any()

@@ -1,0 +1,160 @@
+"""The pieces of `convfuse selfcheck`: its error measure, the GPU table, its loop oracle
+against the test suite's, and the GPU case table (whose bodies only run on a GPU, but
+whose plumbing is dry-run here with NumPy standing in for CuPy).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from convfuse.selfcheck import cpu_checks, oracle, reference_checks
+from convfuse.selfcheck.report import FAIL, PASS, CheckResult, write_gpu_matrix
+from convfuse.selfcheck.runner import CheckFailed, Outcome, Worst, relative_error
+from tests import naive
+
+# --- the pieces: error measure, GPU table, oracle -----------------------------------------
+
+
+def test_relative_error():
+    ref = np.array([1.0, -4.0, 2.0])
+    assert relative_error(ref, ref) == 0.0
+    assert relative_error(ref + np.array([0, 0, 0.04]), ref) == pytest.approx(0.01)
+    assert relative_error(np.array([1.0, np.nan, 2.0]), ref) == math.inf  # never written
+    assert relative_error(ref[:2], ref) == math.inf
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    worst = Worst(1e-3)
+    worst.compare(ref, ref, "same")
+    with pytest.raises(CheckFailed) as info:
+        worst.compare(ref * 1.01, ref, "scaled")
+    assert info.value.error == pytest.approx(0.01) and "scaled" in info.value.detail
+    with pytest.raises(CheckFailed):
+        worst.record(math.nan, "nan")
+    assert isinstance(worst.outcome("x"), Outcome)
+
+
+def test_gpu_table_has_a_row_per_case_and_a_column_per_dtype():
+    checks = [
+        CheckResult("gpu", "conv_bias_act relu", PASS, "", 2e-16, 1e-10, "float64"),
+        CheckResult("gpu", "conv_bias_act relu", PASS, "", 3e-7, 1e-5, "float32"),
+        CheckResult("gpu", "conv_bias_act relu", FAIL, "y: 2e-2 > 1e-2", 2e-2, 1e-2, "float16"),
+        CheckResult("gpu", "captured training step", PASS, "", 1e-6, 1e-4, "float32"),
+        CheckResult("binding", "descriptors round-trip", PASS, ""),
+    ]
+    out = io.StringIO()
+    write_gpu_matrix(checks, out)
+    lines = out.getvalue().splitlines()[2:]  # after a blank line and the title
+    assert lines[0].split() == ["case", "float64", "float32", "float16"]
+    assert lines[1].split() == ["conv_bias_act", "relu", "ok", "2.0e-16", "ok", "3.0e-07",
+                                "FAIL", "2.0e-02"]
+    assert lines[2].split() == ["captured", "training", "step", "n/a", "ok", "1.0e-06", "n/a"]
+    assert "FAIL conv_bias_act relu [float16]: y: 2e-2 > 1e-2" in out.getvalue()
+
+
+def test_selfcheck_oracle_agrees_with_the_test_suites_oracle(rng):
+    """The two independent loop oracles (selfcheck ships one, tests/ has the other)."""
+    for x_shape, w_shape, stride, pad, dil, groups in (
+            ((2, 4, 7), (6, 2, 3), (2,), (1,), (1,), 2),
+            ((1, 3, 5, 4), (3, 1, 3, 2), (1, 2), (1, 0), (2, 1), 3),
+            ((1, 2, 3, 4, 3), (2, 2, 2, 2, 2), (1, 1, 1), (1, 0, 1), (1, 1, 1), 1)):
+        x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+        np.testing.assert_allclose(oracle.conv(x, w, stride, pad, dil, groups),
+                                   naive.conv_forward(x, w, stride, pad, dil, groups),
+                                   rtol=1e-13, atol=1e-13)
+    z = np.linspace(-4, 7, 23)
+    for act in reference_checks.activations.ACTIVATIONS:
+        np.testing.assert_allclose(oracle.activation(act, z), naive.act_array(act, z),
+                                   rtol=1e-14, atol=1e-15)
+
+
+def test_output_dims_grid_has_both_outcomes():
+    cases = cpu_checks.output_dims_grid()
+    ranks = {len(c[0]) - 2 for c in cases}
+    assert ranks == {1, 2, 3} and {c[6] for c in cases} == {False, True}
+    assert {c[5] for c in cases} == {1, 2, 4}  # groups, depthwise (4 of 4 channels)
+
+
+# --- the GPU case table (its bodies only run on a GPU) --------------------------------------
+
+
+def test_gpu_cases_cover_every_op_layer_and_training_piece():
+    from convfuse.selfcheck.gpu_checks import OP_CASES
+    from convfuse.selfcheck.gpu_training import TRAINING_CASES
+
+    names = [n for n, _ in (*OP_CASES, *TRAINING_CASES)]
+    assert len(names) == len(set(names))
+    for act in reference_checks.activations.ACTIVATIONS:
+        assert f"conv_bias_act {act}" in names
+    for expected in ("conv_backward_data", "conv_backward_filter", "conv_backward_bias",
+                     "activation kernels", "pooling", "conv layers", "Linear layer",
+                     "plan autotune", "fused SGD", "fused Adam", "fused AdamW", "pooling layers",
+                     "captured training step"):
+        assert expected in names
+    fixed = {n: getattr(fn, "dtypes", None) for n, fn in TRAINING_CASES}
+    assert fixed["plan autotune"] == ("float32",) == fixed["captured training step"]
+    assert fixed["conv layers"] is None  # every dtype the GPU supports
+
+
+def test_gpu_inputs_are_rounded_to_their_dtype_before_the_reference_sees_them():
+    from convfuse.selfcheck.gpu_checks import f64, host_inputs
+
+    a, b = host_inputs(np.random.default_rng(0), "bfloat16", (3, 4), (5,))
+    assert a.dtype.name == "bfloat16" and a.shape == (3, 4) and b.shape == (5,)
+    a64, none = f64(a, None)
+    assert none is None and a64.dtype == np.float64
+    np.testing.assert_array_equal(a64.astype(a.dtype), a)  # exactly the same values
+
+
+def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
+    """A dry run of every GPU case on the CPU: CuPy is replaced by NumPy, so the cases'
+    "GPU" arrays go to the reference engine and each compares the engine with itself in
+    float64. This checks the cases' plumbing (call signatures, shapes, layouts, dtypes,
+    layer and optimizer APIs, the capture protocol), not GPU numbers: on the GPU the same
+    code compares cuDNN with the reference."""
+    import convfuse
+    from convfuse import backend, graph
+    from convfuse.nn import container, module
+    from convfuse.selfcheck import gpu_checks
+    from convfuse.selfcheck.gpu_training import TRAINING_CASES
+
+    backend.cupy_module()  # cache the real answer first: is_cupy() must not see the stand-in
+    stream = SimpleNamespace(synchronize=lambda: None)
+    fake_cupy = SimpleNamespace(
+        asarray=np.asarray, asnumpy=np.asarray, full=np.full,
+        cuda=SimpleNamespace(Device=lambda: SimpleNamespace(compute_capability="90"),
+                             get_current_stream=lambda: stream))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    for where in (module, container):
+        monkeypatch.setattr(where, "resolve_device", lambda device: "cpu")
+
+    def capture(step_fn, *inputs, warmup=1):
+        for _ in range(warmup):
+            step_fn(*inputs)
+        return _Replay(step_fn)
+
+    monkeypatch.setattr(graph, "capture", capture)
+    # Autotuning is a cuDNN plan's business; the reference engine builds no plan to count.
+    cases = (*gpu_checks.OP_CASES, *(c for c in TRAINING_CASES if c[0] != "plan autotune"))
+    results = gpu_checks.run_gpu_checks(cases)
+    assert {r.dtype for r in results} == {"float64", "float32", "float16", "bfloat16"}
+    bad = [(r.name, r.dtype, r.detail) for r in results if r.status != PASS]
+    assert bad == []
+    assert convfuse.config.get().allow_tf32 is True  # restored after the checks
+
+
+class _Replay:
+    """Stands in for a CapturedStep: replays by running the step eagerly."""
+
+    def __init__(self, step_fn):
+        self.step_fn = step_fn
+
+    def __call__(self, *inputs):
+        return self.step_fn(*inputs)
+
+    def synchronize(self):
+        return None
