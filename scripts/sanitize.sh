@@ -8,7 +8,7 @@
 #
 # asan: copies convfuse/, csrc/, tests/, docs/, scripts/, setup.py, pyproject.toml to a scratch folder; builds
 #   convfuse._cudnn there with -fsanitize=address (the checkout's own build is untouched), and
-#   runs tests/test_binding.py and tests/test_leaks.py against that build with:
+#   runs the binding tests (tests/test_binding_*.py) and tests/test_leaks.py against that build with:
 #   - LD_PRELOAD of libasan and libstdc++: python is not built with ASan, and ASan's __cxa_throw
 #     interceptor needs libstdc++ loaded before the extension throws its first exception;
 #   - LD_LIBRARY_PATH to the cuDNN wheel's lib/: ASan's dlopen interceptor hides libcudnn's
@@ -26,7 +26,7 @@ MODE=${1:-all}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 WORK=${SANITIZE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/convfuse-sanitize.XXXXXX")}
-TESTS=(tests/test_binding.py tests/test_leaks.py)
+TESTS=(tests/test_binding_library.py tests/test_binding_descriptors.py tests/test_binding_shapes.py tests/test_binding_lifetime_and_errors.py tests/test_leaks.py)
 CUDNN_LIB=$("$PY" -c 'import os; from cuda.pathfinder import load_nvidia_dynamic_lib as l; print(os.path.dirname(l("cudnn").abs_path))')
 STATUS=0
 

@@ -1,0 +1,83 @@
+"""benchmarks/bench checks, cases and the bias-gradient recommendation, on small synthetic
+inputs: the relative-error check, the layer and bias cases (CPU scaling, geometries), and the
+recommendation's reading of the numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests._benchmarks_helpers import biasgrad, cases, checks
+
+# -- checks and cases ---------------------------------------------------------------------
+
+def test_compare_relative_to_the_reference_scale():
+    import numpy as np
+
+    want = np.array([[2.0, -4.0], [1.0, 0.0]])
+    ok = checks.compare("y", want + 2e-5, want, 1e-5)
+    assert ok["ok"] and ok["rel_err"] == pytest.approx(5e-6)
+    bad = checks.compare("y", want + 1e-3, want, 1e-5)
+    assert not bad["ok"] and "rel err" in checks.failures([bad])
+    nan = want.copy()
+    nan[0, 0] = np.nan
+    assert not checks.compare("y", nan, want, 1.0)["ok"]
+    assert "shapes differ" in checks.failures([checks.compare("y", want[0], want, 1.0)])
+
+
+def test_cpu_scaling_keeps_depthwise_and_records_the_original():
+    dw = next(c for c in cases.LAYERS if c.name == "mbv2.dw3x3")
+    small = dw.scaled(8, 14, 32)
+    assert (small.batch, small.cin, small.cout, small.groups, small.size) == (8, 32, 32, 32, 14)
+    assert small.scaled_from == dw.describe()
+    assert small.geometry("NHWC").output_shape == (8, 14, 14, 32)
+    tiny = cases.LayerCase("t", "", 2, 1, 4, 5, 3, padding=1)
+    assert tiny.scaled(8, 14, 32) == tiny and tiny.scaled(8, 14, 32).scaled_from is None
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_bias_case_geometry_outputs_dy(layout):
+    for case in cases.BIAS_CASES:
+        g = case.geometry(layout)
+        assert g.output_shape == case.shape(layout)
+        assert g.out_channels == case.k
+
+
+def test_every_gpu_layer_case_is_a_valid_geometry():
+    for case in cases.LAYERS:
+        for layout in cases.LAYOUTS:
+            g = case.geometry(layout)
+            assert math.prod(g.output_shape) > 0
+    assert len(cases.layer_cases(quick=True, cpu=False)) == len(cases.QUICK_LAYERS)
+
+
+# -- the bias-gradient recommendation -----------------------------------------------------
+
+def _bias_rec(act, cudnn, generic, fused):
+    medians = {"cudnn": cudnn, "generic": generic, "fused": fused}
+    return {"section": "biasgrad", "status": "ok", "activation": act,
+            "winner": min(medians, key=medians.get),
+            "ratios": {"fused/cudnn": fused / cudnn, "generic/cudnn": generic / cudnn}}
+
+
+def test_recommendation_follows_the_numbers_on_gpu():
+    fast_fused = [_bias_rec("relu", 2.0, 1.5, 0.5), _bias_rec("relu", 1.0, 0.9, 0.25),
+                  _bias_rec("identity", 1.0, 0.5, 4.0)]
+    rec = biasgrad.recommendation(fast_fused, on_gpu=True)
+    # only relu counts (geometric mean of 0.25 and 0.25); identity is not the switch's
+    assert rec["recommendation"] == "fused" and "CHANGE" in rec["text"]
+    assert rec["geomean_fused_over_cudnn"] == pytest.approx({"relu": 0.25, "identity": 4.0})
+    assert "always use cuDNN's bias call" in rec["text"]  # the sum beat cuDNN on identity
+    slow_fused = [_bias_rec("relu", 1.0, 3.0, 1.2), _bias_rec("relu", 1.0, 3.0, 0.9),
+                  _bias_rec("identity", 1.0, 3.0, 0.1)]
+    rec = biasgrad.recommendation(slow_fused, on_gpu=True)
+    assert rec["recommendation"] == "cudnn" and "matches" in rec["text"]
+    assert rec["wins"] == {"cudnn": 1, "generic": 0, "fused": 1}
+    generic_wins = [_bias_rec("relu", 1.0, 0.1, 0.5)]
+    rec = biasgrad.recommendation(generic_wins, on_gpu=True)
+    assert rec["wins"]["generic"] == 1 and "never uses one" in rec["text"]
+    assert biasgrad.recommendation(fast_fused, on_gpu=False)["recommendation"] is None
+    assert biasgrad.recommendation([], on_gpu=True)["recommendation"] is None
+    identity_only = [_bias_rec("identity", 1.0, 1.0, 0.1)]
+    assert biasgrad.recommendation(identity_only, on_gpu=True)["recommendation"] is None

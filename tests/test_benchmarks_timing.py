@@ -1,0 +1,105 @@
+"""benchmarks/bench timing and engines, on small synthetic inputs: summaries and budgets,
+input rotation, the GPU event timers on fake events, the GPU engine's reading of device
+properties, and asking for a GPU without one."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+
+import pytest
+
+from convfuse.backend import gpu_unavailable_reason
+from tests._benchmarks_helpers import engine, peaks, timing
+
+# -- timing -------------------------------------------------------------------------------
+
+def test_summarize_and_budget():
+    s = timing.summarize([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.min, s.max, s.mean, s.reps) == (2.5, 1.0, 10.0, 4.0, 4)
+    b = timing.Budget(warmup=1, min_reps=5, max_reps=50, seconds=1.0)
+    assert (b.reps_for(1.0), b.reps_for(0.04), b.reps_for(1e-6), b.reps_for(0.0)) == (5, 25, 50, 50)
+    with pytest.raises(ValueError, match="no timing samples"):
+        timing.summarize([])
+
+
+def test_measure_rotates_inputs_and_counts_calls():
+    calls = []
+    budget = timing.Budget(warmup=2, min_reps=7, max_reps=7, seconds=0.0)
+    stats = timing.measure(timing.CpuTimer(), calls.append, 3, budget)
+    assert stats.reps == 7
+    n = 2 + timing.PILOT_REPS + 7
+    assert len(calls) == n and calls == [i % 3 for i in range(n)]
+    with pytest.raises(ValueError, match="n_sets"):
+        timing.measure(timing.CpuTimer(), calls.append, 0, budget)
+
+
+@pytest.mark.parametrize("ws, budget, want", [
+    (0, 10**9, 1),  # nothing to rotate
+    (50_000, 10**9, 1), (60_000, 10**9, 1),  # as large as the cache: no rotation
+    (3_000, 10**9, 34),  # ceil(2 * 50,000 / 3,000) sets add up to twice the cache
+    (100, 10**9, 40),  # capped by max_sets
+    (1_000, 4_000, 4),  # capped by the memory budget
+])
+def test_rotation_sets(ws, budget, want):
+    assert timing.rotation_sets(ws, 50_000, max_sets=40, memory_budget_bytes=budget) == want
+
+
+class _FakeEvent:
+    """Stands in for cupy.cuda.Event / torch.cuda.Event: remembers when it was recorded."""
+
+    def __init__(self, *args, **kwargs):
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):  # torch's API, in milliseconds
+        return (end.at - self.at) * 1e3
+
+
+def test_gpu_event_timers_bracket_each_call_and_report_seconds():
+    # The GPU timers' logic (one event pair per call, ms -> s) on fake event objects.
+    fake_cuda = types.SimpleNamespace(
+        Event=_FakeEvent, get_elapsed_time=lambda a, b: (b.at - a.at) * 1e3,
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        synchronize=lambda: None)
+    fake = types.SimpleNamespace(cuda=fake_cuda)
+    for timer in (timing.CupyEventTimer(fake), timing.TorchEventTimer(fake)):
+        seen = []
+
+        def work(i, seen=seen):
+            seen.append(i)
+            time.sleep(0.002)
+
+        samples = timer.sample(work, n_sets=2, start=1, reps=3)
+        assert seen == [1, 0, 1]
+        assert all(0.0015 < t < 0.5 for t in samples)
+        timer.sync()
+
+
+def test_gpu_engine_reads_the_device_properties(monkeypatch):
+    props = {"name": b"NVIDIA H100 80GB HBM3", "major": 9, "minor": 0,
+             "multiProcessorCount": 132, "l2CacheSize": 50 << 20, "totalGlobalMem": 80 << 30}
+    runtime = types.SimpleNamespace(getDeviceProperties=lambda i: props)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(id=0), runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    eng = engine.gpu_engine()
+    assert eng.is_gpu and eng.device == "cuda" and eng.label == "GPU NVIDIA H100 80GB HBM3"
+    assert eng.info["compute_capability"] == "9.0" and eng.cache_bytes == 50 << 20
+    assert eng.rotation(1 << 20) == 64  # 1 MiB sets: twice the L2 would be 100, capped at 64
+    assert peaks.datasheet_entry(eng.info["name"]).name == "H100 SXM5"
+
+
+def test_asking_for_a_gpu_without_one_exits_with_the_reason():
+    if gpu_unavailable_reason() is None:  # pragma: gpu
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="no GPU to benchmark"):
+        engine.make_engine("cuda")
+    eng, notice = engine.make_engine(None)
+    assert eng.kind == "cpu" and notice.startswith("NO GPU")

@@ -1,0 +1,277 @@
+"""The cuDNN engine's wiring, on a faked GPU: CuPy arrays over fake addresses, cupy.empty
+and cupy.zeros handing out such arrays, the binding's compute calls and the kernel
+launchers recording their arguments. This checks, without a device, that each engine
+function passes the plan's descriptors and the arrays' pointers in cuDNN's argument
+order; tests/gpu/test_cudnn_ops.py checks the numbers on a real one."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+import convfuse.ops as ops
+from convfuse.ops import _checks
+from convfuse.pool_geometry import PoolGeometry
+from tests._ops_dispatch_helpers import GEOMS
+
+
+class FakeGpu:
+    COMPUTE = ("convolutionBiasActivationForward", "convolutionForward",
+               "convolutionBackwardData", "convolutionBackwardFilter",
+               "convolutionBackwardBias", "poolingForward", "poolingBackward",
+               "activationForward", "addTensor")
+    LAUNCHERS = ("activation_forward", "activation_backward", "activation_backward_bias")
+
+    def __init__(self, monkeypatch):
+        cp = pytest.importorskip("cupy")
+        from convfuse import backend
+        from convfuse._binding import cudnn
+        from convfuse.ops import elementwise
+        from convfuse.plan import algorithms, clear_plan_cache
+        from convfuse.plan import conv as plan_conv
+
+        if backend.gpu_available():
+            pytest.skip("fakes the device; tests/gpu covers a real one")
+        self.cp, self.lib = cp, cudnn()
+        self.calls = []
+        self.fail = {}  # binding function -> exceptions to raise on its next calls
+        self.next_ptr = 1 << 40
+        clear_plan_cache()
+        monkeypatch.setattr(_checks, "current_device", lambda: 0)
+        monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
+        monkeypatch.setattr(cp, "empty", lambda shape, dtype=float, order="C":
+                            self.array(shape, dtype))
+        monkeypatch.setattr(cp, "empty_like", lambda a, dtype=None, **kw:
+                            self.array(a.shape, dtype or a.dtype))
+        monkeypatch.setattr(cp, "zeros", lambda shape, dtype=float, order="C":
+                            self.array(shape, dtype, "zeros"))
+        for kind in ("conv", "pooling"):
+            mod = importlib.import_module(f"convfuse.ops.cudnn.{kind}")
+            monkeypatch.setattr(mod, "get_handle", lambda: "H")
+        for name in self.COMPUTE:
+            monkeypatch.setattr(self.lib, name, lambda *a, _n=name: self.record(_n, a))
+        for name in self.LAUNCHERS:
+            monkeypatch.setattr(elementwise, name, lambda *a, _n=name: self.calls.append((_n, a)))
+        lib = self.lib
+        self.perfs = [lib.AlgoPerf(a, 0, 1.0, 0, lib.CUDNN_DETERMINISTIC, m)
+                      for a, m in ((6, lib.CUDNN_TENSOR_OP_MATH), (2, lib.CUDNN_DEFAULT_MATH),
+                                   (0, lib.CUDNN_DEFAULT_MATH))]
+        monkeypatch.setattr(algorithms, "heuristic_perfs", lambda *a: self.perfs)
+        monkeypatch.setattr(algorithms, "forced_identity_perf", lambda lib_, h, plan: [
+            lib.AlgoPerf(lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, 0, 0.0, 0,
+                         lib.CUDNN_DETERMINISTIC, plan.conv_desc.getMathType())])
+        monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: None)
+        self.zeros = []
+
+    def array(self, shape, dtype, kind="empty"):
+        from convfuse.dtypes import canonical
+
+        cp = self.cp
+        dt = canonical(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = max(int(np.prod(shape)) * dt.itemsize, 1)
+        mem = cp.cuda.memory.UnownedMemory(self.next_ptr, nbytes, None, device_id=0)
+        self.next_ptr += -(-nbytes // 4096) * 4096 + 4096
+        a = cp.ndarray(shape, dt, memptr=cp.cuda.memory.MemoryPointer(mem, 0))
+        if kind == "zeros":
+            self.zeros.append(a)
+        return a
+
+    def record(self, name, args):
+        self.calls.append((name, args))
+        errors = self.fail.get(name)
+        if errors:
+            raise errors.pop(0)
+
+
+def ptr(a):
+    return a.data.ptr
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    return FakeGpu(monkeypatch)
+
+
+FUSED = "convolutionBiasActivationForward"
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: g.layout)
+def test_engine_fused_relu_with_bias_and_residual(gpu, geom):
+    from convfuse.plan import get_plan
+
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    b, res = gpu.array(geom.bias_shape, "float32"), gpu.array(geom.output_shape, "float32")
+    y, z = ops.conv_bias_act(x, w, b, geom, "relu", res, 0.5)
+    assert z is None and y.shape == geom.output_shape and y.dtype == np.float32
+    plan = get_plan(geom, "float32", "relu", True)
+    cand = plan.choice("fwd", "H", fused=True)
+    assert cand.algo == 6  # cuDNN's first-ranked record
+    [(name, args)] = gpu.calls
+    assert name == FUSED
+    assert args == ("H", 1.0, plan.x_desc, ptr(x), plan.w_desc, ptr(w), plan.conv_desc_for(cand),
+                    6, 0, 0, 0.5, plan.y_desc, ptr(res), plan.bias_desc, ptr(b), plan.act_desc,
+                    plan.y_desc, ptr(y))
+    assert args[6].getMathType() == gpu.lib.CUDNN_TENSOR_OP_MATH  # the record's math type
+
+
+def test_engine_identity_without_bias_or_residual(gpu):
+    from convfuse.plan import get_plan
+
+    geom = GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float16"), gpu.array(geom.weight_shape, "float16")
+    y1, _ = ops.conv_bias_act(x, w, None, geom)
+    y2, _ = ops.conv_bias_act(x, w, None, geom, "linear")
+    plan = get_plan(geom, "float16")
+    [zero] = gpu.zeros  # one cached zero bias per (device, dtype, K)
+    assert zero.shape == (geom.out_channels,) and zero.dtype == np.float16
+    for (name, a), y in zip(gpu.calls, (y1, y2), strict=True):
+        assert name == FUSED
+        # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]; z = y with alpha2 = 0.
+        assert a[7] == gpu.lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
+        assert (a[10], a[11], a[12]) == (0.0, plan.y_desc, ptr(y))
+        assert (a[13], a[14], a[15]) == (plan.bias_desc, ptr(zero), plan.act_desc)
+        assert a[15].get()[0] == gpu.lib.CUDNN_ACTIVATION_IDENTITY
+
+
+@pytest.mark.parametrize(("act", "in_place"), [("silu", False), ("gelu", False),
+                                               ("tanh", True), ("leaky_relu", True)])
+def test_engine_other_activations_run_identity_then_one_kernel(gpu, act, in_place):
+    geom = GEOMS[1]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    y, z = ops.conv_bias_act(x, w, None, geom, act)
+    (fused, fa), (launch, la) = gpu.calls
+    assert (fused, launch) == (FUSED, "activation_forward")
+    assert fa[15].get()[0] == gpu.lib.CUDNN_ACTIVATION_IDENTITY
+    conv_out = fa[17]
+    if in_place:
+        assert z is None and ptr(y) == conv_out and la == (y, act, y)
+    else:  # silu, gelu keep the pre-activation for backward
+        assert ptr(z) == conv_out and ptr(y) != conv_out and la == (z, act, y)
+
+
+def test_engine_forward_and_gradients(gpu):
+    from convfuse.plan import get_plan
+
+    geom = GEOMS[3]
+    x, w = gpu.array(geom.input_shape, "float64"), gpu.array(geom.weight_shape, "float64")
+    dz = gpu.array(geom.output_shape, "float64")
+    y = ops.conv_forward(x, w, geom)
+    dx = ops.conv_backward_data(dz, w, geom)
+    dw_out = gpu.array(geom.weight_shape, "float64")
+    db_out = gpu.array(geom.bias_shape, "float64")
+    dw = ops.conv_backward_filter(x, dz, geom, out=dw_out, beta=1.0)
+    db = ops.conv_backward_bias(dz, geom, out=db_out, beta=1.0)
+    assert dw is dw_out and db is db_out
+    assert dx.shape == geom.input_shape
+    p = get_plan(geom, "float64")
+    c = {d: p.choice(d, "H") for d in ("fwd", "bwd_data", "bwd_filter")}
+    cd = {d: p.conv_desc_for(c[d]) for d in c}
+    assert gpu.calls == [
+        ("convolutionForward", ("H", 1.0, p.x_desc, ptr(x), p.w_desc, ptr(w), cd["fwd"],
+                                c["fwd"].algo, 0, 0, 0.0, p.y_desc, ptr(y))),
+        ("convolutionBackwardData", ("H", 1.0, p.w_desc, ptr(w), p.y_desc, ptr(dz),
+                                     cd["bwd_data"], c["bwd_data"].algo, 0, 0, 0.0, p.x_desc,
+                                     ptr(dx))),
+        ("convolutionBackwardFilter", ("H", 1.0, p.x_desc, ptr(x), p.y_desc, ptr(dz),
+                                       cd["bwd_filter"], c["bwd_filter"].algo, 0, 0, 1.0,
+                                       p.w_desc, ptr(dw))),
+        ("convolutionBackwardBias", ("H", 1.0, p.y_desc, ptr(dz), 1.0, p.bias_desc, ptr(db))),
+    ]
+
+
+@pytest.mark.parametrize("bias_grad", ["cudnn", "fused"])
+def test_engine_activation_backward_bias(gpu, bias_grad):
+    from convfuse import config
+    from convfuse.plan import get_plan
+
+    geom = GEOMS[2]
+    dy, y = gpu.array(geom.output_shape, "float32"), gpu.array(geom.output_shape, "float32")
+    db_out = gpu.array((4,), "float32")
+    with config.flags(bias_grad=bias_grad):
+        dz, db = ops.activation_backward_bias(dy, y, "relu", geom, db_out=db_out, beta=1.0)
+        dz0, db0 = ops.activation_backward_bias(dy, y, "relu", geom)
+    assert db is db_out and dz.shape == dy.shape and db0.shape == (4,)
+    if bias_grad == "fused":
+        assert gpu.calls == [("activation_backward_bias", (dy, y, "relu", geom, dz, db, 1.0)),
+                             ("activation_backward_bias", (dy, y, "relu", geom, dz0, db0, 0.0))]
+    else:
+        p = get_plan(geom, "float32")
+        assert gpu.calls == [
+            ("activation_backward", (dy, y, "relu", dz)),
+            ("convolutionBackwardBias", ("H", 1.0, p.y_desc, ptr(dz), 1.0, p.bias_desc, ptr(db))),
+            ("activation_backward", (dy, y, "relu", dz0)),
+            ("convolutionBackwardBias", ("H", 1.0, p.y_desc, ptr(dz0), 0.0, p.bias_desc,
+                                         ptr(db0))),
+        ]
+
+
+def test_engine_activation_ops(gpu):
+    z, dy = gpu.array((3, 5), "bfloat16"), gpu.array((3, 5), "bfloat16")
+    out = gpu.array((3, 5), "bfloat16")
+    y = ops.activation_forward(z, "swish")
+    assert ops.activation_forward(z, "elu", out=out) is out
+    dz = ops.activation_backward(dy, z, "gelu")
+    assert gpu.calls == [("activation_forward", (z, "silu", y)),
+                         ("activation_forward", (z, "elu", out)),
+                         ("activation_backward", (dy, z, "gelu", dz))]
+
+
+def test_engine_pooling(gpu):
+    from convfuse.plan import get_pool_plan
+
+    pg = PoolGeometry.create((2, 9, 3), 3, 2, 1, "avg", "NWC")
+    x = gpu.array(pg.input_shape, "float32")
+    y = ops.pool_forward(x, pg)
+    dy = gpu.array(pg.output_shape, "float32")
+    dx = ops.pool_backward(dy, x, y, pg)
+    p = get_pool_plan(pg, "float32")
+    assert y.shape == pg.output_shape and dx.shape == pg.input_shape
+    assert gpu.calls == [
+        ("poolingForward", ("H", p.pool_desc, 1.0, p.x_desc, ptr(x), 0.0, p.y_desc, ptr(y))),
+        ("poolingBackward", ("H", p.pool_desc, 1.0, p.y_desc, ptr(y), p.y_desc, ptr(dy),
+                             p.x_desc, ptr(x), 0.0, p.x_desc, ptr(dx))),
+    ]
+
+
+def test_engine_fused_call_falls_back_when_refused(gpu):
+    from convfuse.errors import CudnnError
+
+    lib = gpu.lib
+    geom = GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    refusal = CudnnError(lib.CUDNN_STATUS_NOT_SUPPORTED, "cudnnConvolutionBiasActivationForward")
+    gpu.fail[FUSED] = [refusal, refusal]
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert [a[7] for _, a in gpu.calls] == [6, 2, 0]  # down cuDNN's ranking
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert gpu.calls[-1][1][7] == 0  # the plan remembers
+    # IDENTITY's algorithm is forced: a refusal is raised, with the call's context.
+    gpu.fail[FUSED] = [refusal]
+    with pytest.raises(CudnnError) as info:
+        ops.conv_bias_act(x, w, None, geom, "identity")
+    msg = str(info.value)
+    assert info.value.status == lib.CUDNN_STATUS_NOT_SUPPORTED
+    assert geom.describe() in msg and "dtype=float32" in msg and "algo=1 workspace=0" in msg
+    # Other errors are never retried.
+    gpu.fail[FUSED] = [CudnnError(lib.CUDNN_STATUS_BAD_PARAM, "cudnnX")]
+    gpu.calls.clear()
+    with pytest.raises(CudnnError, match=r"BAD_PARAM|2000"):
+        ops.conv_bias_act(x, w, None, geom, "relu")
+    assert len(gpu.calls) == 1
+
+
+def test_engine_errors_carry_context(gpu):
+    from convfuse.errors import CudnnError
+
+    geom = GEOMS[1]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    gpu.fail["convolutionForward"] = [CudnnError(2000, "cudnnConvolutionForward",
+                                                 "CUDNN_STATUS_BAD_PARAM")]
+    with pytest.raises(CudnnError) as info:
+        ops.conv_forward(x, w, geom)
+    assert str(info.value).startswith("cudnnConvolutionForward failed with CUDNN_STATUS_BAD_PARAM "
+                                      f"(2000): conv_forward for {geom.describe()} dtype=float32")
+    assert "algo=6 workspace=0" in str(info.value)
