@@ -21,12 +21,20 @@ _zero_bias_lock = threading.Lock()
 
 
 def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
-    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros."""
+    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros.
+
+    The cached array outlives the call that creates it, so it must own its memory: it is
+    taken with CuPy's raw allocator, never the current one. The current allocator may be
+    a private pool (convfuse.graph.capture's warm-up runs under one), and a pooled array
+    does not keep its pool alive: when the pool goes, it frees the block under the cached
+    array, and later calls would read whatever is allocated there next.
+    """
     key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
     with _zero_bias_lock:
         bias = _zero_bias.get(key)
         if bias is None:
-            bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
+            with cp.cuda.using_allocator():  # None: raw cudaMalloc, owned by the array
+                bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
         return bias
 
 
@@ -63,14 +71,22 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
     return conv_out, None
 
 
+def refused(err: CudnnError, lib: Any) -> bool:
+    """Whether cuDNN refused a call as not supported. cuDNN 9's statuses are categories
+    with specific codes (CUDNN_STATUS_NOT_SUPPORTED = 3000, ..._SHAPE = 3002,
+    ..._LAYOUT = 3004, ...); cudnn_graph.h's CUDNN_STATUS_CATEGORY(s) is s / 1000 * 1000,
+    so every 3xxx code is a refusal, not just 3000."""
+    return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
+
+
 def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, bias: Any, z_ptr: int,
                    alpha2: float, y: Any) -> None:  # pragma: gpu
     """convolutionBiasActivationForward with the plan's fused forward algorithm.
 
     The heuristics rank algorithms for convolutionForward; should cuDNN refuse one for
-    the fused call (NOT_SUPPORTED), the plan moves to the next ranked one for good. The
-    IDENTITY algorithm is forced (Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]), so a
-    refusal there is raised.
+    the fused call (any NOT_SUPPORTED code, see `refused`), the plan moves to the next
+    ranked one for good. The IDENTITY algorithm is forced (Note [IDENTITY needs
+    IMPLICIT_PRECOMP_GEMM]), so a refusal there is raised.
     """
     lib = cudnn()
     while True:
@@ -84,8 +100,7 @@ def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, bias: Any, z_ptr
                 plan.y_desc, y.data.ptr)
             return
         except CudnnError as err:
-            refused = err.status == lib.CUDNN_STATUS_NOT_SUPPORTED
-            if refused and plan.reject("fwd", cand, fused=True):
+            if refused(err, lib) and plan.reject("fwd", cand, fused=True):
                 continue
             raise err.with_context(_where(plan, "convolutionBiasActivationForward", cand)) from None
 
