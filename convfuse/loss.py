@@ -24,9 +24,9 @@ class CrossEntropyLoss:
     that device: float64 for float64 logits, else float32. The log-softmax is computed
     stably (max-subtracted log-sum-exp) in float64 for float64 logits and float32 otherwise.
     `loss_fn.correct` is then a 0-d int64 array on the same device: how many rows' argmax
-    (the first maximum on ties) equals the label. Nothing is read back to the host, so
-    a training step can be captured as a CUDA graph and metrics summed on the device
-    (convfuse.metrics.Mean).
+    (as numpy.argmax: the first maximum on ties, the first NaN if any) equals the label.
+    Nothing is read back to the host, so a training step can be captured as a CUDA graph
+    and metrics summed on the device (convfuse.metrics.Mean).
 
     `dlogits = loss_fn.backward()` returns (softmax(logits) - onehot(labels)) / N in the
     logits' dtype. It is computed by the forward's kernel, so backward costs nothing; it

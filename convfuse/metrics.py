@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .backend import array_module, device_of, is_cupy
-from .errors import DeviceMismatchError
+from .errors import CaptureError, DeviceMismatchError
 
 
 class Mean:
@@ -17,7 +17,8 @@ class Mean:
     `add(value, count=1)` adds a 0-d NumPy/CuPy array (or a Python number) to a float64
     total on the value's device, and `count` to a count held beside it, by in-place
     device operations: no host sync, so it may run inside a captured CUDA graph, where
-    each replay adds again. `compute()` (or `float(acc)`) does the one host read.
+    each replay adds again (the first add, which creates the buffer, must come before the
+    capture; CaptureError otherwise). `compute()` (or `float(acc)`) does the one host read.
 
     For a mean loss per batch: `add(loss)`; weighted by batch size: `add(loss * n, n)`;
     for accuracy: `add(loss_fn.correct, count=batch_size)`. `reset()` zeroes the totals in
@@ -61,7 +62,19 @@ class Mean:
             self._buffer = np.zeros(2, dtype=np.float64)
         else:  # pragma: gpu
             with value.device:
-                self._buffer = xp.zeros(2, dtype=np.float64)
+                if xp.cuda.get_current_stream().is_capturing():
+                    # The zeroing would be recorded too, and reset the totals at every replay.
+                    raise CaptureError(
+                        "Mean.add() was first called while a CUDA graph was being captured: "
+                        "creating its device buffer then would record the zeroing into the "
+                        "graph and reset the totals at every replay. Add to it once before "
+                        "capturing (convfuse.graph.capture's warm-up does, with warmup >= 1)"
+                    )
+                # Raw cudaMalloc, owned by the array: the current allocator may be a capture's
+                # private pool (graph.capture's warm-up runs under one), and with CuPy 14.0 a
+                # pooled array's memory is freed with its pool, under a Mean that lives on.
+                with xp.cuda.using_allocator():
+                    self._buffer = xp.zeros(2, dtype=np.float64)
         # 1-element slices are views in NumPy and CuPy alike (NumPy's a[0] is a copy).
         self._total, self._count = self._buffer[0:1], self._buffer[1:2]
 

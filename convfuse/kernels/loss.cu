@@ -3,7 +3,7 @@
 // Launched by convfuse/loss.py. xent_rows_<dtype>_<label type> reads a row of logits
 // (N, C) and its label, and writes
 //   row_loss[r]    = logsumexp(x) - x[label]      (max-subtracted, in float or double)
-//   row_correct[r] = argmax(x) == label           (first maximum wins, as numpy.argmax)
+//   row_correct[r] = argmax(x) == label           (as numpy.argmax: first NaN, else first max)
 //   dlogits[r, :]  = (softmax(x) - onehot(label)) / N
 // so backward costs nothing extra. A label outside [0, C) cannot be reported without a
 // host sync, so its row gets a NaN loss (making the mean NaN) and a zero gradient.
@@ -46,18 +46,24 @@ __device__ void xent_rows(const T* logits, const L* labels, long long N, long lo
         const T* x = logits + r * C;
         T* g = dlogits + r * C;
 
-        // Max and first argmax; NaN never compares greater, so a NaN row keeps a finite
-        // max and its NaN reaches the loss through the exp-sum. am == C means "none".
+        // Max and argmax as numpy.argmax: the first NaN if the row has one, else the first
+        // maximum (index 0 of an all -inf row). am == C means "no column seen" (a lane
+        // with no column, when C < 32). A NaN max makes the exp-sum, hence the loss and
+        // the whole gradient row, NaN, as NumPy's max-subtracted form does.
         F m = neg_inf(F(0));
         long long am = C;
         for (long long j = lane; j < C; j += 32) {
             const F v = Io<T>::load(x[j]);
-            if (v > m) { m = v; am = j; }
+            if (am == C || (m == m && (v > m || v != v))) { m = v; am = j; }
         }
+        // The order (NaN first, then larger value, then smaller index; "none" has index C,
+        // so it loses every tie) is total, so both partners of a butterfly agree.
         for (int o = 16; o > 0; o >>= 1) {
             const F om = __shfl_xor_sync(full, m, o);
             const long long oa = __shfl_xor_sync(full, am, o);
-            if (om > m || (om == m && oa < am)) { m = om; am = oa; }
+            const bool o_nan = om != om, m_nan = m != m;
+            const bool take = (o_nan != m_nan) ? o_nan : ((o_nan || om == m) ? oa < am : om > m);
+            if (take) { m = om; am = oa; }
         }
 
         F s = F(0);

@@ -58,19 +58,23 @@ __device__ __forceinline__ long long begin_step(const long long* step) {
 }
 
 // Why this is race-free: a block reads `step` in begin_step, before its own atomicAdd on
-// `ticket` below, and the __threadfence keeps that read ordered before the atomic. The
-// atomic adds are totally ordered, so the block that draws ticket gridDim.x - 1 is the
-// last: every other block has already taken its ticket, hence already read `step`. Only
-// that last block writes `step`, after its own read. So no block of this launch sees the
-// new value, and the next launch (ordered after this one on the stream or in the graph)
-// sees it. The last block also rewinds `ticket` to 0, which no other block of this launch
-// touches again, so the next launch (or graph replay) starts from a clean count.
+// `ticket` below, and the __threadfence keeps that read ordered before the atomic (the
+// release half). The atomic adds are totally ordered, so the block that draws ticket
+// gridDim.x - 1 is the last: every other block has already taken its ticket, hence
+// already read `step`. Only that last block writes `step`, after its own read and after a
+// second __threadfence (the acquire half, as in PyTorch's Reduce.cuh last-block pattern),
+// so under the PTX memory model every other block's read happens before that write and
+// cannot observe it. So no block of this launch sees the new value, and the next launch
+// (ordered after this one on the stream or in the graph) sees it. The last block also
+// rewinds `ticket` to 0, which no other block of this launch touches again, so the next
+// launch (or graph replay) starts from a clean count.
 __device__ __forceinline__ void finish_step(long long* step, unsigned int* ticket, long long t) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
         const unsigned int done = atomicAdd(ticket, 1u);
         if (done == gridDim.x - 1) {
+            __threadfence();
             *step = t;
             *ticket = 0u;
         }
