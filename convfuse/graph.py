@@ -13,7 +13,10 @@ update is recorded once and replayed. Rules the captured step must follow:
 Warm-up steps run eagerly before capture, on the capture stream, so plans, cuDNN handles,
 algorithm choices, compiled kernels and optimizer buffers exist before recording. They are
 real training steps. Memory allocated while capturing comes from a private pool that lives
-as long as the returned `CapturedStep`.
+as long as the returned `CapturedStep`: keep it alive as long as you use the step's outputs.
+Only device-resident values can change between replays: the learning rate and step count
+(and the inputs). Hyperparameters passed by value (momentum, betas, eps, weight decay,
+residual_scale) are fixed at capture; capture again after changing them.
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ def capture(step_fn: Callable[..., Any], *example_inputs: Any, warmup: int = 1) 
     returned callable refills at each replay. Its return value is `step_fn`'s outputs, whose
     device arrays are rewritten by each replay.
     """
-    cp = require_gpu("convfuse.graph.capture")
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        # Plans, cuDNN handles, algorithm searches and kernel compilation cannot happen
+        # inside a capture: at least one eager step must create them first.
+        raise ValueError(f"warmup must be an int >= 1, got {warmup!r}")
+    cp = require_gpu("convfuse.graph.capture")
     return _capture(cp, step_fn, example_inputs, warmup)  # pragma: gpu
 
 
@@ -95,11 +100,15 @@ def _capture(  # pragma: gpu
     pool = cp.cuda.MemoryPool()
     caller = cp.cuda.get_current_stream()
     _wait(stream, caller)
-    with cp.cuda.using_allocator(pool.malloc), stream:
+    with stream:
         static = [cp.array(a, copy=True) for a in example_inputs]
+        # Warm-up allocates from the ordinary pool: what it caches (metrics buffers, zero
+        # biases, optimizer scratch) must outlive the graph, and only the capture's own
+        # memory belongs to the private pool kept alive by the CapturedStep.
         for _ in range(warmup):
             step_fn(*static)
         stream.synchronize()
+    with cp.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
         try:
             outputs = step_fn(*static)

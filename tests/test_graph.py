@@ -26,3 +26,14 @@ def test_explanations_name_the_cause():
     other = ValueError("something else")
     text = graph._explain(other)
     assert "ValueError: something else" in text and "module notes" in text
+
+
+@pytest.mark.parametrize("warmup", [0, -1, 1.5, True])
+def test_capture_needs_a_warm_up_step(warmup):
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        graph.capture(lambda x: x, np.zeros(3), warmup=warmup)
+
+
+def test_capture_needs_a_callable():
+    with pytest.raises(TypeError, match="step_fn must be callable"):
+        graph.capture("step", np.zeros(3))
