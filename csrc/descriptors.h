@@ -19,7 +19,7 @@ constexpr int kMaxSpatialDims = CUDNN_DIM_MAX - 2;
 // and cudnnGetConvolutionNdForwardOutputDim answers for them. Its convolution kernels are
 // documented for 4-d and 5-d tensors only (PyTorch and OpenCV reshape 1-D to 2-D), so
 // callers should describe a 1-D convolution as [N, C, 1, W] with a unit H (pad 0,
-// stride 1, dilation 1 along H). The binding allows both; tests/test_binding.py checks
+// stride 1, dilation 1 along H). The binding allows both; tests/test_binding_shapes.py checks
 // that the two forms give the same output shape.
 
 // Enum arguments arrive as Python ints and are static_cast to cuDNN's C enums, which
