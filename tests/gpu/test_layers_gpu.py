@@ -88,8 +88,8 @@ def test_linear_pool_sequential_gpu(dtype):
 def test_fused_forward_is_one_cudnn_call(act, monkeypatch):
     import cupy as cp
 
-    from convfuse import ops
     from convfuse._binding import cudnn
+    from convfuse.ops import elementwise
 
     lib = cudnn()
     calls = []
@@ -99,7 +99,7 @@ def test_fused_forward_is_one_cudnn_call(act, monkeypatch):
         monkeypatch.setattr(
             lib, name, lambda *a, _n=name, _f=original: (calls.append(_n), _f(*a))[1]
         )
-    monkeypatch.setattr(ops.elementwise, "activation_forward",
+    monkeypatch.setattr(elementwise, "activation_forward",
                         lambda *a, **k: pytest.fail("no activation kernel may run for " + act))
     layer = cf.Conv2d(4, 8, 3, activation=act, device="cuda", bias=(act == "relu"))
     layer(cp.ones((2, 4, 6, 6), dtype=cp.float32))
@@ -111,16 +111,16 @@ def test_bias_gradient_takes_the_intended_path(act, monkeypatch):
     """cudnnConvolutionBackwardBias or the fused kernel, per config; never cupy.sum."""
     import cupy as cp
 
-    from convfuse import ops
     from convfuse._binding import cudnn
+    from convfuse.ops import elementwise
 
     lib = cudnn()
     calls = []
     original_bias = lib.convolutionBackwardBias
     monkeypatch.setattr(lib, "convolutionBackwardBias",
                         lambda *a: (calls.append("cudnn"), original_bias(*a))[1])
-    original_fused = ops.elementwise.activation_backward_bias
-    monkeypatch.setattr(ops.elementwise, "activation_backward_bias",
+    original_fused = elementwise.activation_backward_bias
+    monkeypatch.setattr(elementwise, "activation_backward_bias",
                         lambda *a, **k: (calls.append("fused"), original_fused(*a, **k))[1])
     monkeypatch.setattr(cp, "sum", lambda *a, **k: pytest.fail("cupy.sum used in backward"))
     x = cp.asarray(np.random.default_rng(2).standard_normal((2, 4, 6, 6)).astype(np.float32))
