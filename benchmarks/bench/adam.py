@@ -23,14 +23,7 @@ def run(ctx: Context) -> list[dict[str, Any]]:
 def run_one(ctx: Context, n: int) -> dict[str, Any]:
     rec = records.new("adam", f"adam {n / 1e6:g}M", params=n, precision="fp32",
                       shape=f"{n:,} fp32 parameters in one tensor")
-    try:
-        _measure(ctx, n, rec)
-    except Exception as exc:
-        records.fail(rec, exc)
-    finally:
-        ctx.engine.release()
-    ctx.log(f"adam {n}: {rec['status']}")
-    return rec
+    return records.guarded(ctx, rec, f"adam {n}", lambda: _measure(ctx, n, rec))
 
 
 class _UnfusedState:

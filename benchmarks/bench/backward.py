@@ -40,15 +40,8 @@ def run_one(ctx: Context, case: LayerCase, prec: Precision, layout: str) -> dict
         rec["notes"].append(note)
     if reason:
         return records.skip(rec, reason)
-    try:
-        with prec.flags():
-            _measure(ctx, case, prec, layout, rec)
-    except Exception as exc:
-        records.fail(rec, exc)
-    finally:
-        ctx.engine.release()
-    ctx.log(f"backward {case.name} {prec.name} {layout}: {rec['status']}")
-    return rec
+    return records.guarded(ctx, rec, f"backward {case.name} {prec.name} {layout}",
+                           lambda: _measure(ctx, case, prec, layout, rec), prec.flags())
 
 
 def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: dict) -> None:

@@ -47,14 +47,8 @@ def run_one(ctx: Context, case: BiasCase, prec: Precision, layout: str,
             rec["notes"].append(note)
         if reason:
             return records.skip(rec, reason)
-    try:
-        _measure(ctx, case, prec, layout, act, rec)
-    except Exception as exc:
-        records.fail(rec, exc)
-    finally:
-        ctx.engine.release()
-    ctx.log(f"biasgrad {case.name} {act} {prec.name} {layout}: {rec['status']}")
-    return rec
+    return records.guarded(ctx, rec, f"biasgrad {case.name} {act} {prec.name} {layout}",
+                           lambda: _measure(ctx, case, prec, layout, act, rec))
 
 
 def _inputs(ctx: Context, shape: tuple[int, ...], dtype: str, act: str, seed: int) -> dict:

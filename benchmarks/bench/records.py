@@ -55,6 +55,24 @@ def fail(rec: dict[str, Any], exc: BaseException) -> dict[str, Any]:
     return rec
 
 
+def guarded(ctx: Context, rec: dict[str, Any], label: str, measure: Callable[[], None],
+            flags: Any = None) -> dict[str, Any]:
+    """Run one case's measurement: an exception marks the record failed instead of ending
+    the run, the engine's buffers are released either way, and the outcome is logged."""
+    try:
+        if flags is None:
+            measure()
+        else:
+            with flags:
+                measure()
+    except Exception as exc:
+        fail(rec, exc)
+    finally:
+        ctx.engine.release()
+    ctx.log(f"{label}: {rec['status']}")
+    return rec
+
+
 def check_failed(rec: dict[str, Any], why: str) -> dict[str, Any]:
     rec["status"] = "check_failed"
     rec["reason"] = f"outputs disagree, so nothing was timed: {why}"

@@ -30,14 +30,7 @@ def run(ctx: Context) -> list[dict[str, Any]]:
 def run_one(ctx: Context, batch: int) -> dict[str, Any]:
     rec = records.new("train", f"digits-net batch {batch}", batch=batch, precision=_prec(ctx),
                       shape=f"N{batch} 1x8x8 -> conv16-pool-conv32-pool-linear10", forms={})
-    try:
-        _measure(ctx, batch, rec)
-    except Exception as exc:
-        records.fail(rec, exc)
-    finally:
-        ctx.engine.release()
-    ctx.log(f"train batch {batch}: {rec['status']}")
-    return rec
+    return records.guarded(ctx, rec, f"train batch {batch}", lambda: _measure(ctx, batch, rec))
 
 
 def _prec(ctx: Context) -> str:
