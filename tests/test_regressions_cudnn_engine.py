@@ -12,7 +12,7 @@ import pytest
 from convfuse._binding import cudnn
 from convfuse.errors import CudnnError
 from convfuse.ops.cudnn import conv as engine
-from convfuse.plan import Candidate
+from convfuse.plan import Candidate, FusedFallbackWarning
 
 lib = cudnn()
 
@@ -44,6 +44,13 @@ class StandInPlan:
     def __init__(self, algos):
         self.cands = [Candidate(a, 0, lib.CUDNN_DEFAULT_MATH, True) for a in algos]
         self.x_desc = self.w_desc = self.y_desc = self.bias_desc = self.act_desc = "desc"
+        self.key = SimpleNamespace(activation="relu", residual=False)
+        self.fused_refusal = None
+
+    def refuse_fused(self, err):
+        first = self.fused_refusal is None
+        self.fused_refusal = self.fused_refusal or err
+        return first
 
     def choice(self, direction, handle, inputs=(0, 0), fused=False):
         return self.cands[0]
@@ -79,11 +86,13 @@ def test_fused_forward_moves_on_after_a_specific_refusal(monkeypatch, status):
                            convolutionBiasActivationForward=fused_call)
     monkeypatch.setattr(engine, "cudnn", lambda: fake)
     plan = StandInPlan([6, 1])
-    engine._fused_forward(plan, "H", array(16), array(32), array(48), 64, 0.0, array(64))
-    assert tried == [6, 1]
+    engine._fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+    assert tried == [6, 1] and plan.fused_refusal is None
 
 
-def test_fused_forward_raises_a_refusal_when_no_algorithm_is_left(monkeypatch):
+def test_fused_forward_falls_back_when_no_algorithm_is_left(monkeypatch):
+    """Note [unfused fallback]: the refusal is recorded with context, warned once, and the
+    unfused path runs instead (tests/test_fused_fallback.py checks that path's calls)."""
     pytest.importorskip("cupy")
 
     def fused_call(*args):
@@ -92,11 +101,15 @@ def test_fused_forward_raises_a_refusal_when_no_algorithm_is_left(monkeypatch):
     fake = SimpleNamespace(CUDNN_STATUS_NOT_SUPPORTED=lib.CUDNN_STATUS_NOT_SUPPORTED,
                            convolutionBiasActivationForward=fused_call)
     monkeypatch.setattr(engine, "cudnn", lambda: fake)
-    with pytest.raises(CudnnError) as info:
-        engine._fused_forward(StandInPlan([6]), "H", array(16), array(32), array(48), 64, 0.0,
-                              array(64))
-    assert info.value.status == lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE
-    assert "stand-in geometry" in str(info.value)
+    unfused = []
+    monkeypatch.setattr(engine, "_unfused_forward", lambda *a: unfused.append(a))
+    plan = StandInPlan([6])
+    with pytest.warns(FusedFallbackWarning,
+                      match=rf"\({lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE}\).*stand-in"):
+        engine._fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+    assert plan.fused_refusal.status == lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE
+    assert "stand-in geometry" in str(plan.fused_refusal)
+    assert len(unfused) == 1
 
 
 # ------------------------------------------------- the cached zero bias owns its memory

@@ -2,9 +2,9 @@
 choice of engine by array type.
 
 Checks run in stages over all of an op's arrays, so the first error reported is the most
-basic one: not an array, NumPy mixed with CuPy, dtype, shape, contiguity, alignment, and
-last the device (which needs a GPU to ask about). Arrays are only inspected, never copied
-or modified.
+basic one: not an array, NumPy mixed with CuPy, dtype, shape, contiguity, outputs
+overlapping inputs, alignment, and last the device (which needs a GPU to ask about).
+Arrays are only inspected, never copied or modified.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ from ..geometry import ConvGeometry
 # cuDNN and the vectorised custom kernels may use 16-byte loads; CuPy's pool hands out
 # 512-byte aligned blocks, so only views at odd offsets fail this.
 ALIGNMENT = 16
+
+# Ops whose output may be exactly one of their inputs (in-place activation). Safe because
+# they are elementwise over arrays of one shape: the kernels read and write each element
+# at the same index in the same thread (kernels/activation.cu), and the reference engine
+# computes into a temporary before writing `out`. Any partial overlap is still refused.
+IN_PLACE_OPS = frozenset({"activation_forward", "activation_backward"})
 
 
 class Arg(NamedTuple):
@@ -61,6 +67,7 @@ def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleT
     _check_dtypes(op, present)
     for a in present:
         _check_layout(op, a, layout)
+    _check_overlap(op, present)
     if any(on_gpu):
         _check_gpu_arrays(op, present)
         return backend.cupy_module()  # type: ignore[return-value]
@@ -97,6 +104,42 @@ def _check_layout(op: str, a: Arg, layout: str | None) -> None:
         raise ValueError(f"{op}: {a.name} is not C-contiguous; call ascontiguousarray")
     if a.output and isinstance(a.array, np.ndarray) and not a.array.flags.writeable:
         raise ValueError(f"{op}: {a.name} is read-only but the op writes its result there")
+
+
+def _check_overlap(op: str, present: Sequence[Arg]) -> None:
+    """Refuse an output sharing memory with an input: cuDNN and the reference engine read
+    inputs while writing outputs, so neither can compute in place (IN_PLACE_OPS aside)."""
+    inputs = [a for a in present if not a.output]
+    for out in (a for a in present if a.output):
+        for a in inputs:
+            if not _overlaps(out.array, a.array):
+                continue
+            if op in IN_PLACE_OPS and _same_memory(out.array, a.array):
+                continue
+            hint = " (or the input itself, to compute in place)" if op in IN_PLACE_OPS else ""
+            raise ValueError(
+                f"{op}: {out.name} overlaps input '{a.name}' (cuDNN cannot compute in "
+                f"place); pass a separate array{hint}"
+            )
+
+
+def _extent(a: Any) -> tuple[int, int]:
+    """[start, end) of an array's bytes; exact because arrays are C-contiguous by now."""
+    start = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def _overlaps(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray):
+        return bool(np.may_share_memory(a, b))  # a bounds check, no exact solve
+    # CuPy: compare address ranges; cupy.shares_memory would need the device.
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Both arrays cover exactly the same bytes (the same array, or a view of all of it)."""
+    return _extent(a) == _extent(b)
 
 
 def _check_gpu_arrays(op: str, present: Sequence[Arg]) -> None:

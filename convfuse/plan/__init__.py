@@ -13,7 +13,7 @@ from typing import Any
 from ..config import get as get_flags
 from .algorithms import Candidate, NoAlgorithmError, WorkspaceFallbackWarning
 from .cache import CacheInfo, PlanCache
-from .conv import ConvPlan, PlanKey
+from .conv import ConvPlan, FusedFallbackWarning, PlanKey
 from .pool import PoolPlan, PoolPlanKey
 
 _conv_plans = PlanCache(ConvPlan)
@@ -46,7 +46,7 @@ def clear_plan_cache() -> None:
 
 
 __all__ = [
-    "CacheInfo", "Candidate", "ConvPlan", "NoAlgorithmError", "PlanKey", "PoolPlan",
-    "PoolPlanKey", "WorkspaceFallbackWarning", "clear_plan_cache", "get_plan",
+    "CacheInfo", "Candidate", "ConvPlan", "FusedFallbackWarning", "NoAlgorithmError", "PlanKey",
+    "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning", "clear_plan_cache", "get_plan",
     "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
 ]

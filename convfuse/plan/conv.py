@@ -22,6 +22,12 @@ from . import algorithms as algos
 from . import descriptors as d
 
 
+class FusedFallbackWarning(RuntimeWarning):
+    """cuDNN refused the fused conv + bias + activation call for every algorithm a plan
+    may use; the plan runs it unfused from then on, with extra kernel launches
+    (Note [unfused fallback] in convfuse/ops/cudnn/conv.py)."""
+
+
 @dataclass(frozen=True)
 class PlanKey:
     """Everything a plan's descriptors and algorithm choices depend on."""
@@ -109,6 +115,7 @@ class ConvPlan:
         self._lock = threading.Lock()
         self._chosen: dict[str, _Chosen] = {}
         self._math_descs: dict[int, Any] = {getattr(lib, key.math_type): self.conv_desc}
+        self._fused_refusal: CudnnError | None = None
 
     def describe(self) -> str:
         k = self.key
@@ -169,6 +176,20 @@ class ConvPlan:
             nxt, rest = algos.first_allocatable(chosen.remaining, pool_alloc, self._what(slot))
             self._chosen[slot] = _Chosen(nxt, rest, False)
             return True
+
+    @property
+    def fused_refusal(self) -> CudnnError | None:
+        """The error with which cuDNN refused the fused call for good, or None."""
+        return self._fused_refusal
+
+    def refuse_fused(self, err: CudnnError) -> bool:
+        """Record that no algorithm runs this plan's fused call; True for the first record,
+        so of the threads that hit the refusal together exactly one warns."""
+        with self._lock:
+            first = self._fused_refusal is None
+            if first:
+                self._fused_refusal = err
+            return first
 
     def _slot(self, direction: str, fused: bool) -> str:
         # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]: only the identity fused forward

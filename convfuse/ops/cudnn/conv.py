@@ -2,17 +2,33 @@
 
 Outputs and workspace come from CuPy's pool; nothing else is allocated per call (the
 zero bias for bias-free layers is cached per device, dtype and channel count).
+
+Note [unfused fallback]
+cuDNN may refuse convolutionBiasActivationForward (any NOT_SUPPORTED code, see `refused`)
+for every algorithm a plan may use: IDENTITY has one forced algorithm (Note [IDENTITY needs
+IMPLICIT_PRECOMP_GEMM]), so one refusal ends it. A slow path warns rather than fails, so
+the plan records the refusal, warns once (FusedFallbackWarning) and from then on runs
+  convolutionForward into y, with conv_forward's plan and algorithm choice (a relu plan's
+    forward ranking is shared with its fused call, which walked it to the last entry);
+  addTensor(1, bias, 1, y) when the layer has a bias (the zero bias is never added);
+  addTensor(residual_scale, residual, 1, y) when a residual is given;
+  for a relu plan, one in-place ReLU kernel (ops/elementwise.py); other activations are
+    applied by the caller as after the fused call.
+Each step rounds to the data's dtype, so float16/bfloat16 results may differ from the fused
+call's (which rounds once) by a few units in the last place; the ReLU kernel propagates
+NaN (as the reference engine and PyTorch do), where cuDNN's fused ReLU is NOT_PROPAGATE_NAN.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 from ... import activations, config
 from ..._binding import cudnn
 from ...errors import CudnnError
-from ...plan import Candidate, ConvPlan, get_plan
+from ...plan import Candidate, ConvPlan, FusedFallbackWarning, get_plan
 from .. import elementwise
 from .handle import Workspace, context, get_handle
 
@@ -47,20 +63,15 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
                   residual: Any = None,
                   residual_scale: float = 1.0) -> tuple[Any, Any]:  # pragma: gpu
     """y = act(conv(x, w) + b + residual_scale * residual) in one fused cuDNN call, plus one
-    activation kernel when cuDNN cannot apply the activation itself."""
+    activation kernel when cuDNN cannot apply the activation itself (or the unfused path
+    of Note [unfused fallback] when cuDNN refuses the fused call)."""
     import cupy as cp
 
     act = activations.normalize(activation)
     handle = get_handle()
     plan = get_plan(geom, x.dtype, act, residual is not None)
     conv_out = cp.empty(geom.output_shape, dtype=x.dtype)
-    bias = b if b is not None else zero_bias(cp, x.dtype, geom.out_channels)
-    if residual is not None:
-        z_ptr, alpha2 = residual.data.ptr, float(residual_scale)
-    else:
-        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
-        z_ptr, alpha2 = conv_out.data.ptr, 0.0
-    _fused_forward(plan, handle, x, w, bias, z_ptr, alpha2, conv_out)
+    _fused_forward(plan, handle, x, w, b, residual, float(residual_scale), conv_out)
     if act in activations.FUSED_IN_CUDNN:
         return conv_out, None
     if activations.saves(act) == "preactivation":
@@ -79,17 +90,33 @@ def refused(err: CudnnError, lib: Any) -> bool:
     return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
 
 
-def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, bias: Any, z_ptr: int,
-                   alpha2: float, y: Any) -> None:  # pragma: gpu
-    """convolutionBiasActivationForward with the plan's fused forward algorithm.
+def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
+                   residual_scale: float, y: Any) -> None:  # pragma: gpu
+    """y = act(conv(x, w) + b + residual_scale * residual), act being the plan's fused mode
+    (relu or identity); b and residual may be None.
 
-    The heuristics rank algorithms for convolutionForward; should cuDNN refuse one for
-    the fused call (any NOT_SUPPORTED code, see `refused`), the plan moves to the next
-    ranked one for good. The IDENTITY algorithm is forced (Note [IDENTITY needs
-    IMPLICIT_PRECOMP_GEMM]), so a refusal there is raised.
+    One convolutionBiasActivationForward with the plan's fused forward algorithm. The
+    heuristics rank algorithms for convolutionForward; should cuDNN refuse one for the
+    fused call (any NOT_SUPPORTED code, see `refused`), the plan moves to the next ranked
+    one for good. When none is left (at once for IDENTITY, whose algorithm is forced:
+    Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]), the plan records the refusal, warns
+    once with FusedFallbackWarning, and this and every later call run the unfused path of
+    Note [unfused fallback] without retrying. Any other error is raised with context.
     """
+    if plan.fused_refusal is not None:
+        _unfused_forward(plan, handle, x, w, b, residual, residual_scale, y)
+        return
+    import cupy as cp
+
     lib = cudnn()
-    while True:
+    bias = b if b is not None else zero_bias(cp, x.dtype, plan.key.geometry.out_channels)
+    if residual is not None:
+        z_ptr, alpha2 = residual.data.ptr, residual_scale
+    else:
+        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
+        z_ptr, alpha2 = y.data.ptr, 0.0
+    refusal: CudnnError | None = None
+    while refusal is None:
         cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr), fused=True)
         ws = Workspace(cand.workspace)
         try:
@@ -100,9 +127,59 @@ def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, bias: Any, z_ptr
                 plan.y_desc, y.data.ptr)
             return
         except CudnnError as err:
-            if refused(err, lib) and plan.reject("fwd", cand, fused=True):
+            where = _where(plan, "convolutionBiasActivationForward", cand)
+            if not refused(err, lib):
+                raise err.with_context(where) from None
+            if plan.reject("fwd", cand, fused=True):
                 continue
-            raise err.with_context(_where(plan, "convolutionBiasActivationForward", cand)) from None
+            refusal = err.with_context(where)
+    if plan.refuse_fused(refusal):
+        warnings.warn(_fallback_message(plan, refusal), FusedFallbackWarning, stacklevel=4)
+    _unfused_forward(plan, handle, x, w, b, residual, residual_scale, y)
+
+
+def _fallback_message(plan: ConvPlan, refusal: CudnnError) -> str:
+    steps = ["convolutionForward", "addTensor for the bias (if any)"]
+    if plan.key.residual:
+        steps.append("addTensor for the residual")
+    if plan.key.activation == "relu":
+        steps.append("a ReLU kernel")
+    return (
+        f"cuDNN refused convolutionBiasActivationForward with {refusal.status_name} "
+        f"({refusal.status}) for every algorithm it may use, for {plan.describe()} "
+        f"residual={plan.key.residual}; running it unfused instead ({', '.join(steps)}). "
+        "This path launches extra kernels and is slower; the plan remembers the refusal "
+        "and does not try the fused call again."
+    )
+
+
+def _unfused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
+                     residual_scale: float, y: Any) -> None:  # pragma: gpu
+    """The fused call's result in separate calls: Note [unfused fallback]."""
+    lib = cudnn()
+    fwd = get_plan(plan.key.geometry, plan.key.dtype)
+    _forward_into(fwd, handle, x, w, y, "conv_bias_act unfused convolutionForward", plan)
+    if b is not None:
+        with context(lambda: _where(plan, "conv_bias_act unfused bias addTensor")):
+            lib.addTensor(handle, 1.0, fwd.bias_desc, b.data.ptr, 1.0, fwd.y_desc, y.data.ptr)
+    if residual is not None:
+        with context(lambda: _where(plan, "conv_bias_act unfused residual addTensor")):
+            lib.addTensor(handle, residual_scale, fwd.y_desc, residual.data.ptr, 1.0,
+                          fwd.y_desc, y.data.ptr)
+    if plan.key.activation == "relu":
+        elementwise.activation_forward(y, "relu", y)
+
+
+def _forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
+                  about: ConvPlan | None = None) -> None:  # pragma: gpu
+    """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm;
+    errors name `what` and the plan `about` (default: this one)."""
+    cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr))
+    ws = Workspace(cand.workspace)
+    with context(lambda: _where(about or plan, what, cand)):
+        cudnn().convolutionForward(
+            handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
 
 
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
@@ -111,12 +188,7 @@ def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
     handle = get_handle()
     plan = get_plan(geom, x.dtype)
     y = cp.empty(geom.output_shape, dtype=x.dtype)
-    cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr))
-    ws = Workspace(cand.workspace)
-    with context(lambda: _where(plan, "conv_forward", cand)):
-        cudnn().convolutionForward(
-            handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
-            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
+    _forward_into(plan, handle, x, w, y, "conv_forward")
     return y
 
 
