@@ -28,7 +28,7 @@ from typing import Any
 from ... import activations, config
 from ..._binding import cudnn
 from ...errors import CudnnError
-from ...plan import Candidate, ConvPlan, FusedFallbackWarning, get_plan
+from ...plan import Candidate, ConvPlan, FusedFallbackWarning, WorkspaceFallbackWarning, get_plan
 from .. import elementwise
 from .handle import Workspace, context, get_handle
 
@@ -117,8 +117,8 @@ def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual
         z_ptr, alpha2 = y.data.ptr, 0.0
     refusal: CudnnError | None = None
     while refusal is None:
-        cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr), fused=True)
-        ws = Workspace(cand.workspace)
+        cand, ws = _algorithm_and_workspace(plan, "fwd", handle, (x.data.ptr, w.data.ptr),
+                                            fused=True)
         try:
             lib.convolutionBiasActivationForward(
                 handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
@@ -136,6 +136,31 @@ def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual
     if plan.refuse_fused(refusal):
         warnings.warn(_fallback_message(plan, refusal), FusedFallbackWarning, stacklevel=4)
     _unfused_forward(plan, handle, x, w, b, residual, residual_scale, y)
+
+
+def _algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
+                             inputs: tuple[int, int],
+                             fused: bool = False) -> tuple[Candidate, Workspace]:  # pragma: gpu
+    """The plan's algorithm for `direction` and its workspace for this call.
+
+    The plan chose an algorithm whose workspace could be allocated then; memory may be
+    scarcer now. Rather than fail, drop that algorithm for the next ranked one, as the
+    choice itself does (a forced algorithm has no next one, so its error stands).
+    """
+    import cupy
+
+    while True:
+        cand = plan.choice(direction, handle, inputs, fused=fused)
+        try:
+            return cand, Workspace(cand.workspace)
+        except cupy.cuda.memory.OutOfMemoryError:
+            if not plan.reject(direction, cand, fused=fused):
+                raise
+            warnings.warn(
+                f"{direction} algorithm {cand.algo} needs {cand.workspace} bytes of workspace "
+                f"that could not be allocated now, for {plan.describe()}; using the next "
+                "ranked algorithm from here on", WorkspaceFallbackWarning, stacklevel=4,
+            )
 
 
 def _fallback_message(plan: ConvPlan, refusal: CudnnError) -> str:
@@ -174,8 +199,7 @@ def _forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str
                   about: ConvPlan | None = None) -> None:  # pragma: gpu
     """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm;
     errors name `what` and the plan `about` (default: this one)."""
-    cand = plan.choice("fwd", handle, (x.data.ptr, w.data.ptr))
-    ws = Workspace(cand.workspace)
+    cand, ws = _algorithm_and_workspace(plan, "fwd", handle, (x.data.ptr, w.data.ptr))
     with context(lambda: _where(about or plan, what, cand)):
         cudnn().convolutionForward(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
@@ -200,8 +224,7 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
     plan = get_plan(geom, dz.dtype)
     dx = out if out is not None else cp.empty(geom.input_shape, dtype=dz.dtype)
     beta = float(beta) if out is not None else 0.0
-    cand = plan.choice("bwd_data", handle, (w.data.ptr, dz.data.ptr))
-    ws = Workspace(cand.workspace)
+    cand, ws = _algorithm_and_workspace(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr))
     with context(lambda: _where(plan, "conv_backward_data", cand)):
         cudnn().convolutionBackwardData(
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
@@ -217,8 +240,7 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
     plan = get_plan(geom, x.dtype)
     dw = out if out is not None else cp.empty(geom.weight_shape, dtype=x.dtype)
     beta = float(beta) if out is not None else 0.0
-    cand = plan.choice("bwd_filter", handle, (x.data.ptr, dz.data.ptr))
-    ws = Workspace(cand.workspace)
+    cand, ws = _algorithm_and_workspace(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr))
     with context(lambda: _where(plan, "conv_backward_filter", cand)):
         cudnn().convolutionBackwardFilter(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
