@@ -94,8 +94,39 @@ def resolve_padding(padding: IntOrTuple | str, kernel: Sequence[int], dilation: 
     return as_tuple(padding, rank, "padding")
 
 
+class LayoutShapes:
+    """Shape answers shared by ConvGeometry and PoolGeometry, which both hold the user's
+    `input_shape` in their layout, `channels_last`, and define `rank` and `output_shape_cf`."""
+
+    input_shape: tuple[int, ...]
+    channels_last: bool
+    rank: int
+    output_shape_cf: tuple[int, ...]
+
+    @property
+    def layout(self) -> str:
+        return layout_name(self.channels_last, self.rank)
+
+    @property
+    def batch(self) -> int:
+        return self.input_shape[0]
+
+    @property
+    def input_shape_cf(self) -> tuple[int, ...]:
+        return to_channels_first(self.input_shape, self.channels_last)
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return from_channels_first(self.output_shape_cf, self.channels_last)
+
+    @property
+    def channel_axis(self) -> int:
+        """Axis of channels in input/output arrays of this layout."""
+        return self.rank + 1 if self.channels_last else 1
+
+
 @dataclass(frozen=True)
-class ConvGeometry:
+class ConvGeometry(LayoutShapes):
     """A validated N-d convolution (N = 1, 2, 3). Build it with `ConvGeometry.create`."""
 
     input_shape: tuple[int, ...]
@@ -177,14 +208,6 @@ class ConvGeometry:
         return len(self.stride)
 
     @property
-    def layout(self) -> str:
-        return layout_name(self.channels_last, self.rank)
-
-    @property
-    def batch(self) -> int:
-        return self.input_shape[0]
-
-    @property
     def in_channels(self) -> int:
         return self.input_shape_cf[1]
 
@@ -195,10 +218,6 @@ class ConvGeometry:
     @property
     def kernel_size(self) -> tuple[int, ...]:
         return self.weight_shape_cf[2:]
-
-    @property
-    def input_shape_cf(self) -> tuple[int, ...]:
-        return to_channels_first(self.input_shape, self.channels_last)
 
     @property
     def weight_shape_cf(self) -> tuple[int, ...]:
@@ -218,17 +237,8 @@ class ConvGeometry:
         return (self.batch, self.out_channels, *self.output_spatial)
 
     @property
-    def output_shape(self) -> tuple[int, ...]:
-        return from_channels_first(self.output_shape_cf, self.channels_last)
-
-    @property
     def bias_shape(self) -> tuple[int, ...]:
         return (self.out_channels,)
-
-    @property
-    def channel_axis(self) -> int:
-        """Axis of channels in input/output arrays of this layout."""
-        return self.rank + 1 if self.channels_last else 1
 
     @property
     def reduce_axes(self) -> tuple[int, ...]:

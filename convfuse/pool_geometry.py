@@ -18,12 +18,10 @@ from dataclasses import dataclass
 
 from .geometry import (
     IntOrTuple,
+    LayoutShapes,
     as_tuple,
-    from_channels_first,
     is_int,
-    layout_name,
     parse_layout,
-    to_channels_first,
 )
 
 POOL_MODES = ("max", "avg")
@@ -35,7 +33,7 @@ def pool_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
 
 
 @dataclass(frozen=True)
-class PoolGeometry:
+class PoolGeometry(LayoutShapes):
     """A validated N-d pooling (N = 1, 2, 3). Build it with `PoolGeometry.create`."""
 
     input_shape: tuple[int, ...]
@@ -104,14 +102,6 @@ class PoolGeometry:
         return len(self.kernel_size)
 
     @property
-    def layout(self) -> str:
-        return layout_name(self.channels_last, self.rank)
-
-    @property
-    def batch(self) -> int:
-        return self.input_shape[0]
-
-    @property
     def channels(self) -> int:
         return self.input_shape_cf[1]
 
@@ -122,10 +112,6 @@ class PoolGeometry:
         for k in self.kernel_size:
             size *= k
         return size
-
-    @property
-    def input_shape_cf(self) -> tuple[int, ...]:
-        return to_channels_first(self.input_shape, self.channels_last)
 
     @property
     def output_spatial(self) -> tuple[int, ...]:
@@ -139,14 +125,6 @@ class PoolGeometry:
     @property
     def output_shape_cf(self) -> tuple[int, ...]:
         return (self.batch, self.channels, *self.output_spatial)
-
-    @property
-    def output_shape(self) -> tuple[int, ...]:
-        return from_channels_first(self.output_shape_cf, self.channels_last)
-
-    @property
-    def channel_axis(self) -> int:
-        return self.rank + 1 if self.channels_last else 1
 
     def describe(self) -> str:
         return (
