@@ -12,7 +12,7 @@ import numpy as np
 
 from convfuse import config, functional, ops
 
-from . import cases, checks, forward, records, roofline
+from . import checks, forward, records, roofline
 from .cases import LayerCase, Precision
 from .records import Context
 
@@ -22,12 +22,7 @@ REFERENCE_FLOPS_LIMIT = 2e9
 
 
 def run(ctx: Context) -> list[dict[str, Any]]:
-    out = []
-    for case in cases.layer_cases(ctx.quick, not ctx.engine.is_gpu):
-        for pname in ctx.precisions:
-            for layout in ctx.layouts:
-                out.append(run_one(ctx, case, cases.PRECISIONS[pname], layout))
-    return out
+    return forward.each_layer_case(ctx, run_one)
 
 
 def run_one(ctx: Context, case: LayerCase, prec: Precision, layout: str) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from convfuse import ops
@@ -41,13 +42,18 @@ def precision_skip(ctx: Context, prec: Precision) -> tuple[str | None, str | Non
     return cases.cpu_skip_reason(prec, ctx.quick), cases.cpu_note(prec)
 
 
+def each_layer_case(ctx: Context, run_one: Callable[..., dict[str, Any]]) -> list[dict[str, Any]]:
+    """run_one(ctx, case, precision, layout) over the layer table (shared with backward)."""
+    return [
+        run_one(ctx, case, cases.PRECISIONS[pname], layout)
+        for case in cases.layer_cases(ctx.quick, not ctx.engine.is_gpu)
+        for pname in ctx.precisions
+        for layout in ctx.layouts
+    ]
+
+
 def run(ctx: Context) -> list[dict[str, Any]]:
-    out = []
-    for case in cases.layer_cases(ctx.quick, not ctx.engine.is_gpu):
-        for pname in ctx.precisions:
-            for layout in ctx.layouts:
-                out.append(run_one(ctx, case, cases.PRECISIONS[pname], layout))
-    return out
+    return each_layer_case(ctx, run_one)
 
 
 def run_one(ctx: Context, case: LayerCase, prec: Precision, layout: str) -> dict[str, Any]:
