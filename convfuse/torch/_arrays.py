@@ -38,6 +38,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from ..ops._checks import ALIGNMENT
+
 #: The tensor dtypes convfuse computes in (its four storage dtypes).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -53,7 +55,10 @@ def is_channels_last(t: torch.Tensor) -> bool:
 def physical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """`t` in convfuse's order for the layout, C-contiguous (a view when strides allow)."""
     v = t.movedim(1, -1) if channels_last else t
-    return v if v.is_contiguous() else v.contiguous()
+    v = v if v.is_contiguous() else v.contiguous()
+    if v.device.type == "cuda" and v.data_ptr() % ALIGNMENT:  # pragma: gpu
+        v = v.clone()  # a view at an odd offset: convfuse's GPU ops refuse it, so copy once
+    return v
 
 
 def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:

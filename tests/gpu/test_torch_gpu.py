@@ -141,6 +141,18 @@ def test_backward_writes_into_tensors_pytorch_allocated(monkeypatch):
                                rtol=1e-10, atol=1e-10)
 
 
+def test_a_view_at_an_odd_offset_is_copied_not_refused():
+    import convfuse.torch as ct
+
+    layer = ct.Conv1d(3, 4, 3).cuda()
+    flat = torch.randn(1 + 2 * 3 * 10, device="cuda")
+    x = flat[1:].view(2, 3, 10)  # 4 bytes past an aligned block: convfuse's ops refuse it
+    assert x.data_ptr() % 16 and x.is_contiguous()
+    y = layer(x)
+    np.testing.assert_allclose(y.detach().cpu().double().numpy(),
+                               _reference(layer, x)[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
 def test_bfloat16_crosses_dlpack_on_cuda():
     import convfuse.torch as ct
 
