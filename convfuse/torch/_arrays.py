@@ -102,7 +102,7 @@ def engine_context(device: torch.device) -> Iterator[None]:
         yield  # pragma: gpu
 
 
-def _torch_allocator(device: torch.device) -> Any:  # pragma: gpu
+def _torch_allocator(device: torch.device) -> Any:
     """A CuPy allocator handing out PyTorch caching-allocator blocks on `device`.
 
     Each block is a uint8 tensor taken on PyTorch's current stream; the CuPy memory object
