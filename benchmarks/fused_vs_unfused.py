@@ -28,6 +28,7 @@ except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(HERE.parent))
     import convfuse as cf
 
+import bench.torch_convert as torch_convert  # noqa: E402
 from bench import adam, backward, biasgrad, env, forward, peaks, report, torch_cmp, train  # noqa: E402
 from bench.cases import LAYOUTS, PRECISIONS  # noqa: E402
 from bench.engine import Engine, make_engine  # noqa: E402
@@ -55,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="NCHW,NHWC or one of them")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
+    p.add_argument("--torch-convert", action="store_true",
+                   help="also time a torch.nn conv net against convfuse.torch.convert of it")
     p.add_argument("--heuristics", action="store_true",
                    help="choose convfuse's algorithms by heuristics instead of autotuning "
                         "(PyTorch always runs with cudnn.benchmark=True)")
@@ -135,6 +138,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                                      if "biasgrad" in results else None),
         "counts": report.counts(results),
         "results": results,
+        "torch_convert": torch_convert.run(args.quick) if args.torch_convert else None,
     }
 
 
@@ -151,6 +155,8 @@ def render(payload: dict, args: argparse.Namespace) -> None:
                       "Floors use measured CPU copy and GEMM rates, so a roofline above 100% "
                       "means a case beat those measurements (e.g. from cache), not physics.")
     report.print_report(payload["results"], payload["engine"], footer)
+    if payload.get("torch_convert"):
+        print(torch_convert.format_table(payload["torch_convert"]))
     title = f"convfuse: ratios of median times on {payload['label']}"
     if not on_gpu:
         title += "\nCPU reference engine: says nothing about GPU performance"
