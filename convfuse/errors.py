@@ -53,3 +53,14 @@ class CaptureError(ConvfuseError, RuntimeError):
 class StateDictError(ConvfuseError, RuntimeError):
     """load_state_dict found missing, unexpected, mis-shaped or mis-typed entries; the
     message names every offending key. Nothing was loaded (RuntimeError, as PyTorch)."""
+
+
+class SavedTensorModifiedError(ConvfuseError, RuntimeError):
+    """A tensor the forward saved for backward was changed in place before the backward
+    (PyTorch's "one of the variables needed for gradient computation has been modified by
+    an inplace operation"). Run the forward again."""
+
+
+class ArrayTooLargeError(ConvfuseError, MemoryError):
+    """An array convfuse was about to allocate exceeds `convfuse.config.max_array_bytes`
+    (by default the device's total memory); raised before allocating, naming the bytes."""

@@ -130,11 +130,16 @@ def _extent(a: Any) -> tuple[int, int]:
 
 
 def _overlaps(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False  # host and device memory never overlap
         return bool(np.may_share_memory(a, b))  # a bounds check, no exact solve
     # CuPy: compare address ranges; cupy.shares_memory would need the device.
     (a0, a1), (b0, b1) = _extent(a), _extent(b)
     return a0 < b1 and b0 < a1
+
+
+overlaps = _overlaps  # public: layers check gradient buffers with the same rule
 
 
 def _same_memory(a: Any, b: Any) -> bool:
