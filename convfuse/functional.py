@@ -221,14 +221,14 @@ def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
                              f"expected {tuple(shape)} and {dy.dtype}")
         if not out.flags.c_contiguous:
             raise ValueError(f"{op}: {name} is not C-contiguous (it is written in place)")
-        if isinstance(out, np.ndarray) and not out.flags.writeable:
-            raise ValueError(f"{op}: {name} is read-only but the gradient is written there")
         for other, arr in [*saved, *checked]:
             if arr is not None and overlaps(out, arr):
                 raise ValueError(
                     f"{op}: {name} shares memory with {other}, which backward reads while "
                     f"writing {name}; pass a separate array"
                 )
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError(f"{op}: {name} is read-only but the gradient is written there")
         checked.append((name, out))
 
 

@@ -5,6 +5,12 @@ on the CPU, over the group's flat buffers (see _flat.py). On the GPU the learnin
 the step count live in device memory, so `step()` queues one launch per group and nothing
 else: no synchronisation, no allocation, no host-to-device copy. That is what makes it
 capturable in a CUDA graph, and setting `.lr` queues an async fill of the device scalar.
+
+Copies: `copy.deepcopy` and pickle of an optimizer (alone, or with its model in one call)
+give a working optimizer: its state is its parameters, hyperparameters and `state_dict()`,
+and restoring it re-homes the (copied) parameters into new flat buffers, so the copies of
+the model and the optimizer stay linked exactly as the originals are. Copying a model and
+its optimizer in two separate calls copies the parameters twice, as in PyTorch.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import numpy as np
 
 from .. import dtypes, kernels
 from ..backend import to_device
+from ..errors import ConvfuseError
+from ..nn.module import renamed
 from ..nn.parameter import Parameter
 from ._flat import (
     FlatGroup,
@@ -56,13 +64,34 @@ class FlatOptimizer:
     _kernel = ""
 
     def __init__(self, params: Iterable[Parameter], lr: Any, **hyper: Any) -> None:
-        self._lr = check_lr(lr)
-        self.defaults: dict[str, Any] = self._validated(**hyper)
-        self._groups: list[FlatGroup] = build_groups(check_params(params), self._state_names())
+        try:
+            self._lr = check_lr(lr)
+            self.defaults: dict[str, Any] = self._validated(**hyper)
+            plist = check_params(params)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, type(self).__name__) from None
+        self._build(plist)
+
+    def _build(self, plist: list[Parameter]) -> None:
+        self._groups: list[FlatGroup] = build_groups(plist, self._state_names())
         self._device_id = self._groups[0].device_id
         self._lr_dev: Any = None
         if self._device_id >= 0:  # pragma: gpu
             self._setup_gpu()
+
+    # -- copies ---------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        params = [s.param for _, s in slots_in_order(self._groups)]
+        return {"params": params, "lr": self._lr, "defaults": dict(self.defaults),
+                "state": self.state_dict()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The parameters arrive already copied (deepcopy's memo, pickle's references), so
+        # re-homing them links this optimizer to the copied model, not the original.
+        self._lr = check_lr(state["lr"])
+        self.defaults = self._validated(**state["defaults"])
+        self._build(check_params(state["params"]))
+        self.load_state_dict(state["state"])
 
     # -- subclass interface -------------------------------------------------------------
     def _validated(self, **hyper: Any) -> dict[str, Any]:
@@ -119,7 +148,10 @@ class FlatOptimizer:
 
     @lr.setter
     def lr(self, value: Any) -> None:
-        self._lr = check_lr(value)
+        try:
+            self._lr = check_lr(value)
+        except (TypeError, ValueError) as exc:
+            raise renamed(exc, type(self).__name__) from None
         if self._lr_dev is not None:  # pragma: gpu
             with device_context(self._device_id):
                 self._lr_dev.fill(self._lr)  # an async kernel on the current stream
@@ -145,6 +177,8 @@ class FlatOptimizer:
                 # IEEE semantics, as on the GPU and in PyTorch: inf/NaN propagate silently.
                 with np.errstate(all="ignore"):
                     self._update_cpu(g, g.step, self._lr)
+            for s in g.slots:  # host counters only: a backward of an older forward refuses
+                s.param._version += 1
 
     def _steps_taken(self, g: FlatGroup) -> int:
         if g.on_gpu:  # pragma: gpu
