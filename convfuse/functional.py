@@ -32,7 +32,7 @@ import numpy as np
 
 from . import activations, ops
 from .backend import array_module, device_of, is_cupy
-from .errors import DeviceMismatchError
+from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, IntOrTuple
 from .ops._checks import check_scalar, overlaps
 
@@ -94,6 +94,16 @@ def conv_bias_act_forward(
     other activations add exactly one activation kernel. On NumPy arrays the reference
     engine computes the same thing. Pass `geom` to skip re-validating a known geometry.
     """
+    try:
+        return _forward(x, weight, bias, stride, padding, dilation, groups, activation,
+                        residual, residual_scale, layout, geom)
+    except (TypeError, ValueError, ConvfuseError) as exc:
+        raise renamed(exc, "conv_bias_act") from None
+
+
+def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
+             groups: Any, activation: Any, residual: Any, residual_scale: Any, layout: Any,
+             geom: Any) -> tuple[Any, ConvContext]:
     op = "conv_bias_act"
     act = _activation(op, activation)
     x = _array(op, "x", x)
@@ -161,6 +171,14 @@ def conv_bias_act_backward(
     `dweight`/`dbias` sharing memory with the forward's saved tensors (ctx.x, ctx.weight,
     ctx.saved), with dy or with each other are refused with ValueError.
     """
+    try:
+        return _backward(dy, ctx, need_dx, dweight, dbias, accumulate)
+    except (TypeError, ValueError, ConvfuseError) as exc:
+        raise renamed(exc, "conv_bias_act_backward") from None
+
+
+def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumulate: Any
+              ) -> ConvGrads:
     op = "conv_bias_act_backward"
     if not isinstance(ctx, ConvContext):
         raise TypeError(f"{op}: ctx must be the ConvContext conv_bias_act_forward returned, "

@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 
 from . import kernels
+from . import backend
 from .backend import array_module, cupy_module
 from .dtypes import SUPPORTED, compute_dtype
-from .errors import BackwardBeforeForwardError, DeviceMismatchError
+from .errors import BackwardBeforeForwardError, ConvfuseError, DeviceMismatchError, renamed
 
 #: Threads per block of the loss kernels (loss.cu's XENT_BLOCK); one warp per row.
 XENT_BLOCK = 256
@@ -46,10 +47,20 @@ class CrossEntropyLoss:
         return self.forward(logits, labels)
 
     def forward(self, logits: Any, labels: Any) -> Any:
-        xp = array_module(logits, labels)  # TypeError for non-arrays, refuses NumPy + CuPy
-        _validate(logits, labels)
+        try:
+            for name, a in (("logits", logits), ("labels", labels)):
+                if not (isinstance(a, np.ndarray) or backend.is_cupy(a)):
+                    raise TypeError(f"{name} must be a NumPy or CuPy array, got "
+                                    f"{type(a).__name__}")
+            xp = array_module(logits, labels)  # refuses NumPy + CuPy
+            _validate(logits, labels)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, "CrossEntropyLoss") from None
         if xp is np:
-            loss, correct, dlogits = _forward_cpu(logits, labels)
+            try:
+                loss, correct, dlogits = _forward_cpu(logits, labels)
+            except ValueError as exc:
+                raise renamed(exc, "CrossEntropyLoss") from None
         else:
             loss, correct, dlogits = _forward_gpu(logits, labels)  # pragma: gpu
         self._dlogits, self.correct = dlogits, correct

@@ -240,7 +240,7 @@ def test_functional_backward_refuses_outputs_aliasing_saved_tensors(arg, source)
 
 def test_functional_backward_refuses_dweight_equal_to_the_weight_and_keeps_dx_right():
     ctx, dy = _functional_ctx()
-    with pytest.raises(ValueError, match="dweight shares memory with ctx.weight"):
+    with pytest.raises(ValueError, match=r"dweight shares memory with ctx\.weight"):
         conv_bias_act_backward(dy, ctx, dweight=ctx.weight, dbias=np.zeros(3))
     ref = conv_bias_act_backward(dy, ctx)
     again = conv_bias_act_backward(dy, ctx, dweight=np.zeros_like(ctx.weight), dbias=np.zeros(3))

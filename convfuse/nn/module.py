@@ -8,8 +8,6 @@ Everything stays an ordinary attribute, so the hot path reads `self.weight` at n
 
 from __future__ import annotations
 
-import copy
-import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,13 +21,13 @@ from ..errors import (
     ConvfuseError,
     DeviceMismatchError,
     SavedTensorModifiedError,
+    renamed,
 )
 from ..ops._checks import overlaps
 from .parameter import Parameter
 
 #: The errors a layer re-raises under its own name (`Conv2d: ...`), same type, same text.
 USER_ERRORS = (TypeError, ValueError, ConvfuseError)
-_OP_PREFIX = re.compile(r"^[a-z_][a-z0-9_]*: ")
 
 _REGISTRIES = ("_param_names", "_module_names", "_buffer_names")
 
@@ -362,22 +360,6 @@ class Layer:
 
 
 Module = Layer
-
-
-def renamed(exc: BaseException, name: str) -> BaseException:
-    """`exc` re-labelled `name: ...` (an op's own `op_name: ` prefix dropped), same type,
-    attributes and traceback; `exc` itself when it already names `name`."""
-    msg = str(exc)
-    if msg.startswith(name):
-        return exc
-    match = _OP_PREFIX.match(msg)
-    body = msg[match.end():] if match else msg
-    try:
-        new = copy.copy(exc)
-        new.args = (f"{name}: {body}",)
-    except Exception:  # an exception type that cannot be copied keeps its own words
-        return exc
-    return new.with_traceback(exc.__traceback__)
 
 
 def check_grad(layer: str, name: str, p: Parameter) -> None:
