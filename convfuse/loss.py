@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
-from . import backend
+from . import backend, kernels
 from .backend import array_module, cupy_module
 from .dtypes import SUPPORTED, compute_dtype
 from .errors import BackwardBeforeForwardError, ConvfuseError, DeviceMismatchError, renamed
