@@ -224,7 +224,7 @@ def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
         raise ValueError(f"{op}: dbias was given, but the forward had no bias")
     saved = [("ctx.x", ctx.x), ("ctx.weight", ctx.weight), ("ctx.saved", ctx.saved),
              ("dy", dy)]
-    checked = []
+    checked: list[tuple[str, Any]] = []
     for name, out, shape in outs:
         if out is None:
             continue

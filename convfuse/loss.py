@@ -121,7 +121,7 @@ def _forward_cpu(logits: np.ndarray, labels: np.ndarray) -> tuple[Any, Any, Any]
 
 
 def _forward_gpu(logits: Any, labels: Any) -> tuple[Any, Any, Any]:  # pragma: gpu
-    cp = cupy_module()
+    cp: Any = cupy_module()
     if logits.device.id != labels.device.id:
         raise DeviceMismatchError(
             f"logits are on GPU {logits.device.id} but labels on GPU {labels.device.id}"

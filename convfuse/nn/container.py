@@ -62,7 +62,7 @@ class Sequential(Layer):
             if not isinstance(layer, Layer):
                 raise TypeError(f"Sequential: item {i} ({type(layer).__name__}) is not a layer "
                                 "(a convfuse.nn.Module)")
-        devices = {getattr(lyr, "device", None) for lyr in layers} - {None}
+        devices: set[str] = {lyr.device for lyr in layers if getattr(lyr, "device", None)}
         if len(devices) > 1:
             raise ValueError(f"Sequential layers are on different devices: {sorted(devices)}")
         for i, layer in enumerate(layers):
@@ -74,7 +74,7 @@ class Sequential(Layer):
     def layers(self) -> list[Layer]:
         return list(self.children())
 
-    @property  # type: ignore[override]
+    @property
     def needs_input_grad(self) -> bool:
         return self.__dict__.get("_needs_input_grad", True)
 
@@ -133,24 +133,25 @@ class Sequential(Layer):
     def __len__(self) -> int:
         return len(self.__dict__.get("_module_names", ()))
 
-    def __getitem__(self, i: int) -> Layer:
+    def __getitem__(self, i: int | slice) -> Layer:
         layers = self.layers
         if isinstance(i, slice):
-            return Sequential(*layers[i])  # type: ignore[return-value]
+            return Sequential(*layers[i])
         return layers[i]
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
 
 
-_TAKES_RESIDUAL: dict[type, bool] = {}
+_TAKES_RESIDUAL: dict[type[Layer], bool] = {}
 
 
-def _takes_residual(cls: type) -> bool:
+def _takes_residual(cls: type[Layer]) -> bool:
     """Whether `cls.__call__` accepts `residual=` (cached per class: signature is slow)."""
     known = _TAKES_RESIDUAL.get(cls)
     if known is None:
-        params = inspect.signature(cls.__call__).parameters.values()
-        known = any(p.name == "residual" or p.kind is p.VAR_KEYWORD for p in params)
+        fn = cls.__call__ if cls.__call__ is not Layer.__call__ else cls.forward
+        params = inspect.signature(fn).parameters.values()
+        known = any(p.name == "residual" for p in params)
         _TAKES_RESIDUAL[cls] = known
     return known

@@ -31,6 +31,18 @@ class _ConvNd(Layer):
     """
 
     _rank = 0
+    # Stored in __dict__ (properties below guard the public names).
+    _in: int
+    _out: int
+    _groups: int
+    _kernel: tuple[int, ...]
+    _stride: tuple[int, ...]
+    _padding: tuple[int, ...] | str
+    _dilation: tuple[int, ...]
+    _layout: str
+    _channels_last: bool
+    _dtype: np.dtype
+    _geoms: dict[tuple[int, ...], ConvGeometry]
 
     def __init__(
         self,

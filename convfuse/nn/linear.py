@@ -26,6 +26,10 @@ from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 class Linear(Layer):
     """y = act(x @ weight.T + bias), with x of shape (N, in_features)."""
 
+    _in: int
+    _out: int
+    _dtype: np.dtype
+
     def __init__(
         self,
         in_features: int,

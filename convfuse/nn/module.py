@@ -62,6 +62,16 @@ class Layer:
     training: bool = True
     needs_input_grad: bool = True
 
+    # -- calls: subclasses define __call__ (or forward) and backward ---------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward")
+
+    def backward(self, dy: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no backward")
+
     # -- registration ------------------------------------------------------------------------
     def _registry(self, which: str) -> list[str]:
         reg = self.__dict__.get(which)
@@ -402,6 +412,6 @@ def _check_array(value: Any, what: str) -> None:
                         f"got {type(value).__name__}") from None
 
 
-def init_parameter(values: np.ndarray, dtype: Any, device: str, name: str) -> Parameter:
+def init_parameter(values: Any, dtype: Any, device: str, name: str) -> Parameter:
     """A Parameter from host values drawn in float64, cast once, then moved (seed-stable)."""
     return Parameter(to_device(values.astype(dtypes.canonical(dtype)), device), name)

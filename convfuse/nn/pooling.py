@@ -23,6 +23,11 @@ from .module import USER_ERRORS, Layer, contiguous, renamed
 
 class _Pool2d(Layer):
     _mode = ""
+    _kernel: tuple[int, ...]
+    _stride: tuple[int, ...]
+    _padding: tuple[int, ...]
+    _layout: str
+    _geoms: dict[tuple[int, ...], PoolGeometry]
 
     def __init__(
         self,
