@@ -257,3 +257,24 @@ def test_huge_outputs_fail_before_allocating():
             F.conv_bias_act(np.ones((1, 1, 64, 64), np.float32), np.ones((1, 1, 1, 1),
                                                                          np.float32))
     assert conv(np.ones((1, 1, 32, 32), np.float32)).shape == (1, 8, 32, 32)
+
+
+def test_optimizer_load_state_dict_types_its_entries():
+    lin = cf.Linear(2, 2, device="cpu")
+    opt = cf.optim.Adam(lin.parameters())
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = "one"
+    _expect(lambda: opt.load_state_dict(sd), "Adam", "step")
+    sd = opt.state_dict()
+    sd["state"][1]["exp_avg"] = np.array(["a", "b"])
+    _expect(lambda: opt.load_state_dict(sd), "Adam", "exp_avg")
+    _expect(lambda: opt.load_state_dict([1]), "Adam", "state_dict")
+
+
+@pytest.mark.parametrize("call", [
+    lambda: cf.ops.activation_forward(np.ones(2), ["relu"]),
+    lambda: cf.ops.activation_backward(np.ones(2), np.ones(2), {"relu"}),
+])
+def test_activation_ops_type_the_activation(call):
+    with pytest.raises(TypeError, match="activation must be a str or None"):
+        call()

@@ -200,7 +200,14 @@ class FlatOptimizer:
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (hyperparameters, lr, steps and buffers)."""
+        """Restore what `state_dict` returned (hyperparameters, lr, steps and buffers).
+        Everything is checked before anything is written; errors name the optimizer."""
+        try:
+            self._load_state_dict(state_dict)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict must be a dict with keys 'state' and 'param_groups'")
         groups = state_dict["param_groups"]
@@ -239,9 +246,16 @@ class FlatOptimizer:
                 if not isinstance(entry, dict) or set(entry) != {"step", *names}:
                     raise ValueError(f"state_dict['state'][{s.index}] must hold "
                                      f"{sorted({'step', *names})}")
-                steps.add(int(entry["step"]))
+                step = entry["step"]
+                if not isinstance(step, (numbers.Integral, np.integer)) or isinstance(step, bool):
+                    raise TypeError(f"state_dict['state'][{s.index}]['step'] must be an int, got "
+                                    f"{type(step).__name__} {step!r}")
+                steps.add(int(step))
                 arrays = {k: np.asarray(to_device(entry[k], "cpu")) for k in names}
                 for k, a in arrays.items():
+                    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+                        raise TypeError(f"state_dict['state'][{s.index}][{k!r}] must be a "
+                                        f"floating array, got dtype {a.dtype}")
                     if a.shape != s.shape:
                         raise ValueError(f"state_dict['state'][{s.index}][{k!r}] has shape "
                                          f"{a.shape}, the parameter has {s.shape}")
