@@ -27,16 +27,18 @@ _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 _GPU_ONLY = re.compile(r"<!--\s*gpu-only\s*:?\s*(.*?)\s*-->\s*$")
 
 
-def _blocks() -> list:
+def _blocks(paths: list[Path] | None = None) -> list:
     out = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    if paths is None:
+        paths = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for path in paths:
         text = path.read_text()
         for m in _FENCE.finditer(text):
             line = text.count("\n", 0, m.start()) + 1
             before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
             gpu = _GPU_ONLY.search(before)
             reason = (gpu.group(1) or "marked gpu-only") if gpu else None
-            rel = path.relative_to(ROOT).as_posix()
+            rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
             out.append(pytest.param(rel, line, m.group(1), reason, id=f"{rel}:{line}"))
     return out
 
@@ -46,6 +48,17 @@ BLOCKS = _blocks()
 
 def test_the_docs_have_python_blocks():
     assert len(BLOCKS) >= 2  # README's training loop and single layer at least
+
+
+def test_blocks_are_found_with_their_lines_and_gpu_markers(tmp_path):
+    doc = tmp_path / "x.md"
+    doc.write_text("# t\n\n```python\nprint(1)\n```\n\n<!-- gpu-only: needs cuDNN -->\n"
+                   "```python\nprint(2)\n```\n```bash\nls\n```\n<!-- gpu-only -->\n\n"
+                   "```python\nprint(3)\n```\n")
+    found = [p.values for p in _blocks([doc])]
+    assert [(line, code, why) for _, line, code, why in found] == [
+        (3, "print(1)\n", None), (8, "print(2)\n", "needs cuDNN"),
+        (16, "print(3)\n", "marked gpu-only")]
 
 
 @pytest.mark.parametrize("doc,line,code,gpu_reason", BLOCKS)
