@@ -4,7 +4,9 @@ An array larger than `convfuse.config.max_array_bytes` is refused with `ArrayToo
 stating the bytes needed. The default limit (None) is the device's total memory: physical
 RAM on the CPU, the GPU's total memory on CUDA. Layers check their parameters at
 construction and their outputs once per input shape (when the geometry is built), so the
-check costs nothing per call.
+check costs nothing per call. On the CPU a convolution also checks the reference engine's
+im2col buffer (C * prod(kernel) * N * prod(output spatial) elements in the compute dtype),
+usually its largest temporary.
 """
 
 from __future__ import annotations
@@ -64,3 +66,14 @@ def check_bytes(shape: Sequence[int], dtype: Any, device: str, what: str) -> Non
             f"({cap / 2**30:.1f} GiB) allowed on {device} (convfuse.config.max_array_bytes; "
             "default: the device's total memory)"
         )
+
+
+def check_conv(geom: Any, dtype: Any, device: str) -> None:
+    """A convolution's output, and on the CPU the reference engine's im2col buffer."""
+    from .dtypes import compute_dtype
+
+    check_bytes(geom.output_shape, dtype, device, "output")
+    if device == "cpu":
+        cols = (geom.in_channels * math.prod(geom.kernel_size), geom.batch,
+                *geom.output_spatial)
+        check_bytes(cols, compute_dtype(dtype), device, "the CPU engine's im2col buffer")

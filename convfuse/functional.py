@@ -113,10 +113,10 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
     scale = check_scalar(op, "residual_scale", residual_scale)
     array_module(x, weight, bias, residual)  # refuses NumPy/CuPy mixes up front
     if geom is None:
-        from ._memory import check_bytes
+        from ._memory import check_conv
 
         geom = ConvGeometry.create(x.shape, weight.shape, stride, padding, dilation, groups, layout)
-        check_bytes(geom.output_shape, x.dtype, device_of(x), f"{op}: output")
+        check_conv(geom, x.dtype, device_of(x))
     elif not isinstance(geom, ConvGeometry):
         raise TypeError(f"{op}: geom must be a ConvGeometry or None, got {type(geom).__name__}")
     y, z = ops.conv_bias_act(

@@ -253,7 +253,7 @@ def test_huge_outputs_fail_before_allocating():
             conv(np.ones((1, 1, 32, 32), np.float32))
         with pytest.raises(ArrayTooLargeError, match=r"^MaxPool2d: output"):
             cf.MaxPool2d(1)(np.ones((1, 1, 64, 64), np.float32))
-        with pytest.raises(ArrayTooLargeError, match="conv_bias_act: output"):
+        with pytest.raises(ArrayTooLargeError, match=r"^conv_bias_act: output"):
             F.conv_bias_act(np.ones((1, 1, 64, 64), np.float32), np.ones((1, 1, 1, 1),
                                                                          np.float32))
     assert conv(np.ones((1, 1, 32, 32), np.float32)).shape == (1, 8, 32, 32)
@@ -278,3 +278,11 @@ def test_optimizer_load_state_dict_types_its_entries():
 def test_activation_ops_type_the_activation(call):
     with pytest.raises(TypeError, match="activation must be a str or None"):
         call()
+
+
+def test_the_cpu_engines_im2col_buffer_is_checked_too():
+    conv = cf.Conv2d(4, 1, 5, padding=2, device="cpu")  # output 4 KiB, im2col 100 KiB
+    with cf.config.flags(max_array_bytes=20_000), \
+            pytest.raises(ArrayTooLargeError, match=r"^Conv2d: the CPU engine's im2col buffer"
+                                                    r" of shape \(100, 1, 32, 32\)"):
+        conv(np.ones((1, 4, 32, 32), np.float32))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from .._memory import check_bytes
+from .._memory import check_bytes, check_conv
 from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
 from ..geometry import ConvGeometry, IntOrTuple, parse_layout
@@ -184,7 +184,7 @@ class _ConvNd(Layer):
                 x.shape, self.weight.shape, self._stride, self._padding, self._dilation,
                 self._groups, self._layout,
             )
-            check_bytes(geom.output_shape, self._dtype, self.device, "output")
+            check_conv(geom, self._dtype, self.device)
             self._geoms[tuple(x.shape)] = geom
         return geom
 
