@@ -286,3 +286,12 @@ def test_the_cpu_engines_im2col_buffer_is_checked_too():
             pytest.raises(ArrayTooLargeError, match=r"^Conv2d: the CPU engine's im2col buffer"
                                                     r" of shape \(100, 1, 32, 32\)"):
         conv(np.ones((1, 4, 32, 32), np.float32))
+
+
+def test_module_api_arguments_are_typed():
+    lin = cf.Linear(2, 2, device="cpu")
+    _expect(lambda: lin.to("tpu"), "Linear", "device")
+    _expect(lambda: lin.to(None if False else 3), "Linear", "device")
+    _expect(lambda: setattr(lin, "needs_input_grad", "no"), "Linear", "needs_input_grad")
+    _expect(lambda: lin.train("yes"), "Linear", "mode")
+    assert lin.needs_input_grad is True and lin.training is True

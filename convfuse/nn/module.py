@@ -81,6 +81,9 @@ class Layer:
         return reg
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("needs_input_grad", "training") and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{type(self).__name__}: {name} must be a bool, got "
+                            f"{type(value).__name__} {value!r}")
         if name in self.__dict__.get("_buffer_names", ()):
             if value is not None:
                 _check_array(value, f"{type(self).__name__}: buffer {name!r}")
@@ -222,7 +225,10 @@ class Layer:
     def to(self, device: str) -> Layer:
         """Move parameters (with their gradients) and buffers of self and every descendant to
         'cuda' or 'cpu'; returns self. Build optimizers after moving, as in PyTorch."""
-        target = resolve_device(device)
+        try:
+            target = resolve_device(device)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
         for mod in self.modules():
             mod._move_own(target)
         return self
