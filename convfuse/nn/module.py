@@ -282,7 +282,8 @@ class Layer:
         d = self.__dict__
         d["_ctx_value"] = value
         if value is not None:
-            d["_ctx_versions"] = tuple((p, p._version) for _, p in self._own("_param_names"))
+            d["_ctx_versions"] = [(n, p, p._version) for n in d.get("_param_names", ())
+                                  if (p := d.get(n)) is not None]
 
     def _peek_ctx(self) -> Any:
         """The forward's context, left in place; raises if there is none or a parameter
@@ -293,8 +294,9 @@ class Layer:
                 f"{type(self).__name__}.backward() called without a preceding forward "
                 "(each forward supports one backward)"
             )
-        for p, version in self.__dict__.get("_ctx_versions", ()):
-            if p._version != version or not any(q is p for _, q in self._own("_param_names")):
+        d = self.__dict__
+        for name, p, version in d.get("_ctx_versions", ()):
+            if p._version != version or d.get(name) is not p:
                 raise SavedTensorModifiedError(
                     f"{type(self).__name__}.backward: parameter {p.name or p!r} was modified "
                     f"(version {version} at the forward, {p._version} now) or replaced after "
