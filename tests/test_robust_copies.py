@@ -113,3 +113,16 @@ def test_checkpoint_from_state_dicts_continues_bitwise(opt_cls, kw):
     fresh_opt.load_state_dict(loaded["opt"])
     assert _train(fresh, fresh_opt, 4, start=3) == _train(model, opt, 4, start=3)
     _same(model, fresh)
+
+
+def test_a_shallow_copy_makes_the_original_refuse_to_step_rather_than_do_nothing():
+    model = _model()
+    opt = cf.optim.SGD(model.parameters(), lr=0.1)
+    twin = copy.copy(opt)
+    for p in model.parameters():
+        p.grad[...] = 1.0
+    before = [p.data.copy() for p in model.parameters()]
+    twin.step()
+    assert all(not np.array_equal(b, p.data) for b, p in zip(before, model.parameters()))
+    with pytest.raises(RuntimeError, match="replaced after this optimizer re-homed it"):
+        opt.step()

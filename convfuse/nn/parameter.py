@@ -17,7 +17,7 @@ class Parameter:
     and `load_state_dict` bump it. A layer records it at forward and its backward refuses
     to run if it changed (PyTorch's "modified by an inplace operation" check). Writes made
     directly into the array (`p.data[...] = v`) are not counted: nothing sees them without
-    a copy or a device sync (docs/DESIGN.md, "What backward keeps").
+    a copy or a device sync (README, "Behaviour worth knowing").
     """
 
     __slots__ = ("_data", "_version", "grad", "name")

@@ -10,7 +10,9 @@ Copies: `copy.deepcopy` and pickle of an optimizer (alone, or with its model in 
 give a working optimizer: its state is its parameters, hyperparameters and `state_dict()`,
 and restoring it re-homes the (copied) parameters into new flat buffers, so the copies of
 the model and the optimizer stay linked exactly as the originals are. Copying a model and
-its optimizer in two separate calls copies the parameters twice, as in PyTorch.
+its optimizer in two separate calls copies the parameters twice, as in PyTorch. A shallow
+`copy.copy` re-homes the same parameters into the copy's buffers, so the original's next
+step raises (check_homes) instead of silently updating nothing.
 """
 
 from __future__ import annotations
