@@ -316,3 +316,13 @@ def test_functional_saved_preactivation_is_read_only():
     x, w = np.ones((1, 1, 2, 2)), np.ones((1, 1, 1, 1))
     _, ctx = conv_bias_act_forward(x, w, activation="gelu")
     assert not ctx.saved.flags.writeable
+
+
+def test_backward_through_one_layer_instance_at_two_positions_is_refused_unchanged():
+    lin = cf.Linear(2, 2, device="cpu", seed=0)
+    seq = cf.Sequential(lin, cf.ReLU(), lin)
+    seq(np.ones((1, 2), np.float32))  # forward (inference) works
+    with pytest.raises(ValueError, match=r"^Sequential: item 2 is the same Linear object as "
+                                         r"item 0"):
+        seq.backward(np.ones((1, 2), np.float32))
+    assert not lin.weight.grad.any() and not lin.bias.grad.any()

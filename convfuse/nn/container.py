@@ -114,7 +114,9 @@ class Sequential(Layer):
 
     def _check_backward(self) -> Any:
         ctx = self._peek_ctx()
-        for layer in self.layers:
+        layers = self.layers
+        _check_not_repeated(layers)
+        for layer in layers:
             layer._check_backward()
         return ctx
 
@@ -155,3 +157,19 @@ def _takes_residual(cls: type[Layer]) -> bool:
         known = any(p.name == "residual" for p in params)
         _TAKES_RESIDUAL[cls] = known
     return known
+
+
+
+def _check_not_repeated(layers: list[Layer]) -> None:
+    """A layer keeps one forward's context, so one instance that ran at two positions
+    cannot run backward (its second forward replaced the first's context). Checked before
+    any backward writes; forward alone (inference) is fine."""
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        j = seen.setdefault(id(layer), i)
+        if j != i:
+            raise ValueError(
+                f"Sequential: item {i} is the same {type(layer).__name__} object as item {j}; "
+                "a convfuse layer keeps the context of one forward, so backward through a "
+                "layer used twice is refused (use a separate instance for each position)"
+            )
