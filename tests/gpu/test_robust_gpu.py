@@ -15,6 +15,13 @@ from convfuse.errors import ArrayTooLargeError, DeviceMismatchError, SavedTensor
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _deterministic():
+    # Bitwise comparisons below need cuDNN algorithms without atomics.
+    with cf.config.flags(deterministic=True, allow_tf32=False):
+        yield
+
+
 def _conv():
     return cf.Conv2d(2, 3, 3, padding=1, activation="relu", dtype="float64", device="cuda",
                      seed=0)
