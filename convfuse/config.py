@@ -1,5 +1,12 @@
 """Process-wide numerical and performance switches, read when a plan is built.
 
+Each flag is an attribute of this module, read and assigned as PyTorch's
+`torch.backends.cudnn.benchmark`: `convfuse.config.allow_tf32 = False`. Assignments are
+validated (a wrong type or value raises TypeError/ValueError) and take effect at once:
+plans key on the snapshot `config.get()`, so the next call builds (or finds) a plan for
+the new flags. Assigning any other public name raises AttributeError. `set_flags(**kw)`
+and the scoped `with config.flags(**kw):` do the same for several flags at once.
+
 Defaults:
 - allow_tf32 = True: float32 convolutions may use TF32 tensor cores (CUDNN_DEFAULT_MATH),
   as PyTorch allows for cuDNN convolutions by default. Set it False for full float32
@@ -11,14 +18,21 @@ Defaults:
 - bias_grad = "cudnn": the bias-gradient path, "cudnn" (cudnnConvolutionBackwardBias) or
   "fused" (activation-backward + bias-gradient kernel); never a generic reduction. The
   default stays cuDNN's call until GPU benchmarks (benchmarks/) favour the fused kernel.
+- max_array_bytes = None: the largest single array (parameter or layer output) convfuse
+  allocates; larger ones raise ArrayTooLargeError before allocating. None: the device's
+  total memory (convfuse/_memory.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import numbers
+import sys
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -28,9 +42,12 @@ class Flags:
     benchmark: bool = False
     workspace_limit: int | None = None
     bias_grad: str = "cudnn"
+    max_array_bytes: int | None = None
 
 
 _BIAS_GRAD_PATHS = ("cudnn", "fused")
+_BOOLS = ("allow_tf32", "deterministic", "benchmark")
+_SIZES = ("workspace_limit", "max_array_bytes")
 _lock = threading.Lock()
 _current = Flags()
 
@@ -40,12 +57,28 @@ def get() -> Flags:
     return _current
 
 
-def _validated(flags: Flags) -> Flags:
-    if flags.bias_grad not in _BIAS_GRAD_PATHS:
-        raise ValueError(f"bias_grad must be one of {_BIAS_GRAD_PATHS}, got {flags.bias_grad!r}")
-    if flags.workspace_limit is not None and flags.workspace_limit < 0:
-        raise ValueError(f"workspace_limit must be >= 0 or None, got {flags.workspace_limit}")
-    return flags
+def _checked(name: str, value: Any) -> Any:
+    """One flag's value, normalised (NumPy bools/ints to Python ones), or a typed error."""
+    if name in _BOOLS:
+        if type(value).__name__ not in ("bool", "bool_"):
+            raise TypeError(f"config.{name} must be a bool, got {type(value).__name__} "
+                            f"{value!r}")
+        return bool(value)
+    if name in _SIZES:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"config.{name} must be an int (bytes) or None, got "
+                            f"{type(value).__name__} {value!r}")
+        if int(value) < 0:
+            raise ValueError(f"config.{name} must be >= 0 or None, got {value}")
+        return int(value)
+    if name == "bias_grad":
+        if not isinstance(value, str) or value not in _BIAS_GRAD_PATHS:
+            raise ValueError(f"config.bias_grad must be one of {_BIAS_GRAD_PATHS}, "
+                             f"got {value!r}")
+        return value
+    raise AssertionError(name)  # pragma: no cover - every Flags field is handled above
 
 
 def set_flags(**changes: object) -> Flags:
@@ -55,9 +88,10 @@ def set_flags(**changes: object) -> Flags:
     unknown = set(changes) - known
     if unknown:
         raise TypeError(f"unknown flag(s) {sorted(unknown)}; known: {sorted(known)}")
+    checked = {k: _checked(k, v) for k, v in changes.items()}
     with _lock:
         previous = _current
-        _current = _validated(replace(_current, **changes))  # type: ignore[arg-type]
+        _current = replace(_current, **checked)
     return previous
 
 
@@ -71,3 +105,31 @@ def flags(**changes: object) -> Iterator[Flags]:
     finally:
         with _lock:
             _current = previous
+
+
+_FLAG_NAMES = frozenset(f.name for f in fields(Flags))
+
+
+class _ConfigModule(types.ModuleType):
+    """This module's class: flags read and assigned as attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _FLAG_NAMES:
+            return getattr(_current, name)
+        raise AttributeError(f"module 'convfuse.config' has no attribute {name!r}; "
+                             f"flags: {sorted(_FLAG_NAMES)}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FLAG_NAMES:
+            set_flags(**{name: value})
+        elif name.startswith("_") or name in self.__dict__:
+            super().__setattr__(name, value)  # module internals (and test monkeypatching)
+        else:
+            raise AttributeError(f"convfuse.config has no flag {name!r}; "
+                                 f"flags: {sorted(_FLAG_NAMES)}")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | _FLAG_NAMES)
+
+
+sys.modules[__name__].__class__ = _ConfigModule

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import re
+
+_OP_PREFIX = re.compile(r"^[a-z_][a-z0-9_]*: ")
+
 
 class ConvfuseError(Exception):
     """Base of every convfuse-specific error."""
@@ -53,3 +58,30 @@ class CaptureError(ConvfuseError, RuntimeError):
 class StateDictError(ConvfuseError, RuntimeError):
     """load_state_dict found missing, unexpected, mis-shaped or mis-typed entries; the
     message names every offending key. Nothing was loaded (RuntimeError, as PyTorch)."""
+
+
+class SavedTensorModifiedError(ConvfuseError, RuntimeError):
+    """A tensor the forward saved for backward was changed in place before the backward
+    (PyTorch's "one of the variables needed for gradient computation has been modified by
+    an inplace operation"). Run the forward again."""
+
+
+class ArrayTooLargeError(ConvfuseError, MemoryError):
+    """An array convfuse was about to allocate exceeds `convfuse.config.max_array_bytes`
+    (by default the device's total memory); raised before allocating, naming the bytes."""
+
+
+def renamed(exc: BaseException, name: str) -> BaseException:
+    """`exc` re-labelled `name: ...` (an op's own `op_name: ` prefix dropped), same type,
+    attributes and traceback; `exc` itself when it already names `name`."""
+    msg = str(exc)
+    if msg.startswith(name):
+        return exc
+    match = _OP_PREFIX.match(msg)
+    body = msg[match.end():] if match else msg
+    try:
+        new = copy.copy(exc)
+        new.args = (f"{name}: {body}",)
+    except Exception:  # an exception type that cannot be copied keeps its own words
+        return exc
+    return new.with_traceback(exc.__traceback__)

@@ -6,6 +6,21 @@ returns (or records) a `ConvContext` holding exactly what the backward needs:
 - the weight, for the data gradient;
 - one activation-sized tensor, the output or the pre-activation, per
   convfuse.activations Note [what backward saves].
+
+Contracts of both functions:
+- Arrays that are not C-contiguous are copied once into contiguous ones (one extra read
+  and write of that array; the caller's array is never modified). The ops below stay
+  strict and refuse them.
+- Wrong Python types raise TypeError naming the argument (`conv_bias_act: x must be ...`).
+- Saved tensors: on the CPU the saved activation tensor (the output y, which the caller
+  also holds, or the pre-activation z) is made read-only, so an in-place write to it
+  between forward and backward raises at the write instead of corrupting the gradients.
+  The input x and the weight are the caller's arrays and are not protected here (the
+  layers detect a changed weight through Parameter versions); CuPy arrays have no
+  read-only flag, so on the GPU only the layers' version check applies.
+- The backward checks dy and every output buffer (shape, dtype, device, writable,
+  contiguous, no memory shared with the forward's saved tensors or dy) before its first
+  write, so a refused call changes nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from . import activations, ops
-from .backend import array_module
-from .errors import DeviceMismatchError
+from .backend import array_module, device_of, is_cupy
+from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, IntOrTuple
+from .ops._checks import check_scalar, overlaps
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,22 @@ class ConvGrads(NamedTuple):
     dresidual: Any
 
 
+def _array(op: str, name: str, a: Any, optional: bool = False) -> Any:
+    """`a` checked to be a NumPy/CuPy array (or None when optional), made C-contiguous."""
+    if a is None and optional:
+        return None
+    if not (isinstance(a, np.ndarray) or is_cupy(a)):
+        raise TypeError(f"{op}: {name} must be a NumPy or CuPy array, got {type(a).__name__}")
+    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+
+
+def _activation(op: str, activation: Any) -> str:
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"{op}: activation must be a str or None, got "
+                        f"{type(activation).__name__} {activation!r}")
+    return activations.normalize(activation)
+
+
 def conv_bias_act_forward(
     x: Any,
     weight: Any,
@@ -60,19 +94,39 @@ def conv_bias_act_forward(
     other activations add exactly one activation kernel. On NumPy arrays the reference
     engine computes the same thing. Pass `geom` to skip re-validating a known geometry.
     """
-    act = activations.normalize(activation)
+    try:
+        return _forward(x, weight, bias, stride, padding, dilation, groups, activation,
+                        residual, residual_scale, layout, geom)
+    except (TypeError, ValueError, ConvfuseError) as exc:
+        raise renamed(exc, "conv_bias_act") from None
+
+
+def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
+             groups: Any, activation: Any, residual: Any, residual_scale: Any, layout: Any,
+             geom: Any) -> tuple[Any, ConvContext]:
+    op = "conv_bias_act"
+    act = _activation(op, activation)
+    x = _array(op, "x", x)
+    weight = _array(op, "weight", weight)
+    bias = _array(op, "bias", bias, optional=True)
+    residual = _array(op, "residual", residual, optional=True)
+    scale = check_scalar(op, "residual_scale", residual_scale)
     array_module(x, weight, bias, residual)  # refuses NumPy/CuPy mixes up front
     if geom is None:
+        from ._memory import check_conv
+
         geom = ConvGeometry.create(x.shape, weight.shape, stride, padding, dilation, groups, layout)
+        check_conv(geom, x.dtype, device_of(x))
+    elif not isinstance(geom, ConvGeometry):
+        raise TypeError(f"{op}: geom must be a ConvGeometry or None, got {type(geom).__name__}")
     y, z = ops.conv_bias_act(
-        x, weight, bias, geom, activation=act, residual=residual,
-        residual_scale=float(residual_scale),
+        x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
     )
     kind = activations.saves(act)
     saved = {"none": None, "output": y, "preactivation": z}[kind]
-    ctx = ConvContext(
-        geom, act, x, weight, saved, bias is not None, residual is not None, float(residual_scale)
-    )
+    if isinstance(saved, np.ndarray):
+        saved.flags.writeable = False  # an in-place write would corrupt the gradients
+    ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale)
     return y, ctx
 
 
@@ -112,9 +166,27 @@ def conv_bias_act_backward(
     gradient is added to what they hold (cuDNN's beta = 1, so no extra kernel). The bias
     gradient comes from cudnnConvolutionBackwardBias or the fused activation-backward +
     bias kernel (convfuse.config bias_grad), never from a generic reduction.
+
+    Everything is checked before the first write: a refused call changes neither buffer.
+    `dweight`/`dbias` sharing memory with the forward's saved tensors (ctx.x, ctx.weight,
+    ctx.saved), with dy or with each other are refused with ValueError.
     """
+    try:
+        return _backward(dy, ctx, need_dx, dweight, dbias, accumulate)
+    except (TypeError, ValueError, ConvfuseError) as exc:
+        raise renamed(exc, "conv_bias_act_backward") from None
+
+
+def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumulate: Any
+              ) -> ConvGrads:
+    op = "conv_bias_act_backward"
+    if not isinstance(ctx, ConvContext):
+        raise TypeError(f"{op}: ctx must be the ConvContext conv_bias_act_forward returned, "
+                        f"got {type(ctx).__name__}")
+    dy = _array(op, "dy", dy)
     geom = ctx.geom
     _check_dy(dy, ctx)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
     db = None
     if ctx.activation == "identity":
@@ -136,14 +208,55 @@ def conv_bias_act_backward(
     return ConvGrads(dx, dw, db, dres)
 
 
+def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
+                   accumulate: Any) -> None:
+    """The output buffers, checked as the ops would check them, before any op writes."""
+    geom = ctx.geom
+    if not isinstance(accumulate, (bool, np.bool_)):
+        raise TypeError(f"{op}: accumulate must be a bool, got {type(accumulate).__name__}")
+    if accumulate and (dweight is None or (ctx.has_bias and dbias is None)):
+        missing = "dweight" if dweight is None else "dbias"
+        raise ValueError(f"{op}: accumulate=True adds into {missing}, but {missing} is None")
+    outs = [("dweight", dweight, geom.weight_shape)]
+    if ctx.has_bias:
+        outs.append(("dbias", dbias, geom.bias_shape))
+    elif dbias is not None:
+        raise ValueError(f"{op}: dbias was given, but the forward had no bias")
+    saved = [("ctx.x", ctx.x), ("ctx.weight", ctx.weight), ("ctx.saved", ctx.saved),
+             ("dy", dy)]
+    checked: list[tuple[str, Any]] = []
+    for name, out, shape in outs:
+        if out is None:
+            continue
+        if not (isinstance(out, np.ndarray) or is_cupy(out)):
+            raise TypeError(f"{op}: {name} must be a NumPy or CuPy array or None, got "
+                            f"{type(out).__name__}")
+        if device_of(out) != device_of(dy):
+            raise DeviceMismatchError(f"{op}: {name} is on {device_of(out)!r} but dy is on "
+                                      f"{device_of(dy)!r}")
+        if tuple(out.shape) != tuple(shape) or out.dtype != dy.dtype:
+            raise ValueError(f"{op}: {name} has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                             f"expected {tuple(shape)} and {dy.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError(f"{op}: {name} is not C-contiguous (it is written in place)")
+        for other, arr in [*saved, *checked]:
+            if arr is not None and overlaps(out, arr):
+                raise ValueError(
+                    f"{op}: {name} shares memory with {other}, which backward reads while "
+                    f"writing {name}; pass a separate array"
+                )
+        if isinstance(out, np.ndarray) and not out.flags.writeable:
+            raise ValueError(f"{op}: {name} is read-only but the gradient is written there")
+        checked.append((name, out))
+
+
 def _check_dy(dy: Any, ctx: ConvContext) -> None:
     try:
-        xp = array_module(dy, ctx.x)
+        array_module(dy, ctx.x)
     except DeviceMismatchError as exc:
         raise DeviceMismatchError(
             f"dy and the forward's input are on different devices: {exc}"
         ) from None
-    del xp
     if tuple(dy.shape) != ctx.geom.output_shape:
         raise ValueError(
             f"dy has shape {tuple(dy.shape)}, but the forward's output has shape "

@@ -100,8 +100,14 @@ class LayoutShapes:
 
     input_shape: tuple[int, ...]
     channels_last: bool
-    rank: int
-    output_shape_cf: tuple[int, ...]
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def output_shape_cf(self) -> tuple[int, ...]:
+        raise NotImplementedError
 
     @property
     def layout(self) -> str:

@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from . import kernels
+from . import backend, kernels
 from .backend import array_module, cupy_module
 from .dtypes import SUPPORTED, compute_dtype
-from .errors import BackwardBeforeForwardError, DeviceMismatchError
+from .errors import BackwardBeforeForwardError, ConvfuseError, DeviceMismatchError, renamed
 
 #: Threads per block of the loss kernels (loss.cu's XENT_BLOCK); one warp per row.
 XENT_BLOCK = 256
@@ -46,10 +46,20 @@ class CrossEntropyLoss:
         return self.forward(logits, labels)
 
     def forward(self, logits: Any, labels: Any) -> Any:
-        xp = array_module(logits, labels)  # TypeError for non-arrays, refuses NumPy + CuPy
-        _validate(logits, labels)
+        try:
+            for name, a in (("logits", logits), ("labels", labels)):
+                if not (isinstance(a, np.ndarray) or backend.is_cupy(a)):
+                    raise TypeError(f"{name} must be a NumPy or CuPy array, got "
+                                    f"{type(a).__name__}")
+            xp = array_module(logits, labels)  # refuses NumPy + CuPy
+            _validate(logits, labels)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, "CrossEntropyLoss") from None
         if xp is np:
-            loss, correct, dlogits = _forward_cpu(logits, labels)
+            try:
+                loss, correct, dlogits = _forward_cpu(logits, labels)
+            except ValueError as exc:
+                raise renamed(exc, "CrossEntropyLoss") from None
         else:
             loss, correct, dlogits = _forward_gpu(logits, labels)  # pragma: gpu
         self._dlogits, self.correct = dlogits, correct
@@ -111,7 +121,7 @@ def _forward_cpu(logits: np.ndarray, labels: np.ndarray) -> tuple[Any, Any, Any]
 
 
 def _forward_gpu(logits: Any, labels: Any) -> tuple[Any, Any, Any]:  # pragma: gpu
-    cp = cupy_module()
+    cp: Any = cupy_module()
     if logits.device.id != labels.device.id:
         raise DeviceMismatchError(
             f"logits are on GPU {logits.device.id} but labels on GPU {labels.device.id}"

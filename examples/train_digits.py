@@ -13,6 +13,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,12 +56,20 @@ def pick_device(requested: str | None) -> str:
     return "cpu"
 
 
-def progress(epoch: int, epochs: int, done: int, total: int, width: int = 30) -> None:
+def progress(epoch: int, epochs: int, done: int, total: int, width: int = 30,
+             stream: Any = None) -> None:
+    """A live bar on a terminal; on anything else (a log file, a pipe) one line per epoch,
+    written when the epoch ends, so logs hold no carriage-return segments."""
+    stream = sys.stderr if stream is None else stream
     filled = width * done // total
     bar = "#" * filled + "-" * (width - filled)
-    end = "\n" if done == total else ""
-    print(f"\repoch {epoch:>2}/{epochs} [{bar}] {done}/{total}", end=end, file=sys.stderr,
-          flush=True)
+    line = f"epoch {epoch:>2}/{epochs} [{bar}] {done}/{total}"
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        end = "\n" if done == total else ""
+        print(f"\r{line}", end=end, file=stream, flush=True)
+    elif done == total:
+        print(line, file=stream, flush=True)
 
 
 def make_step(model, loss_fn, optimizer, loss_mean, correct_mean):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,27 +10,34 @@ from .module import Layer
 
 
 class Flatten(Layer):
-    """(N, ...) -> (N, prod(...)); a view, so it costs nothing."""
+    """(N, ...) -> (N, prod(...)); a view of a contiguous input, so it costs nothing (a
+    non-contiguous input is copied by the reshape, as NumPy does)."""
 
     def __init__(self) -> None:
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
 
     def __call__(self, x: Any) -> Any:
-        if self.device is not None:
-            self._check_input(x)
+        self._check_input(x)
         if x.ndim < 2:
             raise ValueError(
-                f"Flatten expects at least 2 dims (N, ...), got shape {tuple(x.shape)}"
+                f"Flatten: expects at least 2 dims (N, ...), got shape {tuple(x.shape)}"
             )
-        self._ctx = tuple(x.shape)
-        return x.reshape(x.shape[0], -1)
+        y = x.reshape(x.shape[0], -1)
+        self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype)
+        return y
 
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        shape = self._take_ctx()
-        return dy.reshape(shape)
+        """dy reshaped to the input's shape; dy must have exactly the output's shape (a dy
+        of the same size but another shape is refused). Keeps the context on refusal."""
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
+        in_shape, out_shape, dtype = ctx
+        dy = self._check_dy(dy, out_shape, dtype)
+        return dy.reshape(in_shape) if self.needs_input_grad else None
 
 
 class Sequential(Layer):
@@ -40,14 +48,21 @@ class Sequential(Layer):
     Conv2d or BatchNorm2d), so `act(body(x) + r)` costs no extra pass; backward then returns
     `(dx, dresidual)`. `needs_input_grad` flows to the first layer: the others always need
     their input gradient, since it is the previous layer's output gradient.
+
+    Backward is all-or-nothing for everything checkable: before the last layer runs, every
+    layer's context, parameter versions and gradient buffers are checked
+    (`_check_backward`, recursively), and the last layer checks dy before writing. The
+    remaining failure, an engine error after some layers ran (a cuDNN error or
+    out-of-memory on the GPU), leaves the gradients undefined: zero them and run the
+    forward again.
     """
 
     def __init__(self, *layers: Layer) -> None:
         for i, layer in enumerate(layers):
             if not isinstance(layer, Layer):
-                raise TypeError(f"Sequential item {i} ({type(layer).__name__}) is not a layer "
+                raise TypeError(f"Sequential: item {i} ({type(layer).__name__}) is not a layer "
                                 "(a convfuse.nn.Module)")
-        devices = {getattr(lyr, "device", None) for lyr in layers} - {None}
+        devices: set[str] = {lyr.device for lyr in layers if getattr(lyr, "device", None)}
         if len(devices) > 1:
             raise ValueError(f"Sequential layers are on different devices: {sorted(devices)}")
         for i, layer in enumerate(layers):
@@ -59,7 +74,7 @@ class Sequential(Layer):
     def layers(self) -> list[Layer]:
         return list(self.children())
 
-    @property  # type: ignore[override]
+    @property
     def needs_input_grad(self) -> bool:
         return self.__dict__.get("_needs_input_grad", True)
 
@@ -79,29 +94,34 @@ class Sequential(Layer):
     def __call__(self, x: Any, residual: Any = None) -> Any:
         layers = self.layers
         if residual is not None and not layers:
-            raise ValueError("an empty Sequential cannot take a residual")
+            raise ValueError("Sequential: an empty Sequential cannot take a residual")
         last = len(layers) - 1
         for i, layer in enumerate(layers):
             if i == last and residual is not None:
-                try:
-                    x = layer(x, residual=residual)
-                except TypeError as exc:
-                    if "residual" not in str(exc):
-                        raise
+                if not _takes_residual(type(layer)):
                     raise TypeError(
                         f"Sequential: residual= goes to the last layer, but "
                         f"{type(layer).__name__} takes no residual (end the Sequential with a "
                         "Conv or BatchNorm layer)"
-                    ) from None
+                    )
+                x = layer(x, residual=residual)
             else:
                 x = layer(x)
-        self._ctx = residual is not None
+        self._ctx = (residual is not None,)
         return x
 
     forward = __call__
 
+    def _check_backward(self) -> Any:
+        ctx = self._peek_ctx()
+        layers = self.layers
+        _check_not_repeated(layers)
+        for layer in layers:
+            layer._check_backward()
+        return ctx
+
     def backward(self, dy: Any) -> Any:
-        had_residual = bool(self._ctx)
+        (had_residual,) = self._check_backward()
         dres = None
         for i, layer in enumerate(reversed(self.layers)):
             out = layer.backward(dy)
@@ -109,16 +129,47 @@ class Sequential(Layer):
                 dy, dres = out
             else:
                 dy = out
+        self._ctx = None
         return (dy, dres) if had_residual else dy
 
     def __len__(self) -> int:
         return len(self.__dict__.get("_module_names", ()))
 
-    def __getitem__(self, i: int) -> Layer:
+    def __getitem__(self, i: int | slice) -> Layer:
         layers = self.layers
         if isinstance(i, slice):
-            return Sequential(*layers[i])  # type: ignore[return-value]
+            return Sequential(*layers[i])
         return layers[i]
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
+
+
+_TAKES_RESIDUAL: dict[type[Layer], bool] = {}
+
+
+def _takes_residual(cls: type[Layer]) -> bool:
+    """Whether `cls.__call__` accepts `residual=` (cached per class: signature is slow)."""
+    known = _TAKES_RESIDUAL.get(cls)
+    if known is None:
+        fn = cls.__call__ if cls.__call__ is not Layer.__call__ else cls.forward
+        params = inspect.signature(fn).parameters.values()
+        known = any(p.name == "residual" for p in params)
+        _TAKES_RESIDUAL[cls] = known
+    return known
+
+
+
+def _check_not_repeated(layers: list[Layer]) -> None:
+    """A layer keeps one forward's context, so one instance that ran at two positions
+    cannot run backward (its second forward replaced the first's context). Checked before
+    any backward writes; forward alone (inference) is fine."""
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        j = seen.setdefault(id(layer), i)
+        if j != i:
+            raise ValueError(
+                f"Sequential: item {i} is the same {type(layer).__name__} object as item {j}; "
+                "a convfuse layer keeps the context of one forward, so backward through a "
+                "layer used twice is refused (use a separate instance for each position)"
+            )

@@ -1,4 +1,11 @@
-"""Conv1d, Conv2d, Conv3d: fused convolution + bias + activation (+ residual) layers."""
+"""Conv1d, Conv2d, Conv3d: fused convolution + bias + activation (+ residual) layers.
+
+Hyperparameters after construction: `stride`, `padding`, `dilation`, `activation` and
+`residual_scale` may be assigned; each assignment is validated (with the others, e.g.
+padding='same' needs stride 1) and clears the per-shape geometry cache, so the next call
+uses it. `in_channels`, `out_channels`, `kernel_size`, `groups`, `layout` and `dtype`
+fix the weight's shape or storage and are read-only (AttributeError saying so).
+"""
 
 from __future__ import annotations
 
@@ -7,17 +14,35 @@ from typing import Any
 
 import numpy as np
 
-from .. import activations, dtypes
+from .. import dtypes
+from .._memory import check_bytes, check_conv
 from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
-from ..geometry import ConvGeometry, IntOrTuple, as_tuple, parse_layout
-from .module import Layer, init_parameter
+from ..geometry import ConvGeometry, IntOrTuple, parse_layout
+from . import _hyper
+from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
 
 class _ConvNd(Layer):
-    """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims."""
+    """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims.
+
+    The weight is stored (K, C/groups, *kernel) in NCHW layout and (K, *kernel, C/groups)
+    in NHWC layout (state_dict always holds PyTorch's (K, C/groups, *kernel)).
+    """
 
     _rank = 0
+    # Stored in __dict__ (properties below guard the public names).
+    _in: int
+    _out: int
+    _groups: int
+    _kernel: tuple[int, ...]
+    _stride: tuple[int, ...]
+    _padding: tuple[int, ...] | str
+    _dilation: tuple[int, ...]
+    _layout: str
+    _channels_last: bool
+    _dtype: np.dtype
+    _geoms: dict[tuple[int, ...], ConvGeometry]
 
     def __init__(
         self,
@@ -35,110 +60,190 @@ class _ConvNd(Layer):
         device: str | None = None,
         seed: int | None = None,
     ) -> None:
+        try:
+            self._init(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                       groups, bias, activation, layout, dtype, device, seed)
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    def _init(self, in_channels: Any, out_channels: Any, kernel_size: Any, stride: Any,
+              padding: Any, dilation: Any, groups: Any, bias: Any, activation: Any,
+              layout: Any, dtype: Any, device: Any, seed: Any) -> None:
         rank = self._rank
-        for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
-                            ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
-        if in_channels % groups or out_channels % groups:
+        d = self.__dict__
+        d["_in"] = _hyper.positive_int(in_channels, "in_channels")
+        d["_out"] = _hyper.positive_int(out_channels, "out_channels")
+        d["_groups"] = _hyper.positive_int(groups, "groups")
+        if d["_in"] % d["_groups"] or d["_out"] % d["_groups"]:
             raise ValueError(
-                f"in_channels ({in_channels}) and out_channels ({out_channels}) must both be "
-                f"divisible by groups ({groups})"
+                f"in_channels ({d['_in']}) and out_channels ({d['_out']}) must both be "
+                f"divisible by groups ({d['_groups']})"
             )
-        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size = as_tuple(kernel_size, rank, "kernel_size")
-        if any(k < 1 for k in self.kernel_size):
-            raise ValueError(f"kernel_size must be >= 1, got {self.kernel_size}")
-        self.stride = as_tuple(stride, rank, "stride")
-        self.padding = padding if isinstance(padding, str) else as_tuple(padding, rank, "padding")
-        self.dilation = as_tuple(dilation, rank, "dilation")
-        self.activation = activations.normalize(activation)
-        self.channels_last = parse_layout(layout, rank)
-        self.layout = layout.upper()
-        self.dtype = dtypes.canonical(dtype)
+        d["_kernel"] = _hyper.int_tuple(kernel_size, rank, "kernel_size", 1)
+        has_bias = _hyper.flag(bias, "bias")
+        if not isinstance(layout, str):
+            raise TypeError(f"layout must be a str such as 'NCHW' or 'NHWC', got "
+                            f"{type(layout).__name__} {layout!r}")
+        d["_channels_last"] = parse_layout(layout, rank)
+        d["_layout"] = layout.upper()
+        d["_dtype"] = dtypes.canonical(dtype)
+        self._set_geometry(stride, padding, dilation)
+        self.activation = activation
         self.device = resolve_device(device)
         self.residual_scale = 1.0
-        self._geoms: dict[tuple[int, ...], ConvGeometry] = {}
+        seed = _hyper.seed(seed)
         self._ctx = None
 
+        shape_cf = (self._out, self._in // self._groups, *self._kernel)
+        check_bytes(shape_cf, np.float64, "cpu", "weight (drawn in float64 on the host)")
+        check_bytes(shape_cf, self._dtype, self.device, "weight")
         # PyTorch's default: kaiming_uniform_(a=sqrt(5)) gives U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
         # and the bias uses the same bound.
         rng = np.random.default_rng(seed)
-        fan_in = (in_channels // groups) * math.prod(self.kernel_size)
+        fan_in = (self._in // self._groups) * math.prod(self._kernel)
         bound = 1.0 / math.sqrt(fan_in)
-        shape_cf = (out_channels, in_channels // groups, *self.kernel_size)
         w = rng.uniform(-bound, bound, size=shape_cf)
-        if self.channels_last:
+        if self._channels_last:
             w = np.ascontiguousarray(np.moveaxis(w, 1, -1))
-        self.weight = init_parameter(w, self.dtype, self.device, "weight")
-        b = rng.uniform(-bound, bound, out_channels)
-        self.bias = init_parameter(b, self.dtype, self.device, "bias") if bias else None
+        self.weight = init_parameter(w, self._dtype, self.device, "weight")
+        b = rng.uniform(-bound, bound, self._out)
+        self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
 
+    # -- hyperparameters -----------------------------------------------------------------
+    def _set_geometry(self, stride: Any, padding: Any, dilation: Any) -> None:
+        rank = self._rank
+        s = _hyper.int_tuple(stride, rank, "stride", 1)
+        dl = _hyper.int_tuple(dilation, rank, "dilation", 1)
+        p = _hyper.padding(padding, rank, self._kernel, s, dl)
+        d = self.__dict__
+        d["_stride"], d["_padding"], d["_dilation"] = s, p, dl
+        d["_geoms"] = {}  # every cached geometry was for the old values
+
+    def _assign(self, **change: Any) -> None:
+        now = {"stride": self._stride, "padding": self._padding, "dilation": self._dilation}
+        now.update(change)
+        try:
+            self._set_geometry(now["stride"], now["padding"], now["dilation"])
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    stride = property(lambda self: self._stride,
+                      lambda self, v: self._assign(stride=v), doc="Validated on assignment.")
+    padding = property(lambda self: self._padding,
+                       lambda self, v: self._assign(padding=v), doc="Validated on assignment.")
+    dilation = property(lambda self: self._dilation,
+                        lambda self, v: self._assign(dilation=v), doc="Validated on assignment.")
+
+    @property
+    def activation(self) -> str:
+        return self.__dict__["_activation"]
+
+    @activation.setter
+    def activation(self, value: Any) -> None:
+        try:
+            self.__dict__["_activation"] = _hyper.activation(value)
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    @property
+    def residual_scale(self) -> float:
+        return self.__dict__["_residual_scale"]
+
+    @residual_scale.setter
+    def residual_scale(self, value: Any) -> None:
+        try:
+            self.__dict__["_residual_scale"] = _hyper.finite_real(value, "residual_scale")
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    def _fixed(name: str, attr: str, why: str) -> property:  # type: ignore[misc]
+        def setter(self: _ConvNd, value: Any) -> None:
+            raise _hyper.read_only(type(self).__name__, name, why)
+
+        return property(lambda self: self.__dict__[attr], setter)
+
+    in_channels = _fixed("in_channels", "_in", "it sets the weight's shape")
+    out_channels = _fixed("out_channels", "_out", "it sets the weight's shape")
+    kernel_size = _fixed("kernel_size", "_kernel", "it sets the weight's shape")
+    groups = _fixed("groups", "_groups", "it sets the weight's shape")
+    layout = _fixed("layout", "_layout", "it sets the weight's storage order")
+    channels_last = _fixed("channels_last", "_channels_last", "it sets the weight's storage order")
+    dtype = _fixed("dtype", "_dtype", "it is the parameters' dtype")
+    del _fixed
+
+    # -- calls ---------------------------------------------------------------------------
     def _geometry(self, x: Any) -> ConvGeometry:
         geom = self._geoms.get(tuple(x.shape))
         if geom is None:
             if x.ndim != self._rank + 2:
                 raise ValueError(
-                    f"{type(self).__name__} expects a {self._rank + 2}-d input "
-                    f"({self.layout}), got shape {tuple(x.shape)}"
+                    f"expects a {self._rank + 2}-d input ({self._layout}), got shape "
+                    f"{tuple(x.shape)}"
                 )
             geom = ConvGeometry.create(
-                x.shape, self.weight.shape, self.stride, self.padding, self.dilation,
-                self.groups, self.layout,
+                x.shape, self.weight.shape, self._stride, self._padding, self._dilation,
+                self._groups, self._layout,
             )
+            check_conv(geom, self._dtype, self.device)
             self._geoms[tuple(x.shape)] = geom
         return geom
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
-        self._check_input(x)
-        if residual is not None:
-            self._check_input(residual, "residual")
-        if x.dtype != self.dtype:
-            raise ValueError(
-                f"{type(self).__name__} has dtype {self.dtype} but its input has dtype {x.dtype}; "
-                f"cast the input (x.astype('{self.dtype}')) or build the layer with dtype={x.dtype}"
+        """act(conv(x) + bias + residual_scale * residual). A non-C-contiguous x or residual
+        is copied once into a contiguous array (the caller's is never modified)."""
+        try:
+            self._check_input(x)
+            if residual is not None:
+                self._check_input(residual, "residual")
+            if x.dtype != self._dtype:
+                raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
+                                 + _hyper.dtype_hint(self._dtype, x.dtype))
+            x = contiguous(x)
+            if residual is not None:
+                residual = contiguous(residual)
+            geom = self._geometry(x)
+            bias = None if self.bias is None else self.bias.data
+            y, ctx = conv_bias_act_forward(
+                x, self.weight.data, bias, activation=self.activation, residual=residual,
+                residual_scale=self.residual_scale, geom=geom,
             )
-        geom = self._geometry(x)
-        bias = None if self.bias is None else self.bias.data
-        y, self._ctx = conv_bias_act_forward(
-            x, self.weight.data, bias, activation=self.activation, residual=residual,
-            residual_scale=self.residual_scale, geom=geom,
-        )
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+        self._ctx = ctx
         return y
 
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        """dx (and dresidual when the forward took one); accumulates into .grad."""
-        ctx = self._take_ctx()
+        """dx (and dresidual when the forward took one); accumulates into .grad.
+        Atomic and repeatable: see Layer's backward rule."""
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
         self._check_input(dy, "dy")
-        try:
-            grads = conv_bias_act_backward(
-                dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
-                dbias=None if self.bias is None else self.bias.grad, accumulate=True,
-            )
-        except Exception:
-            self._ctx = ctx  # a rejected dy must not cost the user their forward
-            raise
+        grads = conv_bias_act_backward(
+            dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
+            dbias=None if self.bias is None else self.bias.grad, accumulate=True,
+        )
         return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
 
     def _param_to_state(self, name: str, value: Any) -> Any:
         # channels-last stores (K, *kernel, C/groups); PyTorch's checkpoints hold (K, C/g, *k).
-        if name == "weight" and self.channels_last:
+        if name == "weight" and self._channels_last:
             return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
         return value
 
     def _param_from_state(self, name: str, value: Any) -> Any:
-        if name == "weight" and self.channels_last:
+        if name == "weight" and self._channels_last:
             return value.transpose(0, *range(2, value.ndim), 1)
         return value
 
     def extra_repr(self) -> str:
         return (
-            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-            f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
-            f"groups={self.groups}, bias={self.bias is not None}, "
-            f"activation={self.activation!r}, layout={self.layout!r}, dtype={self.dtype}, "
+            f"{self._in}, {self._out}, kernel_size={self._kernel}, "
+            f"stride={self._stride}, padding={self._padding}, dilation={self._dilation}, "
+            f"groups={self._groups}, bias={self.bias is not None}, "
+            f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
             f"device={self.device!r}"
         )
 

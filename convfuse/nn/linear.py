@@ -2,6 +2,9 @@
 
 Going through the same fused cuDNN call as Conv2d keeps the bias and activation fused,
 uses no cuBLAS (whose CuPy wrapper raises during graph capture), and so stays capturable.
+
+Hyperparameters after construction: `activation` may be assigned (validated);
+`in_features`, `out_features` and `dtype` fix the weight and are read-only.
 """
 
 from __future__ import annotations
@@ -11,15 +14,21 @@ from typing import Any
 
 import numpy as np
 
-from .. import activations, dtypes
+from .. import dtypes
+from .._memory import check_bytes
 from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
 from ..geometry import ConvGeometry
-from .module import Layer, init_parameter
+from . import _hyper
+from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
 
 class Linear(Layer):
     """y = act(x @ weight.T + bias), with x of shape (N, in_features)."""
+
+    _in: int
+    _out: int
+    _dtype: np.dtype
 
     def __init__(
         self,
@@ -31,74 +40,103 @@ class Linear(Layer):
         device: str | None = None,
         seed: int | None = None,
     ) -> None:
-        for what, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{what} must be a positive int, got {value!r}")
-        self.in_features, self.out_features = in_features, out_features
-        self.activation = activations.normalize(activation)
-        self.dtype = dtypes.canonical(dtype)
-        self.device = resolve_device(device)
+        try:
+            d = self.__dict__
+            d["_in"] = _hyper.positive_int(in_features, "in_features")
+            d["_out"] = _hyper.positive_int(out_features, "out_features")
+            has_bias = _hyper.flag(bias, "bias")
+            self.activation = activation
+            d["_dtype"] = dtypes.canonical(dtype)
+            self.device = resolve_device(device)
+            seed = _hyper.seed(seed)
+            shape = (self._out, self._in)
+            check_bytes(shape, np.float64, "cpu", "weight (drawn in float64 on the host)")
+            check_bytes(shape, self._dtype, self.device, "weight")
+        except USER_ERRORS as exc:
+            raise renamed(exc, "Linear") from None
         self._geoms: dict[int, ConvGeometry] = {}
         self._ctx = None
         # PyTorch's default init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias alike.
         rng = np.random.default_rng(seed)
-        bound = 1.0 / math.sqrt(in_features)
-        w = rng.uniform(-bound, bound, size=(out_features, in_features))
-        self.weight = init_parameter(w, self.dtype, self.device, "weight")
-        b = rng.uniform(-bound, bound, out_features)
-        self.bias = init_parameter(b, self.dtype, self.device, "bias") if bias else None
+        bound = 1.0 / math.sqrt(self._in)
+        w = rng.uniform(-bound, bound, size=shape)
+        self.weight = init_parameter(w, self._dtype, self.device, "weight")
+        b = rng.uniform(-bound, bound, self._out)
+        self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
+
+    @property
+    def activation(self) -> str:
+        return self.__dict__["_activation"]
+
+    @activation.setter
+    def activation(self, value: Any) -> None:
+        try:
+            self.__dict__["_activation"] = _hyper.activation(value)
+        except USER_ERRORS as exc:
+            raise renamed(exc, "Linear") from None
+
+    def _fixed(name: str, attr: str) -> property:  # type: ignore[misc]
+        def setter(self: Linear, value: Any) -> None:
+            raise _hyper.read_only("Linear", name, "it sets the weight's shape and storage")
+
+        return property(lambda self: self.__dict__[attr], setter)
+
+    in_features = _fixed("in_features", "_in")
+    out_features = _fixed("out_features", "_out")
+    dtype = _fixed("dtype", "_dtype")
+    del _fixed
 
     def _as_conv(self, a: Any) -> Any:
         return a.reshape(*a.shape, 1, 1)
 
     def __call__(self, x: Any) -> Any:
-        self._check_input(x)
-        if x.ndim != 2 or x.shape[1] != self.in_features:
-            raise ValueError(
-                f"Linear expects input of shape (N, {self.in_features}), got {tuple(x.shape)}"
+        """A non-C-contiguous x is copied once (the caller's array is never modified)."""
+        try:
+            self._check_input(x)
+            if x.ndim != 2 or x.shape[1] != self._in:
+                raise ValueError(
+                    f"expects input of shape (N, {self._in}), got {tuple(x.shape)}"
+                )
+            if x.dtype != self._dtype:
+                raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
+                                 + _hyper.dtype_hint(self._dtype, x.dtype))
+            x = contiguous(x)
+            n = int(x.shape[0])
+            geom = self._geoms.get(n)
+            if geom is None:
+                geom = ConvGeometry.create((n, self._in, 1, 1), (self._out, self._in, 1, 1))
+                check_bytes((n, self._out), self._dtype, self.device, "output")
+                self._geoms[n] = geom
+            bias = None if self.bias is None else self.bias.data
+            y, ctx = conv_bias_act_forward(
+                self._as_conv(x), self._as_conv(self.weight.data), bias,
+                activation=self.activation, geom=geom,
             )
-        if x.dtype != self.dtype:
-            raise ValueError(f"Linear has dtype {self.dtype} but its input has dtype {x.dtype}")
-        n = int(x.shape[0])
-        geom = self._geoms.get(n)
-        if geom is None:
-            geom = ConvGeometry.create((n, self.in_features, 1, 1),
-                                       (self.out_features, self.in_features, 1, 1))
-            self._geoms[n] = geom
-        bias = None if self.bias is None else self.bias.data
-        y, self._ctx = conv_bias_act_forward(
-            self._as_conv(x), self._as_conv(self.weight.data), bias,
-            activation=self.activation, geom=geom,
-        )
-        return y.reshape(n, self.out_features)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+        self._ctx = ctx
+        return y.reshape(n, self._out)
 
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        ctx = self._take_ctx()
-        self._check_input(dy, "dy")
-        if tuple(dy.shape) != (ctx.geom.batch, self.out_features):
-            self._ctx = ctx
-            raise ValueError(
-                f"dy has shape {tuple(dy.shape)}, but the forward's output has shape "
-                f"{(ctx.geom.batch, self.out_features)}"
-            )
-        try:
-            grads = conv_bias_act_backward(
-                self._as_conv(dy), ctx, need_dx=self.needs_input_grad,
-                dweight=self._as_conv(self.weight.grad),
-                dbias=None if self.bias is None else self.bias.grad, accumulate=True,
-            )
-        except Exception:
-            self._ctx = ctx
-            raise
+        """dx; accumulates into .grad. Atomic and repeatable: see Layer's backward rule."""
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
+        dy = self._check_dy(dy, (ctx.geom.batch, self._out), ctx.x.dtype)
+        grads = conv_bias_act_backward(
+            self._as_conv(dy), ctx, need_dx=self.needs_input_grad,
+            dweight=self._as_conv(self.weight.grad),
+            dbias=None if self.bias is None else self.bias.grad, accumulate=True,
+        )
         if grads.dx is None:
             return None
-        return grads.dx.reshape(ctx.geom.batch, self.in_features)
+        return grads.dx.reshape(ctx.geom.batch, self._in)
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, activation={self.activation!r}, dtype={self.dtype}, "
+            f"in_features={self._in}, out_features={self._out}, "
+            f"bias={self.bias is not None}, activation={self.activation!r}, dtype={self._dtype}, "
             f"device={self.device!r}"
         )

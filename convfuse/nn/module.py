@@ -15,9 +15,19 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..backend import device_of, resolve_device, to_device
-from ..errors import BackwardBeforeForwardError, DeviceMismatchError
+from ..backend import array_module, device_of, resolve_device, to_device
+from ..errors import (
+    BackwardBeforeForwardError,
+    ConvfuseError,
+    DeviceMismatchError,
+    SavedTensorModifiedError,
+    renamed,
+)
+from ..ops._checks import overlaps
 from .parameter import Parameter
+
+#: The errors a layer re-raises under its own name (`Conv2d: ...`), same type, same text.
+USER_ERRORS = (TypeError, ValueError, ConvfuseError)
 
 _REGISTRIES = ("_param_names", "_module_names", "_buffer_names")
 
@@ -30,6 +40,19 @@ class Layer:
     Subclasses keep what backward needs in `self._ctx` between the two calls; backward
     consumes it (like PyTorch freeing the graph), so a second backward needs a new forward.
 
+    The backward rule, one for every layer (`_backward_with` implements it):
+    - everything that can be checked is checked before the first gradient is written: the
+      context exists, no parameter changed since the forward (`Parameter._version`), every
+      parameter's `.grad` is an array of the parameter's shape, dtype and device, writable,
+      C-contiguous and not sharing memory with the parameter, and `dy` is right;
+    - a backward that raises keeps the forward's context and has changed no gradient, so a
+      corrected retry gives exactly the gradients a first try would have;
+    - the context is consumed only when backward returns.
+    What cannot be made atomic: an engine failure after the first write (a cuDNN error or
+    out-of-memory mid-backward on the GPU) leaves the gradients undefined; zero them and
+    run the forward again.
+    Errors name the layer: op errors are re-raised with the same type as `Conv2d: ...`.
+
     `needs_input_grad` (default True) says whether backward must compute dx. A layer whose
     input is data, like the first layer of a model, sets it False and backward returns None
     for dx: on the GPU that saves a whole cudnnConvolutionBackwardData per step.
@@ -38,6 +61,16 @@ class Layer:
     device: str
     training: bool = True
     needs_input_grad: bool = True
+
+    # -- calls: subclasses define __call__ (or forward) and backward ---------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward")
+
+    def backward(self, dy: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no backward")
 
     # -- registration ------------------------------------------------------------------------
     def _registry(self, which: str) -> list[str]:
@@ -48,6 +81,9 @@ class Layer:
         return reg
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("needs_input_grad", "training") and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{type(self).__name__}: {name} must be a bool, got "
+                            f"{type(value).__name__} {value!r}")
         if name in self.__dict__.get("_buffer_names", ()):
             if value is not None:
                 _check_array(value, f"{type(self).__name__}: buffer {name!r}")
@@ -189,7 +225,10 @@ class Layer:
     def to(self, device: str) -> Layer:
         """Move parameters (with their gradients) and buffers of self and every descendant to
         'cuda' or 'cpu'; returns self. Build optimizers after moving, as in PyTorch."""
-        target = resolve_device(device)
+        try:
+            target = resolve_device(device)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
         for mod in self.modules():
             mod._move_own(target)
         return self
@@ -231,6 +270,71 @@ class Layer:
 
         return load_state_dict(self, state_dict, strict)
 
+    # -- the forward's context -----------------------------------------------------------
+    @property
+    def _ctx(self) -> Any:
+        return self.__dict__.get("_ctx_value")
+
+    @_ctx.setter
+    def _ctx(self, value: Any) -> None:
+        # Recording the parameters' versions with every saved context lets every layer,
+        # including ones written later, detect a parameter changed between the two calls.
+        d = self.__dict__
+        d["_ctx_value"] = value
+        if value is not None:
+            d["_ctx_versions"] = [(n, p, p._version) for n in d.get("_param_names", ())
+                                  if (p := d.get(n)) is not None]
+
+    def _peek_ctx(self) -> Any:
+        """The forward's context, left in place; raises if there is none or a parameter
+        changed since it was saved."""
+        ctx = self._ctx
+        if ctx is None:
+            raise BackwardBeforeForwardError(
+                f"{type(self).__name__}.backward() called without a preceding forward "
+                "(each forward supports one backward)"
+            )
+        d = self.__dict__
+        for name, p, version in d.get("_ctx_versions", ()):
+            if p._version != version or d.get(name) is not p:
+                raise SavedTensorModifiedError(
+                    f"{type(self).__name__}.backward: parameter {p.name or p!r} was modified "
+                    f"(version {version} at the forward, {p._version} now) or replaced after "
+                    "the forward that saved it (by an optimizer step, load_state_dict or an "
+                    "assignment to .data), so the gradients would be wrong; run the forward "
+                    "again"
+                )
+        return ctx
+
+    def _take_ctx(self) -> Any:
+        """Peek and consume (for layers that cannot fail after this point)."""
+        ctx = self._peek_ctx()
+        self._ctx = None
+        return ctx
+
+    def _check_backward(self) -> Any:
+        """Everything checkable before a backward writes: the context and the gradient
+        buffers of this layer's own parameters. Returns the context (not consumed)."""
+        ctx = self._peek_ctx()
+        for name, p in self._own("_param_names"):
+            check_grad(type(self).__name__, name, p)
+        return ctx
+
+    def _backward_with(self, dy: Any, body: Callable[[Any, Any], Any]) -> Any:
+        """The backward rule (class docstring): checks, then `body(ctx, dy)`, which must
+        validate dy completely before its first write; the context is consumed only when
+        body returns, and its errors carry the layer's name."""
+        ctx = self._check_backward()
+        try:
+            out = body(ctx, dy)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+        self._ctx = None
+        return out
+
+    def _renamed(self, exc: BaseException) -> BaseException:
+        return renamed(exc, type(self).__name__)
+
     # -- call helpers ------------------------------------------------------------------------
     def _check_input(self, x: Any, name: str = "input") -> None:
         try:
@@ -238,23 +342,24 @@ class Layer:
         except TypeError:
             kind = type(x).__name__
             raise TypeError(
-                f"{type(self).__name__} {name} must be a NumPy or CuPy array, got {kind}"
+                f"{type(self).__name__}: {name} must be a NumPy or CuPy array, got {kind}"
             ) from None
-        if where != self.device:
+        if self.device is not None and where != self.device:
             raise DeviceMismatchError(
                 f"{type(self).__name__} is on {self.device!r} but its {name} is on {where!r}; "
                 f"move one of them (layer.to({where!r}) or convert the array)"
             )
 
-    def _take_ctx(self) -> Any:
-        ctx = getattr(self, "_ctx", None)
-        if ctx is None:
-            raise BackwardBeforeForwardError(
-                f"{type(self).__name__}.backward() called without a preceding forward "
-                "(each forward supports one backward)"
+    def _check_dy(self, dy: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        """dy checked against the forward's output (type, device, shape, dtype) and made
+        C-contiguous (one copy when it is not)."""
+        self._check_input(dy, "dy")
+        if tuple(dy.shape) != tuple(shape) or dy.dtype != dtype:
+            raise ValueError(
+                f"{type(self).__name__}: dy has shape {tuple(dy.shape)} and dtype {dy.dtype}, "
+                f"but the forward's output has shape {tuple(shape)} and dtype {dtype}"
             )
-        self._ctx = None
-        return ctx
+        return contiguous(dy)
 
     def __repr__(self) -> str:
         extra = self.extra_repr()
@@ -275,6 +380,38 @@ class Layer:
 Module = Layer
 
 
+def check_grad(layer: str, name: str, p: Parameter) -> None:
+    """Raise unless `p.grad` can take an accumulated gradient in place (before any write)."""
+    g = p.grad
+    if g is None:
+        raise TypeError(f"{layer}: {name}.grad is None; call zero_grad() (which allocates it) "
+                        "before backward")
+    try:
+        where = device_of(g)
+    except TypeError:
+        raise TypeError(f"{layer}: {name}.grad must be a NumPy or CuPy array, got "
+                        f"{type(g).__name__}") from None
+    if where != device_of(p.data):
+        raise DeviceMismatchError(f"{layer}: {name}.grad is on {where!r} but {name} is on "
+                                  f"{device_of(p.data)!r}")
+    if tuple(g.shape) != tuple(p.data.shape) or g.dtype != p.data.dtype:
+        raise ValueError(f"{layer}: {name}.grad has shape {tuple(g.shape)} and dtype {g.dtype}, "
+                         f"but {name} has shape {tuple(p.data.shape)} and dtype {p.data.dtype}")
+    if not g.flags.c_contiguous:
+        raise ValueError(f"{layer}: {name}.grad is not C-contiguous (backward accumulates into "
+                         "it in place); assign a contiguous array")
+    if isinstance(g, np.ndarray) and not g.flags.writeable:
+        raise ValueError(f"{layer}: {name}.grad is read-only, but backward accumulates into it")
+    if overlaps(g, p.data):
+        raise ValueError(f"{layer}: {name}.grad shares memory with {name}.data; the gradient "
+                         "would overwrite the weight backward reads")
+
+
+def contiguous(a: Any) -> Any:
+    """`a`, or one C-contiguous copy of it when it is not (the caller's array is untouched)."""
+    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+
+
 def _check_array(value: Any, what: str) -> None:
     try:
         device_of(value)
@@ -283,6 +420,6 @@ def _check_array(value: Any, what: str) -> None:
                         f"got {type(value).__name__}") from None
 
 
-def init_parameter(values: np.ndarray, dtype: Any, device: str, name: str) -> Parameter:
+def init_parameter(values: Any, dtype: Any, device: str, name: str) -> Parameter:
     """A Parameter from host values drawn in float64, cast once, then moved (seed-stable)."""
     return Parameter(to_device(values.astype(dtypes.canonical(dtype)), device), name)

@@ -12,33 +12,59 @@ class Parameter:
 
     Layers read `.data` and `.grad` at every call and never keep other references, so an
     optimizer may re-home both into views of one flat buffer (see convfuse.optim).
+
+    `_version` counts writes convfuse knows about: assigning `.data`, an optimizer step
+    and `load_state_dict` bump it. A layer records it at forward and its backward refuses
+    to run if it changed (PyTorch's "modified by an inplace operation" check). Writes made
+    directly into the array (`p.data[...] = v`) are not counted: nothing sees them without
+    a copy or a device sync (README, "Behaviour worth knowing").
     """
 
-    __slots__ = ("data", "grad", "name")
+    __slots__ = ("_data", "_version", "grad", "name")
 
     def __init__(self, data: Any, name: str = "") -> None:
-        self.data = data
-        self.grad = array_module(data).zeros_like(data)
+        device_of(data)  # TypeError unless a NumPy or CuPy array
+        self._version = 0
+        self._data = data
+        self.grad: Any = array_module(data).zeros_like(data)
         self.name = name
 
     @property
+    def data(self) -> Any:
+        return self._data
+
+    @data.setter
+    def data(self, value: Any) -> None:
+        device_of(value)
+        self._data = value
+        self._version += 1
+
+    def bump_version(self) -> None:
+        """Record an in-place write to `.data` (optimizers and load_state_dict call it)."""
+        self._version += 1
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.data.shape)
+        return tuple(self._data.shape)
 
     @property
     def dtype(self) -> Any:
-        return self.data.dtype
+        return self._data.dtype
 
     @property
     def device(self) -> str:
-        return device_of(self.data)
+        return device_of(self._data)
 
     @property
     def size(self) -> int:
-        return int(self.data.size)
+        return int(self._data.size)
 
     def zero_grad(self) -> None:
-        self.grad.fill(0)
+        """Zero the gradient in place; a gradient set to None is allocated again."""
+        if self.grad is None:
+            self.grad = array_module(self._data).zeros_like(self._data)
+        else:
+            self.grad.fill(0)
 
     def __repr__(self) -> str:
         label = f" {self.name!r}" if self.name else ""

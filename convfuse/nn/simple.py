@@ -10,33 +10,17 @@ import numpy as np
 
 from .. import activations, ops
 from ..backend import array_module
-from .module import Layer
+from . import _hyper
+from .module import USER_ERRORS, Layer, contiguous, renamed
 
 
 class _Stateless(Layer):
-    """A parameter-free layer that follows its input's device unless `.to()` pins one."""
+    """A parameter-free layer that follows its input's device unless `.to()` pins one.
+    Backward follows Layer's rule (checks first, context kept when it raises)."""
 
     def __init__(self) -> None:
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
-
-    def _check_input(self, x: Any, name: str = "input") -> None:
-        if self.device is None:
-            try:
-                array_module(x)
-            except TypeError:
-                raise TypeError(f"{type(self).__name__} {name} must be a NumPy or CuPy "
-                                f"array, got {type(x).__name__}") from None
-            return
-        super()._check_input(x, name)
-
-    def _check_dy(self, dy: Any, like: Any) -> None:
-        self._check_input(dy, "dy")
-        if tuple(dy.shape) != tuple(like.shape) or dy.dtype != like.dtype:
-            raise ValueError(
-                f"{type(self).__name__}: dy has shape {tuple(dy.shape)} and dtype {dy.dtype}, "
-                f"but the forward's output has shape {tuple(like.shape)} and dtype {like.dtype}"
-            )
 
 
 class Identity(_Stateless):
@@ -53,12 +37,10 @@ class Identity(_Stateless):
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        x = self._take_ctx()
-        try:
-            self._check_dy(dy, x)
-        except Exception:
-            self._ctx = x
-            raise
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, x: Any, dy: Any) -> Any:
+        self._check_dy(dy, x.shape, x.dtype)
         return dy if self.needs_input_grad else None
 
 
@@ -67,27 +49,46 @@ class Activation(_Stateless):
 
     def __init__(self, activation: str | None = "relu") -> None:
         super().__init__()
-        self.activation = activations.normalize(activation)
+        self.activation = activation
+
+    @property
+    def activation(self) -> str:
+        """The activation's canonical name; assignable (validated)."""
+        return self.__dict__["_activation"]
+
+    @activation.setter
+    def activation(self, value: Any) -> None:
+        try:
+            self.__dict__["_activation"] = _hyper.activation(value)
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
 
     def __call__(self, x: Any) -> Any:
-        self._check_input(x)
-        y = ops.activation_forward(x, self.activation)
-        kind = activations.saves(self.activation)
-        self._ctx = (y, {"none": None, "output": y, "preactivation": x}[kind])
+        """A non-C-contiguous x is copied once (the caller's array is never modified)."""
+        act = self.activation
+        try:
+            self._check_input(x)
+            x = contiguous(x)
+            y = ops.activation_forward(x, act)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+        kind = activations.saves(act)
+        if kind == "output" and isinstance(y, np.ndarray):
+            y.flags.writeable = False  # saved for backward: an in-place write would corrupt dx
+        self._ctx = (y, {"none": None, "output": y, "preactivation": x}[kind], act)
         return y
 
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        y, saved = self._take_ctx()
-        try:
-            self._check_dy(dy, y)
-            if not self.needs_input_grad:
-                return None
-            return ops.activation_backward(dy, saved, self.activation)
-        except Exception:
-            self._ctx = (y, saved)
-            raise
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
+        y, saved, act = ctx
+        dy = self._check_dy(dy, y.shape, y.dtype)
+        if not self.needs_input_grad:
+            return None
+        return ops.activation_backward(dy, saved, act)
 
     def extra_repr(self) -> str:
         return repr(self.activation)
@@ -111,12 +112,25 @@ class Dropout(_Stateless):
 
     def __init__(self, p: float = 0.5, inplace: bool = False, seed: int | None = None) -> None:
         super().__init__()
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating, np.integer)):
-            raise TypeError(f"Dropout: p must be a number, got {type(p).__name__}")
-        if not 0.0 <= float(p) <= 1.0:
-            raise ValueError(f"Dropout: p must be in [0, 1], got {p}")
-        self.p = float(p)
-        self._rng = np.random.default_rng(seed)
+        self.p = p
+        try:
+            self._rng = np.random.default_rng(_hyper.seed(seed))
+        except USER_ERRORS as exc:
+            raise renamed(exc, "Dropout") from None
+
+    @property
+    def p(self) -> float:
+        """The drop probability; assignable (validated)."""
+        return self.__dict__["_p"]
+
+    @p.setter
+    def p(self, value: Any) -> None:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (int, float, np.floating, np.integer)):
+            raise TypeError(f"Dropout: p must be a number, got {type(value).__name__}")
+        if not 0.0 <= float(value) <= 1.0:
+            raise ValueError(f"Dropout: p must be in [0, 1], got {value}")
+        self.__dict__["_p"] = float(value)
 
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
@@ -138,12 +152,11 @@ class Dropout(_Stateless):
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        scale, x = self._take_ctx()
-        try:
-            self._check_dy(dy, x)
-        except Exception:
-            self._ctx = (scale, x)
-            raise
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
+        scale, x = ctx
+        self._check_dy(dy, x.shape, x.dtype)
         if not self.needs_input_grad:
             return None
         return dy if scale is None else dy * scale

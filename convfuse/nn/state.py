@@ -110,8 +110,8 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
     missing = [k for k in entries if k not in sd]
     unexpected = [k for k in sd if k not in entries]
     problems: list[str] = []
-    staged: list[tuple[Any, Any]] = []
-    for key, (mod, attr, current, _) in entries.items():
+    staged: list[tuple[Any, Any, Any]] = []
+    for key, (mod, attr, current, is_param) in entries.items():
         if key not in sd:
             continue
         arr = _as_array(sd[key], key)
@@ -125,7 +125,8 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
             problems.append(f"dtype mismatch for {key}: {issue}")
             continue
         local = mod._param_from_state(attr, arr)
-        staged.append((current, to_device(local, device_of(current))))
+        staged.append((current, to_device(local, device_of(current)),
+                       getattr(mod, attr) if is_param else None))
     if strict:
         if missing:
             problems.append("missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
@@ -135,6 +136,8 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
     if problems:
         raise StateDictError(f"Error(s) in loading state_dict for {name}:\n  "
                              + "\n  ".join(problems))
-    for current, new in staged:  # in place: optimizers' flat buffers stay linked
+    for current, new, param in staged:  # in place: optimizers' flat buffers stay linked
         current[...] = new.astype(current.dtype, copy=False)
+        if param is not None:
+            param.bump_version()  # a forward saved before the load is now stale
     return IncompatibleKeys(missing, unexpected)

@@ -130,11 +130,17 @@ def _extent(a: Any) -> tuple[int, int]:
 
 
 def _overlaps(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray):
+    a_host, b_host = isinstance(a, np.ndarray), isinstance(b, np.ndarray)
+    if a_host and b_host:
         return bool(np.may_share_memory(a, b))  # a bounds check, no exact solve
+    if a_host or b_host:
+        return False  # host and device memory never overlap
     # CuPy: compare address ranges; cupy.shares_memory would need the device.
     (a0, a1), (b0, b1) = _extent(a), _extent(b)
     return a0 < b1 and b0 < a1
+
+
+overlaps = _overlaps  # public: layers check gradient buffers with the same rule
 
 
 def _same_memory(a: Any, b: Any) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import activations
+from .. import activations as _activations
 from . import _checks
 from ._checks import Arg, check_beta, check_geometry, validate
 
@@ -17,7 +17,7 @@ from ._checks import Arg, check_beta, check_geometry, validate
 def activation_forward(z: Any, activation: str | None, out: Any = None) -> Any:
     """y = act(z), elementwise, any shape."""
     op = "activation_forward"
-    act = activations.normalize(activation)
+    act = _name(op, activation)
     shape = _shape_of(z)
     xp = validate(op, [Arg("z", z, None), Arg("out", out, shape, optional=True, output=True)])
     return _checks.engine(xp, "activation").activation_forward(z, act, out)
@@ -26,7 +26,7 @@ def activation_forward(z: Any, activation: str | None, out: Any = None) -> Any:
 def activation_backward(dy: Any, saved: Any, activation: str | None, out: Any = None) -> Any:
     """dz = dy * act'(...), from what the forward saved."""
     op = "activation_backward"
-    act = activations.normalize(activation)
+    act = _name(op, activation)
     _check_saved(op, act, saved)
     shape = _shape_of(dy)
     xp = validate(op, [
@@ -40,7 +40,7 @@ def activation_backward_bias(dy: Any, saved: Any, activation: str | None, geom: 
                              db_out: Any = None, beta: float = 0.0) -> tuple[Any, Any]:
     """(dz, db): the activation's backward, and db = beta * db_out + dz summed per channel."""
     op = "activation_backward_bias"
-    act = activations.normalize(activation)
+    act = _name(op, activation)
     g = check_geometry(op, geom)
     _check_saved(op, act, saved)
     b = check_beta(op, beta, db_out, "db_out")
@@ -52,7 +52,7 @@ def activation_backward_bias(dy: Any, saved: Any, activation: str | None, geom: 
 
 
 def _check_saved(op: str, act: str, saved: Any) -> None:
-    need = activations.saves(act)
+    need = _activations.saves(act)
     if need != "none" and saved is None:
         what = "its output y" if need == "output" else "the pre-activation z"
         raise ValueError(f"{op}: activation {act!r} needs saved ({what}), got None")
@@ -62,3 +62,10 @@ def _shape_of(a: Any) -> tuple[int, ...] | None:
     # Only used to compare the other arguments with; validate() rejects non-arrays.
     shape = getattr(a, "shape", None)
     return tuple(shape) if shape is not None else None
+
+
+def _name(op: str, activation: Any) -> str:
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"{op}: activation must be a str or None, got "
+                        f"{type(activation).__name__} {activation!r}")
+    return _activations.normalize(activation)

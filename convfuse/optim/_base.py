@@ -5,6 +5,14 @@ on the CPU, over the group's flat buffers (see _flat.py). On the GPU the learnin
 the step count live in device memory, so `step()` queues one launch per group and nothing
 else: no synchronisation, no allocation, no host-to-device copy. That is what makes it
 capturable in a CUDA graph, and setting `.lr` queues an async fill of the device scalar.
+
+Copies: `copy.deepcopy` and pickle of an optimizer (alone, or with its model in one call)
+give a working optimizer: its state is its parameters, hyperparameters and `state_dict()`,
+and restoring it re-homes the (copied) parameters into new flat buffers, so the copies of
+the model and the optimizer stay linked exactly as the originals are. Copying a model and
+its optimizer in two separate calls copies the parameters twice, as in PyTorch. A shallow
+`copy.copy` re-homes the same parameters into the copy's buffers, so the original's next
+step raises (check_homes) instead of silently updating nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import numpy as np
 
 from .. import dtypes, kernels
 from ..backend import to_device
+from ..errors import ConvfuseError
+from ..nn.module import renamed
 from ..nn.parameter import Parameter
 from ._flat import (
     FlatGroup,
@@ -56,13 +66,34 @@ class FlatOptimizer:
     _kernel = ""
 
     def __init__(self, params: Iterable[Parameter], lr: Any, **hyper: Any) -> None:
-        self._lr = check_lr(lr)
-        self.defaults: dict[str, Any] = self._validated(**hyper)
-        self._groups: list[FlatGroup] = build_groups(check_params(params), self._state_names())
+        try:
+            self._lr = check_lr(lr)
+            self.defaults: dict[str, Any] = self._validated(**hyper)
+            plist = check_params(params)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, type(self).__name__) from None
+        self._build(plist)
+
+    def _build(self, plist: list[Parameter]) -> None:
+        self._groups: list[FlatGroup] = build_groups(plist, self._state_names())
         self._device_id = self._groups[0].device_id
         self._lr_dev: Any = None
         if self._device_id >= 0:  # pragma: gpu
             self._setup_gpu()
+
+    # -- copies ---------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        params = [s.param for _, s in slots_in_order(self._groups)]
+        return {"params": params, "lr": self._lr, "defaults": dict(self.defaults),
+                "state": self.state_dict()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # The parameters arrive already copied (deepcopy's memo, pickle's references), so
+        # re-homing them links this optimizer to the copied model, not the original.
+        self._lr = check_lr(state["lr"])
+        self.defaults = self._validated(**state["defaults"])
+        self._build(check_params(state["params"]))
+        self.load_state_dict(state["state"])
 
     # -- subclass interface -------------------------------------------------------------
     def _validated(self, **hyper: Any) -> dict[str, Any]:
@@ -119,7 +150,10 @@ class FlatOptimizer:
 
     @lr.setter
     def lr(self, value: Any) -> None:
-        self._lr = check_lr(value)
+        try:
+            self._lr = check_lr(value)
+        except (TypeError, ValueError) as exc:
+            raise renamed(exc, type(self).__name__) from None
         if self._lr_dev is not None:  # pragma: gpu
             with device_context(self._device_id):
                 self._lr_dev.fill(self._lr)  # an async kernel on the current stream
@@ -145,6 +179,8 @@ class FlatOptimizer:
                 # IEEE semantics, as on the GPU and in PyTorch: inf/NaN propagate silently.
                 with np.errstate(all="ignore"):
                     self._update_cpu(g, g.step, self._lr)
+            for s in g.slots:  # host counters only: a backward of an older forward refuses
+                s.param._version += 1
 
     def _steps_taken(self, g: FlatGroup) -> int:
         if g.on_gpu:  # pragma: gpu
@@ -166,7 +202,14 @@ class FlatOptimizer:
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (hyperparameters, lr, steps and buffers)."""
+        """Restore what `state_dict` returned (hyperparameters, lr, steps and buffers).
+        Everything is checked before anything is written; errors name the optimizer."""
+        try:
+            self._load_state_dict(state_dict)
+        except (TypeError, ValueError, ConvfuseError) as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
             raise ValueError("state_dict must be a dict with keys 'state' and 'param_groups'")
         groups = state_dict["param_groups"]
@@ -205,9 +248,16 @@ class FlatOptimizer:
                 if not isinstance(entry, dict) or set(entry) != {"step", *names}:
                     raise ValueError(f"state_dict['state'][{s.index}] must hold "
                                      f"{sorted({'step', *names})}")
-                steps.add(int(entry["step"]))
+                step = entry["step"]
+                if not isinstance(step, (numbers.Integral, np.integer)) or isinstance(step, bool):
+                    raise TypeError(f"state_dict['state'][{s.index}]['step'] must be an int, got "
+                                    f"{type(step).__name__} {step!r}")
+                steps.add(int(step))
                 arrays = {k: np.asarray(to_device(entry[k], "cpu")) for k in names}
                 for k, a in arrays.items():
+                    if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+                        raise TypeError(f"state_dict['state'][{s.index}][{k!r}] must be a "
+                                        f"floating array, got dtype {a.dtype}")
                     if a.shape != s.shape:
                         raise ValueError(f"state_dict['state'][{s.index}][{k!r}] has shape "
                                          f"{a.shape}, the parameter has {s.shape}")

@@ -49,7 +49,10 @@ class Adam(FlatOptimizer):
         if unknown:
             raise ValueError(f"unknown {type(self).__name__} hyperparameter(s) {sorted(unknown)}")
         betas = hyper.get("betas", (0.9, 0.999))
-        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        if not isinstance(betas, (tuple, list, np.ndarray)):
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {type(betas).__name__} "
+                            f"{betas!r}")
+        if len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
         eps = real(hyper.get("eps", 1e-8), "eps")
         b1, b2 = real(betas[0], "betas[0]"), real(betas[1], "betas[1]")
