@@ -166,7 +166,7 @@ def test_call_rejects_bad_input(rng):
     assert int(bn.num_batches_tracked) == 0  # no failed call counted a batch
     with pytest.raises(ValueError, match=r"BatchNorm1d expects a 2-d or 3-d input"):
         cf.BatchNorm1d(3)(np.zeros((2, 3, 4, 4), np.float32))
-    with pytest.raises(TypeError, match="BatchNorm2d residual must be a NumPy or CuPy array"):
+    with pytest.raises(TypeError, match="BatchNorm2d: residual must be a NumPy or CuPy array"):
         bn(np.zeros((2, 3, 3, 3), np.float32), residual="not an array")
     with pytest.raises(ValueError, match="batchnorm_forward_training: residual has shape"):
         bn(np.zeros((2, 3, 3, 3), np.float32), residual=np.zeros((2, 3, 3, 1), np.float32))
