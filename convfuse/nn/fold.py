@@ -132,10 +132,23 @@ def fold_conv_bn(conv: _ConvNd, bn: _BatchNorm) -> _ConvNd:
 
 def clone(layer: Layer) -> Layer:
     """A deep copy sharing nothing with `layer`, without the forward contexts it may hold
-    (those are activations of the last step, not state)."""
+    (those are the last step's activations, not state, and may be large)."""
     memo: dict[int, Any] = {}
     for mod in layer.modules():
         ctx = mod.__dict__.get("_ctx")
-        if ctx is not None:
+        # deepcopy consults the memo by id for every object, so a shared immutable (True,
+        # 0, an interned string, the empty tuple) must never be mapped to None.
+        if ctx is not None and not isinstance(ctx, _SHARED_IMMUTABLES) and not _is_empty_tuple(ctx):
             memo[id(ctx)] = None
-    return copy.deepcopy(layer, memo)
+    new = copy.deepcopy(layer, memo)
+    for mod in new.modules():
+        if "_ctx" in mod.__dict__:
+            mod.__dict__["_ctx"] = None
+    return new
+
+
+_SHARED_IMMUTABLES = (bool, int, float, str, bytes)
+
+
+def _is_empty_tuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 0
