@@ -61,13 +61,19 @@ def test_backward_matches_finite_differences(rng, shape, size):
     assert_grad_close(dx, lambda: float((pool(x) * w).sum()), x, rtol=1e-7, atol=1e-9)
 
 
-def test_separable_broadcast_path_equals_matmul_path(rng):
-    """The CuPy route (broadcast multiply + sum, Note [adaptive pooling without cuBLAS])
-    is plain array code: run it on NumPy against the NumPy route."""
-    x = rng.standard_normal((2, 7, 5, 3))  # NHWC
-    mh, mw = adaptive_pool.pooling_matrix(7, 3), adaptive_pool.pooling_matrix(5, 2)
-    ref = adaptive_pool._separable(x, mh, mw, 1, 2, np.dtype(np.float64))
-    got = adaptive_pool._separable_cupy(np, x, mh, mw, 1, 2, np.dtype(np.float64))
+@pytest.mark.parametrize("adjoint", [False, True])
+def test_separable_broadcast_path_equals_matmul_path(rng, adjoint):
+    """The CuPy route (matrices built by elementwise kernels, broadcast multiply + sum: Note
+    [adaptive pooling without cuBLAS]) is plain array code: run it on NumPy."""
+    for length, out in [(7, 3), (5, 2), (4, 6), (1, 3), (9, 9)]:
+        np.testing.assert_array_equal(
+            adaptive_pool.device_pooling_matrix(np, length, out, np.float64),
+            adaptive_pool.pooling_matrix(length, out))
+    shape = (2, 3, 2, 3) if adjoint else (2, 7, 5, 3)  # NHWC
+    x = rng.standard_normal(shape)
+    args = ((7, 3), (5, 2), 1, 2, np.dtype(np.float64), adjoint)
+    ref = adaptive_pool._separable(x, *args)
+    got = adaptive_pool._separable_cupy(np, x, *args)
     np.testing.assert_allclose(got, ref, rtol=1e-13)
 
 

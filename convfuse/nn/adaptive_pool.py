@@ -152,8 +152,8 @@ def _pool(x: Any, h: int, w: int, oh: int, ow: int, ah: int, aw: int, acc: np.dt
         split = x.reshape(_split_shape(tuple(x.shape), ah, aw, oh, ow))
         y = split.mean(axis=(ah + 1, aw + 2), dtype=acc)
         return y.astype(x.dtype, copy=False)
-    ph, pw = pooling_matrix(h, oh), pooling_matrix(w, ow)
-    return _separable(x, ph, pw, ah, aw, acc).astype(x.dtype, copy=False)
+    return _separable(x, (h, oh), (w, ow), ah, aw, acc, adjoint=False).astype(x.dtype,
+                                                                              copy=False)
 
 
 def _unpool(dy: Any, x_shape: tuple[int, ...], h: int, w: int, oh: int, ow: int, ah: int,
@@ -167,28 +167,44 @@ def _unpool(dy: Any, x_shape: tuple[int, ...], h: int, w: int, oh: int, ow: int,
         dx = xp.broadcast_to(expanded, split).reshape(x_shape)
         return xp.ascontiguousarray(dx.astype(dy.dtype, copy=False))
     # The adjoint of y = Ph x Pw^T is dx = Ph^T dy Pw: the same separable map, transposed.
-    ph, pw = pooling_matrix(h, oh), pooling_matrix(w, ow)
-    return _separable(dy, ph.T, pw.T, ah, aw, acc).astype(dy.dtype, copy=False)
+    return _separable(dy, (h, oh), (w, ow), ah, aw, acc, adjoint=True).astype(dy.dtype,
+                                                                              copy=False)
 
 
-def _separable(a: Any, mh: np.ndarray, mw: np.ndarray, ah: int, aw: int, acc: np.dtype) -> Any:
-    """Contract axis ah with mh (out, in) and axis aw with mw (out, in), in dtype acc."""
+def _separable(a: Any, hs: tuple[int, int], ws: tuple[int, int], ah: int, aw: int,
+               acc: np.dtype, adjoint: bool) -> Any:
+    """Contract axis ah with the (out, in) averaging matrix of hs = (in, out), and axis aw
+    with that of ws (their transposes when `adjoint`), in dtype acc."""
     xp = array_module(a)
     a = a.astype(acc, copy=False)
-    if xp is np:
-        t = np.moveaxis(np.tensordot(mh.astype(acc), a, axes=([1], [ah])), 0, ah)
-        t = np.moveaxis(np.tensordot(mw.astype(acc), t, axes=([1], [aw])), 0, aw)
-        return np.ascontiguousarray(t)
-    return _separable_cupy(xp, a, mh, mw, ah, aw, acc)  # pragma: gpu
+    if xp is not np:
+        return _separable_cupy(xp, a, hs, ws, ah, aw, acc, adjoint)  # pragma: gpu
+    for axis, (length, out) in ((ah, hs), (aw, ws)):
+        m = pooling_matrix(length, out).astype(acc)
+        a = np.moveaxis(np.tensordot(m.T if adjoint else m, a, axes=([1], [axis])), 0, axis)
+    return np.ascontiguousarray(a)
 
 
-def _separable_cupy(xp: Any, a: Any, mh: np.ndarray, mw: np.ndarray, ah: int, aw: int,
-                    acc: np.dtype) -> Any:  # pragma: gpu
+def device_pooling_matrix(xp: Any, length: int, out: int, dtype: Any) -> Any:
+    """`pooling_matrix` built by elementwise kernels on xp's device: no host-to-device copy,
+    so it may run inside a CUDA graph capture."""
+    i = xp.arange(out).reshape(out, 1)
+    j = xp.arange(length).reshape(1, length)
+    start = (i * length) // out
+    end = -((-(i + 1) * length) // out)
+    inside = (j >= start) & (j < end)
+    return inside.astype(dtype) / (end - start).astype(dtype)
+
+
+def _separable_cupy(xp: Any, a: Any, hs: tuple[int, int], ws: tuple[int, int], ah: int,
+                    aw: int, acc: np.dtype, adjoint: bool) -> Any:
     # Note [adaptive pooling without cuBLAS]: broadcast multiply + sum, one axis at a time.
-    for axis, m in ((ah, mh), (aw, mw)):
-        mat = xp.asarray(m.astype(acc))  # (out, in)
+    for axis, (length, out) in ((ah, hs), (aw, ws)):
+        mat = device_pooling_matrix(xp, length, out, acc)
+        if adjoint:
+            mat = mat.T
         shape = [1] * (a.ndim + 1)
         shape[axis], shape[axis + 1] = mat.shape
-        expanded = xp.expand_dims(a, axis)  # a new length-1 axis before the pooled one
+        expanded = xp.expand_dims(a, axis)  # a new length-1 axis before the contracted one
         a = (expanded * mat.reshape(shape)).sum(axis=axis + 1)
     return xp.ascontiguousarray(a)
