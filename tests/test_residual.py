@@ -233,6 +233,10 @@ def test_constructor_errors():
     c.residual_scale = 0.5
     with pytest.raises(ValueError, match=r"residual_scale 0\.5"):
         cf.Residual(c)
+    elsewhere = conv(2, 2, k=1)
+    elsewhere.device = "cuda"  # as if moved
+    with pytest.raises(cf.DeviceMismatchError, match="body and shortcut are on different"):
+        cf.Residual(conv(2, 2), shortcut=elsewhere)
     nested = cf.Residual(cf.Sequential(conv(2, 2), cf.Sequential(conv(2, 2), bn(2))))
     assert nested.body[1][1].activation == "relu"
 
@@ -242,3 +246,6 @@ def test_call_errors(rng):
     with pytest.raises(TypeError, match="Residual input must be a NumPy or CuPy array"):
         block([1.0])
     assert "activation='relu'" in repr(block)
+    block.device = "cuda"  # as if moved: a NumPy input is then on the wrong device
+    with pytest.raises(cf.DeviceMismatchError, match="Residual is on 'cuda' but its input is"):
+        block(np.ones((1, 2, 3, 3)))

@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import activations
 from ..backend import device_of
+from ..errors import DeviceMismatchError
 from .batchnorm import _BatchNorm
 from .container import Sequential
 from .conv import _ConvNd
@@ -134,8 +135,6 @@ class ResidualBase(Layer):
                             f"got {type(x).__name__}") from None
         device = getattr(self, "device", None)
         if device is not None and where != device:
-            from ..errors import DeviceMismatchError
-
             raise DeviceMismatchError(
                 f"{type(self).__name__} is on {device!r} but its {name} is on {where!r}; "
                 f"move one of them (block.to({where!r}) or convert the array)"
@@ -177,7 +176,7 @@ class Residual(ResidualBase):
         devices = {getattr(m, "device", None) for m in (body, shortcut) if m is not None}
         devices.discard(None)
         if len(devices) > 1:
-            raise ValueError(f"Residual: body and shortcut are on different devices: "
+            raise DeviceMismatchError(f"Residual: body and shortcut are on different devices: "
                              f"{sorted(devices)}")
         tail.activation = act
         self._assemble(body, shortcut, act, devices.pop() if devices else None)
