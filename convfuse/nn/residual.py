@@ -176,8 +176,8 @@ class Residual(ResidualBase):
         devices = {getattr(m, "device", None) for m in (body, shortcut) if m is not None}
         devices.discard(None)
         if len(devices) > 1:
-            raise DeviceMismatchError(f"Residual: body and shortcut are on different devices: "
-                             f"{sorted(devices)}")
+            raise DeviceMismatchError(
+                f"Residual: body and shortcut are on different devices: {sorted(devices)}")
         tail.activation = act
         self._assemble(body, shortcut, act, devices.pop() if devices else None)
 
