@@ -130,6 +130,8 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNorm
                     Arg("weight_grad", weight_grad, None, True, output=True),
                     Arg("bias_grad", bias_grad, None, True, output=True)], x)
     eng = _checks.engine(xp, "batchnorm")
+    # The NumPy engine returns fresh gradients and accumulation happens here; cuDNN
+    # accumulates itself (betaParamDiff), so its engine takes the outputs.
     if xp is np:
         dx, dw, db, dres = eng.batchnorm_backward(
             dy, x, weight, saved.saved, saved.mean, saved.invstd, saved.training, g, act,

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...plan.batchnorm import BatchNormGeometry
 from .activation import _backward_cd, apply_activation
@@ -44,8 +45,6 @@ def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activat
         z = z + _per_channel(bias.astype(cd, copy=False), g)
     if residual is not None:
         z = z + residual.astype(cd)
-    from ... import activations as acts
-
     y = apply_activation(z, activation).astype(dtype, order="C")
     need = acts.saves(activation)
     saved = y if need == "output" else (z.astype(dtype, order="C") if need != "none" else None)
