@@ -129,6 +129,22 @@ def test_sequential_chains_fold_and_absorb_a_following_activation(rng, layout):
     np.testing.assert_allclose(folded(x), seq(x), rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("rank,conv_layout", [(1, "NCW"), (1, "NWC"), (3, "NCDHW"),
+                                               (3, "NHWC")])
+def test_conv1d_and_conv3d_chains_fold(rng, rank, conv_layout):
+    conv_cls = {1: cf.Conv1d, 3: cf.Conv3d}[rank]
+    bn_cls = {1: cf.BatchNorm1d, 3: cf.BatchNorm3d}[rank]
+    last = conv_layout in ("NWC", "NHWC")
+    seq = randomize_bns(cf.Sequential(
+        conv_cls(2, 3, 3, padding=1, bias=False, layout=conv_layout, seed=11, **F64),
+        bn_cls(3, activation="relu", layout="NHWC" if last else "NCHW", **F64)), rng).eval()
+    folded = fold_batchnorm(seq)
+    assert [type(m) for m in folded.layers] == [conv_cls]
+    spatial = (5,) * rank
+    x = rng.standard_normal((2, *spatial, 2) if last else (2, 2, *spatial))
+    np.testing.assert_allclose(folded(x), seq(x), rtol=1e-12, atol=1e-13)
+
+
 def test_sequential_with_a_residual_passes_it_to_the_folded_conv(rng):
     seq = randomize_bns(cf.Sequential(cf.Conv2d(2, 2, 3, padding=1, seed=8, **F64),
                                       cf.BatchNorm2d(2, activation="relu", **F64)), rng).eval()
