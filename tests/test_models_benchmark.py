@@ -32,6 +32,9 @@ def test_cpu_case_reports_every_number(monkeypatch):
     prof = rec["convfuse_eager_profile"]
     assert 0 < prof["conv_s_per_step"] < prof["step_s_per_step"]
     assert 0 < prof["outside_conv_fraction"] < 1
+    text = resnet.table({"engine": "CPU", "cases": [rec, {"error": "ValueError: x"}]})
+    assert "N4 3x32x32 -> 3 classes float32 NCHW" in text and "pytorch_eager" in text
+    assert "of the step outside convolutions" in text and "(failed)" in text
 
 
 def test_conv_timer_counts_each_conv_op_and_restores_them():

@@ -373,17 +373,42 @@ def _gpu_case(batch: int, size: int, classes: int, dtype: str, repeats: int,
     return rec
 
 
+def table(result: dict[str, Any]) -> str:
+    """The result as a text table (one row per case and form), for the runner's report."""
+    lines = [f"ResNet-18 training step on the {result['engine']}"
+             + (" (--quick)" if result.get("quick") else "")]
+    if result.get("notice"):
+        lines.append(result["notice"])
+    lines.append(f"{'case':<40} {'form':<18} {'steps/s [min-max]':>26} {'vs PyTorch':>18}")
+    for case in result["cases"]:
+        if "error" in case:
+            lines.append(f"{'(failed)':<40} {case['error']}")
+            continue
+        name = f"{case['shape']} {case['dtype']} {case['layout']}"
+        for form, row in case["forms"].items():
+            r = row["steps_per_s"]
+            rate = f"{r['median']:.3g} [{r['min']:.3g}-{r['max']:.3g}]"
+            ratio = row.get("ratio_to_pytorch")
+            vs = f"{ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}]" if ratio \
+                else ""
+            lines.append(f"{name:<40} {form:<18} {rate:>26} {vs:>18}")
+        prof = case["convfuse_eager_profile"]
+        lines.append(f"{name:<40} convfuse eager: {prof['outside_conv_fraction']:.0%} of the "
+                     "step outside convolutions")
+        lines.append(f"{'':<40} PyTorch: {case.get('pytorch')}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     result = run(args.quick)
-    text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
+            fh.write(json.dumps(result, indent=2) + "\n")
+    print(table(result))
     return 0 if all("error" not in c for c in result["cases"]) else 1
 
 
