@@ -100,7 +100,7 @@ def test_rejected_dy_keeps_the_forward(rng):
         pool.backward(np.ones((2, 3)))
     with pytest.raises(ValueError, match="dtype float32"):
         pool.backward(np.ones(y.shape, np.float32))
-    with pytest.raises(TypeError, match="AdaptiveAvgPool2d dy must be a NumPy or CuPy"):
+    with pytest.raises(TypeError, match="AdaptiveAvgPool2d: dy must be a NumPy or CuPy"):
         pool.backward([[1.0]])
     dx = pool.backward(np.ones_like(y))
     np.testing.assert_allclose(dx, np.full(x.shape, 1 / 16))
@@ -132,7 +132,8 @@ def test_call_rejects_bad_input(rng):
     pool = cf.AdaptiveAvgPool2d(1)
     with pytest.raises(ValueError, match=r"expects a 4-d input \(NCHW\), got shape \(2, 3\)"):
         pool(np.ones((2, 3)))
-    with pytest.raises(TypeError, match="input must be a NumPy or CuPy array, got list"):
+    with pytest.raises(TypeError,
+                       match="AdaptiveAvgPool2d: input must be a NumPy or CuPy array, got list"):
         pool([1.0])
     with pytest.raises(ValueError, match="input dtype int64 is not supported"):
         pool(np.ones((1, 1, 2, 2), np.int64))

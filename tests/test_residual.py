@@ -204,13 +204,30 @@ def test_rejected_dy_changes_nothing_and_keeps_the_forward(rng):
         block.backward(np.ones((2, 3, 3)))
     with pytest.raises(ValueError, match="dtype float32"):
         block.backward(np.ones(y.shape, np.float32))
-    with pytest.raises(TypeError, match="Residual dy must be a NumPy or CuPy array"):
+    with pytest.raises(TypeError, match="Residual: dy must be a NumPy or CuPy array"):
         block.backward(y.tolist())
     for n, p in block.named_parameters():
         np.testing.assert_array_equal(p.grad, before[n])
     assert block.backward(np.ones_like(y)).shape == x.shape
     with pytest.raises(cf.BackwardBeforeForwardError):
         block.backward(np.ones_like(y))
+
+
+def test_a_layer_that_cannot_run_its_backward_stops_the_block_before_any_write(rng):
+    """check_contexts: every layer's own pre-write check (`_check_backward`, e.g. a saved
+    context outdated by a parameter update) runs before the block's first gradient write."""
+    class Stale(cf.Conv2d):
+        def _check_backward(self):
+            raise RuntimeError("Stale: parameter changed since the forward")
+
+    block = cf.Residual(cf.Sequential(Stale(2, 2, 3, padding=1, **F64), bn(2)),
+                        shortcut=cf.Sequential(conv(2, 2, k=1), bn(2)))
+    y = block(rng.standard_normal((2, 2, 4, 4)))
+    before = {n: p.grad.copy() for n, p in block.named_parameters()}
+    with pytest.raises(RuntimeError, match="Stale: parameter changed"):
+        block.backward(np.ones_like(y))
+    for n, p in block.named_parameters():
+        np.testing.assert_array_equal(p.grad, before[n], err_msg=n)
 
 
 def test_constructor_errors():
@@ -243,7 +260,7 @@ def test_constructor_errors():
 
 def test_call_errors(rng):
     block = cf.Residual(conv(2, 2)).to("cpu")
-    with pytest.raises(TypeError, match="Residual input must be a NumPy or CuPy array"):
+    with pytest.raises(TypeError, match="Residual: input must be a NumPy or CuPy array"):
         block([1.0])
     assert "activation='relu'" in repr(block)
     block.device = "cuda"  # as if moved: a NumPy input is then on the wrong device

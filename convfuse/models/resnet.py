@@ -28,7 +28,7 @@ from ..nn.fold import clone, fold_conv_bn, fold_layer, foldable
 from ..nn.linear import Linear
 from ..nn.module import Layer
 from ..nn.pooling import MaxPool2d
-from ..nn.residual import ResidualBase
+from ..nn.residual import ResidualBase, check_contexts
 from ..nn.simple import Identity
 
 STEMS = ("imagenet", "small")
@@ -169,6 +169,7 @@ class ResNet(Layer):
         except (TypeError, ValueError, DeviceMismatchError):
             self._ctx = ctx  # checked before any layer runs: nothing changed
             raise
+        check_contexts(self)
         g = dlogits
         for layer in reversed(self._chain()):
             g = layer.backward(g)

@@ -74,7 +74,7 @@ class AdaptiveAvgPool2d(Layer):
             try:
                 array_module(x)
             except TypeError:
-                raise TypeError(f"AdaptiveAvgPool2d {name} must be a NumPy or CuPy array, "
+                raise TypeError(f"AdaptiveAvgPool2d: {name} must be a NumPy or CuPy array, "
                                 f"got {type(x).__name__}") from None
             return
         super()._check_input(x, name)

@@ -135,15 +135,14 @@ def clone(layer: Layer) -> Layer:
     (those are the last step's activations, not state, and may be large)."""
     memo: dict[int, Any] = {}
     for mod in layer.modules():
-        ctx = mod.__dict__.get("_ctx")
+        ctx = getattr(mod, "_ctx", None)
         # deepcopy consults the memo by id for every object, so a shared immutable (True,
         # 0, an interned string, the empty tuple) must never be mapped to None.
         if ctx is not None and not isinstance(ctx, _SHARED_IMMUTABLES) and not _is_empty_tuple(ctx):
             memo[id(ctx)] = None
     new = copy.deepcopy(layer, memo)
     for mod in new.modules():
-        if "_ctx" in mod.__dict__:
-            mod.__dict__["_ctx"] = None
+        mod._ctx = None
     return new
 
 

@@ -46,6 +46,17 @@ def takes_residual(layer: Layer) -> bool:
     return isinstance(layer, (_ConvNd, _BatchNorm))
 
 
+def check_contexts(container: Layer) -> None:
+    """Before a container's backward writes any gradient, let every layer inside it run the
+    checks it can make without writing (`_check_backward`, where the Module API offers it:
+    its saved context exists and no parameter changed since the forward), so a backward
+    that raises part-way changes no gradient."""
+    for name, mod in container.named_modules():
+        check = getattr(mod, "_check_backward", None) if name else None
+        if check is not None:
+            check()
+
+
 class ResidualBase(Layer):
     """act(body(x) + shortcut(x)), for blocks whose body is a chain of layers.
 
@@ -104,6 +115,7 @@ class ResidualBase(Layer):
         except Exception:
             self._ctx = ctx
             raise
+        check_contexts(self)
         *head, tail = self._body_layers()
         g, dskip = tail.backward(dy)
         for layer in reversed(head):
@@ -131,7 +143,7 @@ class ResidualBase(Layer):
         try:
             where = device_of(x)
         except TypeError:
-            raise TypeError(f"{type(self).__name__} {name} must be a NumPy or CuPy array, "
+            raise TypeError(f"{type(self).__name__}: {name} must be a NumPy or CuPy array, "
                             f"got {type(x).__name__}") from None
         device = getattr(self, "device", None)
         if device is not None and where != device:
