@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import backend, config, functional, graph, metrics, ops, optim
+from . import backend, config, functional, graph, metrics, models, ops, optim
 from .backend import gpu_available
 from .errors import (
     BackwardBeforeForwardError,
@@ -19,6 +19,7 @@ from .errors import (
 from .loss import CrossEntropyLoss
 from .nn import (
     Activation,
+    AdaptiveAvgPool2d,
     AvgPool2d,
     BatchNorm1d,
     BatchNorm2d,
@@ -34,11 +35,13 @@ from .nn import (
     Module,
     Parameter,
     ReLU,
+    Residual,
     Sequential,
 )
 
 __all__ = [
     "Activation",
+    "AdaptiveAvgPool2d",
     "AvgPool2d",
     "BackwardBeforeForwardError",
     "BatchNorm1d",
@@ -62,6 +65,7 @@ __all__ = [
     "Module",
     "Parameter",
     "ReLU",
+    "Residual",
     "Sequential",
     "StateDictError",
     "__version__",
@@ -71,6 +75,7 @@ __all__ = [
     "gpu_available",
     "graph",
     "metrics",
+    "models",
     "ops",
     "optim",
 ]
