@@ -11,9 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import get as get_flags
-from .algorithms import Candidate, NoAlgorithmError, WorkspaceFallbackWarning
+from .algorithms import (
+    Candidate,
+    NoAlgorithmError,
+    WorkspaceFallbackWarning,
+    WorkspaceUnavailableError,
+)
 from .cache import CacheInfo, PlanCache
-from .conv import ConvPlan, FusedFallbackWarning, PlanKey
+from .conv import ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
 from .pool import PoolPlan, PoolPlanKey
 
 _conv_plans = PlanCache(ConvPlan)
@@ -46,7 +51,8 @@ def clear_plan_cache() -> None:
 
 
 __all__ = [
-    "CacheInfo", "Candidate", "ConvPlan", "FusedFallbackWarning", "NoAlgorithmError", "PlanKey",
-    "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning", "clear_plan_cache", "get_plan",
+    "CacheInfo", "Candidate", "ConvPlan", "ForwardPath", "FusedFallbackWarning",
+    "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning",
+    "WorkspaceUnavailableError", "clear_plan_cache", "get_plan",
     "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
 ]

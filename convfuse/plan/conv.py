@@ -16,7 +16,7 @@ from ..backend import gpu_available
 from ..config import Flags
 from ..config import get as get_flags
 from ..dtypes import canonical
-from ..errors import CudnnError
+from ..errors import CaptureError, CudnnError
 from ..geometry import ConvGeometry
 from . import algorithms as algos
 from . import descriptors as d
@@ -80,11 +80,61 @@ def pool_alloc(nbytes: int) -> Any:  # pragma: gpu
     return cupy.cuda.alloc(nbytes)
 
 
+#: Calls a plan runs on a demoted choice before it retries the better one that ran out of
+#: memory (Note [transient out-of-memory]); doubled after each failed retry, up to the cap.
+OOM_RETRY_FIRST = 8
+OOM_RETRY_CAP = 1024
+
+
 @dataclass
 class _Chosen:
-    candidate: algos.Candidate
-    remaining: tuple[algos.Candidate, ...]
+    """One slot's ranked candidates and the one in use.
+
+    Note [transient out-of-memory]
+    An algorithm whose workspace could not be allocated is skipped for the next ranked one,
+    but memory comes back (the caller frees arrays, CuPy's pool is flushed), so the skip is
+    not for good: after `retry_in` more calls the slot goes back to the best candidate, and
+    the next allocation decides again. Each failed retry doubles the wait (capped), so a
+    plan that really lacks the memory pays a failed allocation rarely. Algorithms cuDNN
+    refused to run are removed from `ranked` for good: a refusal does not change.
+    """
+
+    ranked: tuple[algos.Candidate, ...]
+    index: int
     forced: bool
+    retry_in: int = 0  # calls until the best is tried again; 0: not demoted by memory
+    backoff: int = 0
+
+    @property
+    def candidate(self) -> algos.Candidate:
+        return self.ranked[self.index]
+
+    @property
+    def remaining(self) -> tuple[algos.Candidate, ...]:
+        return self.ranked[self.index + 1:]
+
+
+def stream_is_capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False without a GPU)."""
+    if not gpu_available():
+        return False
+    import cupy  # pragma: gpu
+
+    return bool(cupy.cuda.get_current_stream().is_capturing())  # pragma: gpu
+
+
+def refuse_in_capture(what: str) -> None:
+    """Note [no plan work inside a capture]: choosing an algorithm (Find*Ex runs kernels
+    and syncs), timing the forward paths or creating cached device buffers cannot be
+    recorded into a CUDA graph; the step's warm-up must do them."""
+    if stream_is_capturing():
+        raise CaptureError(
+            f"{what} was needed while a CUDA graph was being captured. Plans, algorithm "
+            "choices and cached buffers must exist before capture: run the step eagerly "
+            "first (convfuse.graph.capture's warm-up does), with the same shapes, dtypes "
+            "and flags, and keep the number of distinct convolutions under the plan "
+            "cache's size so none is evicted between warm-up and capture"
+        )
 
 
 class ConvPlan:
@@ -115,7 +165,11 @@ class ConvPlan:
         self._lock = threading.Lock()
         self._chosen: dict[str, _Chosen] = {}
         self._math_descs: dict[int, Any] = {getattr(lib, key.math_type): self.conv_desc}
-        self._fused_refusal: CudnnError | None = None
+        self._fused_refusal: Exception | None = None
+        self._fused_warned = False
+        self._fused_skip = 0  # calls left on the unfused path after a fused out-of-memory
+        self._fused_backoff = 0
+        self._forward_path: ForwardPath | None = None
 
     def describe(self) -> str:
         k = self.key
@@ -151,7 +205,9 @@ class ConvPlan:
         """The algorithm for `direction` ("fwd", "bwd_data", "bwd_filter"), chosen once.
 
         `fused=True` asks for the forward of convolutionBiasActivationForward; `inputs`
-        are the device pointers Find*Ex runs on when config.benchmark is on.
+        are the device pointers Find*Ex runs on when config.benchmark is on. A slot
+        demoted for lack of memory returns to its best candidate now and then
+        (Note [transient out-of-memory]).
         """
         if direction not in algos.DIRECTIONS:
             raise ValueError(f"direction must be one of {algos.DIRECTIONS}, got {direction!r}")
@@ -159,37 +215,110 @@ class ConvPlan:
         with self._lock:
             chosen = self._chosen.get(slot)
             if chosen is None:
+                refuse_in_capture(f"choosing the {slot} algorithm for {self.describe()}")
                 chosen = self._choose(direction, slot, handle, inputs)
                 self._chosen[slot] = chosen
+            elif chosen.retry_in:
+                chosen.retry_in -= 1
+                if not chosen.retry_in:
+                    chosen.index = 0  # try the best again; an allocation failure demotes anew
             return chosen.candidate
 
-    def reject(self, direction: str, cand: algos.Candidate,
-               fused: bool = False) -> bool:
-        """Drop `cand` after cuDNN refused to run it; True if another one is now chosen."""
+    def reject(self, direction: str, cand: algos.Candidate, fused: bool = False,
+               out_of_memory: bool = False) -> bool:
+        """Drop `cand` after cuDNN refused to run it (for good) or its workspace could not be
+        allocated (until the next retry, Note [transient out-of-memory]); True if another
+        candidate is now chosen."""
         slot = self._slot(direction, fused)
         with self._lock:
             chosen = self._chosen.get(slot)
             if chosen is None or chosen.candidate != cand:
                 return chosen is not None  # another thread moved on already
-            if chosen.forced or not chosen.remaining:
+            if chosen.forced:
                 return False
-            nxt, rest = algos.first_allocatable(chosen.remaining, pool_alloc, self._what(slot))
-            self._chosen[slot] = _Chosen(nxt, rest, False)
+            if out_of_memory:
+                start = chosen.index + 1
+            else:
+                ranked = chosen.ranked
+                chosen.ranked = ranked[:chosen.index] + ranked[chosen.index + 1:]
+                start = chosen.index
+            rest = chosen.ranked[start:]
+            if not rest:
+                return False
+            nxt, _ = algos.first_allocatable(rest, pool_alloc, self._what(slot))
+            chosen.index = chosen.ranked.index(nxt, start)
+            if chosen.index == 0:
+                chosen.retry_in = chosen.backoff = 0
+            elif out_of_memory or chosen.index > start:  # skipped for memory: retry later
+                chosen.backoff = _next_backoff(chosen.backoff)
+                chosen.retry_in = chosen.backoff
             return True
 
+    def workspace_allocated(self, direction: str, fused: bool = False) -> None:
+        """The chosen algorithm's workspace was allocated: a retry of the best succeeded."""
+        slot = self._slot(direction, fused)
+        chosen = self._chosen.get(slot)
+        if chosen is not None and chosen.backoff and chosen.index == 0:
+            with self._lock:
+                chosen.backoff = chosen.retry_in = 0
+
+    # ---- the fused call's state: Note [unfused fallback] in ops/cudnn/conv.py ----
+
     @property
-    def fused_refusal(self) -> CudnnError | None:
-        """The error with which cuDNN refused the fused call for good, or None."""
+    def fused_refusal(self) -> Exception | None:
+        """Why the fused call is off for good (cuDNN's refusal, or no algorithm the fused
+        call may use fits the flags), or None."""
         return self._fused_refusal
 
-    def refuse_fused(self, err: CudnnError) -> bool:
-        """Record that no algorithm runs this plan's fused call; True for the first record,
-        so of the threads that hit the refusal together exactly one warns."""
+    def refuse_fused(self, err: Exception) -> bool:
+        """Record that the fused call cannot run this plan; True when the caller should warn
+        (the plan's first fallback), so of the threads that hit it together one warns."""
         with self._lock:
-            first = self._fused_refusal is None
-            if first:
+            if self._fused_refusal is None:
                 self._fused_refusal = err
-            return first
+            return self._warn_once()
+
+    def fused_out_of_memory(self) -> bool:
+        """The fused call's forced workspace could not be allocated: run unfused for a while
+        (Note [transient out-of-memory]); True when the caller should warn."""
+        with self._lock:
+            self._fused_backoff = _next_backoff(self._fused_backoff)
+            self._fused_skip = self._fused_backoff
+            return self._warn_once()
+
+    def fused_ran(self) -> None:
+        if self._fused_backoff:
+            with self._lock:
+                self._fused_backoff = 0
+
+    def fused_off(self) -> bool:
+        """Whether this call takes the unfused path (counts down a memory back-off)."""
+        if self._fused_refusal is not None:
+            return True
+        if self._forward_path is not None and self._forward_path.path == "unfused":
+            return True
+        if not self._fused_skip:
+            return False
+        with self._lock:
+            if self._fused_skip:
+                self._fused_skip -= 1
+                return True
+            return False
+
+    def _warn_once(self) -> bool:
+        first = not self._fused_warned
+        self._fused_warned = True
+        return first
+
+    @property
+    def forward_path(self) -> ForwardPath | None:
+        """Which forward this plan runs and why, once decided (ForwardPath), else None."""
+        return self._forward_path
+
+    def set_forward_path(self, path: ForwardPath) -> None:
+        with self._lock:
+            if self._forward_path is None:
+                self._forward_path = path
 
     def _slot(self, direction: str, fused: bool) -> str:
         # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]: only the identity fused forward
@@ -220,6 +349,28 @@ class ConvPlan:
         if not cands:
             raise algos.NoAlgorithmError(
                 f"no {self._what(slot)} fits: {algos.describe_empty(perfs, lib, **rules)}")
-        first, rest = algos.first_allocatable(cands, pool_alloc, self._what(slot))
-        return _Chosen(first, rest, forced)
+        first, _ = algos.first_allocatable(cands, pool_alloc, self._what(slot))
+        index = cands.index(first)
+        backoff = OOM_RETRY_FIRST if index else 0  # Note [transient out-of-memory]
+        return _Chosen(tuple(cands), index, forced, backoff, backoff)
+
+
+def _next_backoff(backoff: int) -> int:
+    return min(max(2 * backoff, OOM_RETRY_FIRST), OOM_RETRY_CAP)
+
+
+@dataclass(frozen=True)
+class ForwardPath:
+    """How a plan runs conv + bias + activation, for the selfcheck and the benchmark.
+
+    path: "fused" (one convolutionBiasActivationForward) or "unfused" (convolutionForward
+    plus convfuse's bias + activation (+ residual) kernel). reason: "heuristics" (the
+    default: fused whenever cuDNN accepts it), "timed" (config.benchmark timed both, times
+    in milliseconds), or "refused" (cuDNN refused the fused call; see fused_refusal).
+    """
+
+    path: str
+    reason: str
+    fused_ms: float | None = None
+    unfused_ms: float | None = None
 
