@@ -44,19 +44,32 @@ class StandInPlan:
     def __init__(self, algos):
         self.cands = [Candidate(a, 0, lib.CUDNN_DEFAULT_MATH, True) for a in algos]
         self.x_desc = self.w_desc = self.y_desc = self.bias_desc = self.act_desc = "desc"
-        self.key = SimpleNamespace(activation="relu", residual=False)
+        self.key = SimpleNamespace(activation="relu", residual=False, benchmark=False)
         self.fused_refusal = None
+        self.forward_path = None
 
     def refuse_fused(self, err):
         first = self.fused_refusal is None
         self.fused_refusal = self.fused_refusal or err
         return first
 
+    def fused_off(self):
+        return self.fused_refusal is not None
+
+    def fused_ran(self):
+        pass
+
+    def set_forward_path(self, path):
+        self.forward_path = self.forward_path or path
+
+    def workspace_allocated(self, direction, fused=False):
+        pass
+
     def choice(self, direction, handle, inputs=(0, 0), fused=False):
         return self.cands[0]
 
-    def reject(self, direction, cand, fused=False):
-        assert cand == self.cands[0]
+    def reject(self, direction, cand, fused=False, out_of_memory=False):
+        assert cand == self.cands[0] and not out_of_memory
         self.cands.pop(0)
         return bool(self.cands)
 
@@ -137,4 +150,5 @@ def test_zero_bias_never_comes_from_the_current_allocator(monkeypatch):
         again = engine.zero_bias(cp, np.float32, 5)
         assert cp.cuda.get_allocator() is private_pool_malloc  # restored afterwards
     assert again is bias and bias.shape == (5,) and not bias.any()
-    assert seen == [cp.cuda.memory._malloc]  # made once, by the raw allocator
+    # Made once, from CuPy's default pool (issue #13: freeing raw memory is a cudaFree).
+    assert seen == [cp.get_default_memory_pool().malloc]

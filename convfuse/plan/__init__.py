@@ -18,7 +18,7 @@ from .algorithms import (
     WorkspaceUnavailableError,
 )
 from .cache import CacheInfo, PlanCache
-from .conv import ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
+from .conv import BiasGradFallbackWarning, ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
 from .pool import PoolPlan, PoolPlanKey
 
 _conv_plans = PlanCache(ConvPlan)
@@ -51,7 +51,8 @@ def clear_plan_cache() -> None:
 
 
 __all__ = [
-    "CacheInfo", "Candidate", "ConvPlan", "ForwardPath", "FusedFallbackWarning",
+    "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
+    "FusedFallbackWarning",
     "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning",
     "WorkspaceUnavailableError", "clear_plan_cache", "get_plan",
     "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",

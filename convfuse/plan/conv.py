@@ -28,6 +28,11 @@ class FusedFallbackWarning(RuntimeWarning):
     (Note [unfused fallback] in convfuse/ops/cudnn/conv.py)."""
 
 
+class BiasGradFallbackWarning(RuntimeWarning):
+    """cuDNN refused convolutionBackwardBias for a plan; its bias gradient runs on
+    convfuse's bias kernel from then on (conv_backward_bias in ops/cudnn/conv.py)."""
+
+
 @dataclass(frozen=True)
 class PlanKey:
     """Everything a plan's descriptors and algorithm choices depend on."""
@@ -170,6 +175,7 @@ class ConvPlan:
         self._fused_skip = 0  # calls left on the unfused path after a fused out-of-memory
         self._fused_backoff = 0
         self._forward_path: ForwardPath | None = None
+        self._bias_grad_refusal: CudnnError | None = None
 
     def describe(self) -> str:
         k = self.key
@@ -304,6 +310,19 @@ class ConvPlan:
                 self._fused_skip -= 1
                 return True
             return False
+
+    @property
+    def bias_grad_refusal(self) -> CudnnError | None:
+        """cuDNN's refusal of convolutionBackwardBias for this plan, or None."""
+        return self._bias_grad_refusal
+
+    def refuse_bias_grad(self, err: CudnnError) -> bool:
+        """Record the refusal; True for the first record (the caller warns)."""
+        with self._lock:
+            first = self._bias_grad_refusal is None
+            if first:
+                self._bias_grad_refusal = err
+            return first
 
     def _warn_once(self) -> bool:
         first = not self._fused_warned

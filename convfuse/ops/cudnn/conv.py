@@ -37,6 +37,7 @@ from ... import activations, config
 from ..._binding import cudnn
 from ...errors import CudnnError
 from ...plan import (
+    BiasGradFallbackWarning,
     Candidate,
     ConvPlan,
     ForwardPath,
@@ -48,7 +49,7 @@ from ...plan import (
 )
 from ...plan.conv import refuse_in_capture
 from .. import elementwise
-from .handle import Workspace, context, get_handle
+from .handle import Workspace, get_handle
 
 _zero_bias: dict[tuple[int, str, int], Any] = {}
 _zero_bias_lock = threading.Lock()
@@ -282,15 +283,34 @@ def _unfused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residu
                                      plan.key.geometry)
 
 
+def _run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, int],
+                call: Any, what: str, about: ConvPlan | None = None) -> None:  # pragma: gpu
+    """call(cand, ws) with the plan's algorithm for `direction`, walking down the ranking
+    when cuDNN refuses one (NOT_SUPPORTED: it returns before launching anything, so a
+    beta = 1 output is untouched), as PyTorch's algorithm search does; the plan keeps the
+    one that ran. Other errors, and a refusal of the last one, are raised naming `what`
+    and the plan `about` (default: this one)."""
+    lib = cudnn()
+    while True:
+        cand, ws = _algorithm_and_workspace(plan, direction, handle, inputs)
+        try:
+            call(cand, ws)
+            return
+        except CudnnError as err:
+            if refused(err, lib) and plan.reject(direction, cand):
+                continue
+            raise err.with_context(_where(about or plan, what, cand)) from None
+
+
 def _forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
                   about: ConvPlan | None = None) -> None:  # pragma: gpu
-    """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm;
-    errors name `what` and the plan `about` (default: this one)."""
-    cand, ws = _algorithm_and_workspace(plan, "fwd", handle, (x.data.ptr, w.data.ptr))
-    with context(lambda: _where(about or plan, what, cand)):
+    """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm."""
+    def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionForward(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
+
+    _run_ranked(plan, "fwd", handle, (x.data.ptr, w.data.ptr), call, what, about)
 
 
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
@@ -311,11 +331,13 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
     plan = get_plan(geom, dz.dtype)
     dx = out if out is not None else cp.empty(geom.input_shape, dtype=dz.dtype)
     beta = float(beta) if out is not None else 0.0
-    cand, ws = _algorithm_and_workspace(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr))
-    with context(lambda: _where(plan, "conv_backward_data", cand)):
+
+    def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardData(
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.x_desc, dx.data.ptr)
+
+    _run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), call, "conv_backward_data")
     return dx
 
 
@@ -327,11 +349,14 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
     plan = get_plan(geom, x.dtype)
     dw = out if out is not None else cp.empty(geom.weight_shape, dtype=x.dtype)
     beta = float(beta) if out is not None else 0.0
-    cand, ws = _algorithm_and_workspace(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr))
-    with context(lambda: _where(plan, "conv_backward_filter", cand)):
+
+    def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardFilter(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.w_desc, dw.data.ptr)
+
+    _run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), call,
+                "conv_backward_filter")
     return dw
 
 
@@ -339,7 +364,11 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
                        beta: float = 0.0) -> Any:  # pragma: gpu
     """db of shape (K,): cudnnConvolutionBackwardBias through the plan's 1xKx1x1 bias
     descriptor (same bytes), or the bias-only mode of the fused kernel when
-    config bias_grad == "fused"; never a generic reduction."""
+    config bias_grad == "fused"; never a generic reduction.
+
+    Should cuDNN refuse BackwardBias for a plan (any NOT_SUPPORTED code), the plan
+    remembers it, warns once (BiasGradFallbackWarning) and uses the kernel from then on.
+    """
     import cupy as cp
 
     db = out if out is not None else cp.empty(geom.bias_shape, dtype=dz.dtype)
@@ -349,7 +378,20 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
         return db
     handle = get_handle()
     plan = get_plan(geom, dz.dtype)
-    with context(lambda: _where(plan, "conv_backward_bias")):
-        cudnn().convolutionBackwardBias(
-            handle, 1.0, plan.y_desc, dz.data.ptr, beta, plan.bias_desc, db.data.ptr)
+    if plan.bias_grad_refusal is None:
+        try:
+            cudnn().convolutionBackwardBias(
+                handle, 1.0, plan.y_desc, dz.data.ptr, beta, plan.bias_desc, db.data.ptr)
+            return db
+        except CudnnError as err:
+            err = err.with_context(_where(plan, "conv_backward_bias"))
+            if not refused(err, cudnn()):
+                raise err from None
+            if plan.refuse_bias_grad(err):
+                warnings.warn(
+                    f"cuDNN refused {err.function} with {err.status_name} ({err.status}) "
+                    f"for {plan.describe()}; computing the bias gradient with convfuse's "
+                    "bias kernel instead (as config bias_grad='fused' does) from now on",
+                    BiasGradFallbackWarning, stacklevel=3)
+    elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
     return db
