@@ -233,24 +233,26 @@ def _algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
     """
     import cupy
 
+    skipped: list[Candidate] = []
     while True:
         cand = plan.choice(direction, handle, inputs, fused=fused)
         try:
             ws = Workspace(cand.workspace)
         except cupy.cuda.memory.OutOfMemoryError as err:
+            skipped.append(cand)
             if not plan.reject(direction, cand, fused=fused, out_of_memory=True):
+                tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
                 raise WorkspaceUnavailableError(
-                    f"{direction} algorithm {cand.algo} needs {cand.workspace} bytes of "
-                    f"workspace that could not be allocated, for {plan.describe()}, and no "
-                    "other algorithm is left to try") from err
-            warnings.warn(
-                f"{direction} algorithm {cand.algo} needs {cand.workspace} bytes of workspace "
-                f"that could not be allocated now, for {plan.describe()}; using the next "
-                "ranked algorithm until memory allows it again", WorkspaceFallbackWarning,
-                stacklevel=4,
-            )
+                    f"{direction} workspace could not be allocated for {tried}, for "
+                    f"{plan.describe()}, and no other algorithm is left to try") from err
             continue
         plan.workspace_allocated(direction, fused=fused)
+        if skipped:  # one warning per call, naming every algorithm skipped
+            tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
+            warnings.warn(
+                f"{direction} workspace could not be allocated now for {tried}, for "
+                f"{plan.describe()}; using algo {cand.algo} ({cand.workspace} bytes) until "
+                "memory allows the faster one again", WorkspaceFallbackWarning, stacklevel=4)
         return cand, ws
 
 
