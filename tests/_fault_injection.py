@@ -107,7 +107,7 @@ class NumericGpu(FakeGpu):
         self.calls.append(("alloc", (nbytes,)))
         if limit is not None and nbytes >= limit:
             raise cupy.cuda.memory.OutOfMemoryError(nbytes, 0, 0)
-        return object()
+        return type("Mem", (), {"ptr": 0})()
 
     def _workspace(self, nbytes):
         self._alloc(nbytes, self.oom_call_at)
