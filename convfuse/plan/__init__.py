@@ -35,6 +35,17 @@ def get_pool_plan(pgeom: Any, dtype: Any) -> PoolPlan:
     return _pool_plans.get(PoolPlanKey.create(pgeom, dtype, get_flags()))
 
 
+def forward_paths() -> list[tuple[str, ForwardPath]]:
+    """(plan description, ForwardPath) of every cached conv plan whose fused forward has
+    run: which path it takes (fused or unfused) and why (heuristics, timed, refused)."""
+    out = []
+    for plan in _conv_plans.values():
+        path = plan.forward_path
+        if path is not None:
+            out.append((f"{plan.describe()} residual={plan.key.residual}", path))
+    return out
+
+
 def plan_cache_info() -> CacheInfo:
     """(hits, misses, size) of the convolution plan cache."""
     return _conv_plans.info()
@@ -54,6 +65,6 @@ __all__ = [
     "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
     "FusedFallbackWarning",
     "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning",
-    "WorkspaceUnavailableError", "clear_plan_cache", "get_plan",
+    "WorkspaceUnavailableError", "clear_plan_cache", "forward_paths", "get_plan",
     "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
 ]
