@@ -95,8 +95,12 @@ def test_fresh_wheel_with_only_the_runtime_extra_compiles_every_kernel(tmp_path)
     env = _hidden_toolkit_env(tmp_path)
     flavour = _flavour()
     # --no-compile: byte-compiling CuPy and the nvidia packages is most of a cached install.
-    _run([py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[{flavour}]"], env=env,
-         cwd=tmp_path)
+    # CONVFUSE_WHEELHOUSE: a folder of downloaded wheels, for machines without a package
+    # index (docs/VERIFYING.md section 7 says how to fill it).
+    offline = os.environ.get("CONVFUSE_WHEELHOUSE")
+    index = ["--no-index", "--find-links", offline] if offline else []
+    _run([py, "-m", "pip", "install", "-q", "--no-compile", *index, f"{wheel}[{flavour}]"],
+         env=env, cwd=tmp_path)
 
     work = tmp_path / "empty"
     work.mkdir()
