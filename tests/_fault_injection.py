@@ -48,7 +48,7 @@ class NumericGpu(FakeGpu):
         self.host = {}
         super().__init__(monkeypatch)
         from convfuse.ops import elementwise
-        from convfuse.ops.cudnn import conv as engine
+        from convfuse.ops.cudnn import fused, ranked
         from convfuse.plan import conv as plan_conv
 
         self.geom = geom
@@ -67,8 +67,8 @@ class NumericGpu(FakeGpu):
         for name in self.LAUNCHERS:
             monkeypatch.setattr(elementwise, name, lambda *a, _n=name: self._launch(_n, a))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: self._alloc(n, self.oom_choice_at))
-        monkeypatch.setattr(engine, "Workspace", self._workspace)
-        monkeypatch.setattr(engine, "_zero_bias", {})
+        monkeypatch.setattr(ranked, "Workspace", self._workspace)
+        monkeypatch.setattr(fused, "_zero_bias", {})
 
     # ---- arrays ----
 

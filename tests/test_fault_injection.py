@@ -5,8 +5,8 @@ at call time, the call itself). Every case must end on a documented fallback, wi
 right numbers (float64 reference engine) and exactly the warnings listed, or on a typed
 convfuse error naming the call; never anything else (issue #13).
 
-The fallbacks: Note [unfused fallback] in convfuse/ops/cudnn/conv.py (FusedFallbackWarning),
-Note [transient out-of-memory] in convfuse/plan/conv.py (WorkspaceFallbackWarning), and a
+The fallbacks: Note [unfused fallback] in convfuse/ops/cudnn/fused.py (FusedFallbackWarning),
+Note [transient out-of-memory] in convfuse/plan/choice.py (WorkspaceFallbackWarning), and a
 silent walk down cuDNN's ranking when it refuses one algorithm (as PyTorch's search does).
 """
 

@@ -1,9 +1,9 @@
 """Recovery after a fault, and the plan decisions issue #13 added, on the numeric fake GPU:
 - a transient out-of-memory does not demote an algorithm (or the fused call) for good: the
   best one is retried after a back-off that doubles while memory stays short
-  (Note [transient out-of-memory] in convfuse/plan/conv.py);
+  (Note [transient out-of-memory] in convfuse/plan/choice.py);
 - config.benchmark times the forced-algorithm fused call against the unfused path and
-  keeps the faster (Note [forced algorithm versus speed] in ops/cudnn/conv.py);
+  keeps the faster (Note [forced algorithm versus speed] in ops/cudnn/fused.py);
 - inside a graph capture, choosing an algorithm or creating the zero bias is refused with
   a CaptureError, while a plan chosen before the capture runs with no query at all."""
 
@@ -18,6 +18,7 @@ import convfuse.ops as ops
 from convfuse import config
 from convfuse.errors import CaptureError
 from convfuse.plan import FusedFallbackWarning, WorkspaceFallbackWarning, get_plan
+from convfuse.plan import capture as plan_capture
 from convfuse.plan import conv as plan_conv
 from tests._fault_injection import BIG, FORCED, make_gpu  # noqa: F401  (fixture)
 from tests._ops_dispatch_helpers import GEOMS
@@ -151,7 +152,7 @@ def test_capture_refuses_algorithm_choice_and_zero_bias(make_gpu, rng, monkeypat
     gpu = make_gpu(geom)
     _, (dx, dw, db) = _put(gpu, rng, geom.input_shape, geom.weight_shape, geom.bias_shape)
     ops.conv_bias_act(dx, dw, db, geom, "relu")  # the warm-up: plans and algorithms exist
-    monkeypatch.setattr(plan_conv, "stream_is_capturing", lambda: True)
+    monkeypatch.setattr(plan_capture, "stream_is_capturing", lambda: True)
     gpu.calls.clear()
     ops.conv_bias_act(dx, dw, db, geom, "relu")  # recorded: no query, no allocation trial
     assert gpu.names() == ["alloc", FUSED]  # the workspace, then the one call
@@ -166,7 +167,7 @@ def test_no_timing_inside_a_capture(make_gpu, rng, monkeypatch):  # noqa: F811
     geom = GEOMS[0]
     gpu = make_gpu(geom)
     _, (dx, dw, db) = _put(gpu, rng, geom.input_shape, geom.weight_shape, geom.bias_shape)
-    monkeypatch.setattr(plan_conv, "stream_is_capturing", lambda: True)
+    monkeypatch.setattr(plan_capture, "stream_is_capturing", lambda: True)
     with config.flags(benchmark=True), pytest.raises(CaptureError, match="timing the fused"):
         ops.conv_bias_act(dx, dw, db, geom, "identity")
     assert gpu.names() == []  # refused before any cuDNN call

@@ -1,5 +1,5 @@
 """The unfused fallback of the cuDNN engine (Note [unfused fallback] in
-convfuse/ops/cudnn/conv.py), on the faked GPU of tests/test_ops_cudnn_wiring.py: when
+convfuse/ops/cudnn/fused.py), on the faked GPU of tests/test_ops_cudnn_wiring.py: when
 cuDNN refuses convolutionBiasActivationForward for every algorithm a plan may use, the
 engine warns once, runs convolutionForward + addTensor (+ ReLU) instead, and later calls
 go straight there. Other errors still raise. tests/gpu covers the numbers on a device."""
@@ -12,7 +12,7 @@ import pytest
 
 import convfuse.ops as ops
 from convfuse.errors import CudnnError
-from convfuse.ops.cudnn import conv as engine
+from convfuse.ops.cudnn import fused
 from convfuse.plan import FusedFallbackWarning, clear_plan_cache, get_plan
 from tests._ops_dispatch_helpers import GEOMS
 from tests.test_ops_cudnn_wiring import FUSED, FakeGpu, ptr
@@ -23,7 +23,7 @@ FWD = "convolutionForward"
 @pytest.fixture
 def gpu(monkeypatch):
     fake = FakeGpu(monkeypatch)
-    monkeypatch.setattr(engine, "_zero_bias", {})  # zero biases here live at fake addresses
+    monkeypatch.setattr(fused, "_zero_bias", {})  # zero biases here live at fake addresses
     yield fake
     clear_plan_cache()  # plans here remember refusals; no other test should meet them
 

@@ -55,7 +55,7 @@ def test_without_outdir_it_says_how_to_call_it():
 
 
 def _message(geom, dtype, activation):
-    from convfuse.ops.cudnn.conv import _fallback_message
+    from convfuse.ops.cudnn.fused import _fallback_message
 
     lib = cudnn()
     plan = get_plan(geom, dtype, activation)

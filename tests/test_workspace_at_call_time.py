@@ -36,7 +36,7 @@ class ScarceWorkspace:
     ("bwd_filter", "convolutionBackwardFilter"),
 ])
 def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, call):  # noqa: F811
-    from convfuse.ops.cudnn import conv as engine
+    from convfuse.ops.cudnn import ranked
 
     geom = GEOMS[3]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
@@ -44,7 +44,7 @@ def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, 
     plan = get_plan(geom, "float32")
     first = plan.choice(direction, "H")
     scarce = ScarceWorkspace(failures=1)
-    monkeypatch.setattr(engine, "Workspace", scarce)
+    monkeypatch.setattr(ranked, "Workspace", scarce)
     run = {
         "fwd": lambda: ops.conv_forward(x, w, geom),
         "bwd_data": lambda: ops.conv_backward_data(dz, w, geom),
@@ -60,12 +60,12 @@ def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, 
 
 
 def test_call_time_oom_without_another_algorithm_raises(gpu, monkeypatch):  # noqa: F811
-    from convfuse.ops.cudnn import conv as engine
+    from convfuse.ops.cudnn import ranked
     from convfuse.plan import WorkspaceUnavailableError
 
     geom = GEOMS[3]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
-    monkeypatch.setattr(engine, "Workspace", ScarceWorkspace(failures=10))
+    monkeypatch.setattr(ranked, "Workspace", ScarceWorkspace(failures=10))
     # A typed convfuse error naming the direction and the plan, not CuPy's raw one.
     # No warning on the way: the error names every algorithm tried.
     with warnings.catch_warnings(), pytest.raises(

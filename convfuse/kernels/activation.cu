@@ -316,7 +316,7 @@ __device__ void bias_finish(const typename Io<T>::C* partial, long long P, long 
 }
 
 // Note [bias + activation pass]: the unfused forward (Note [unfused fallback] in
-// ops/cudnn/conv.py) runs convolutionForward into y, then this one pass:
+// ops/cudnn/fused.py) runs convolutionForward into y, then this one pass:
 // y = act(y + bias[k] + scale * res), the fused call's formula, in the compute type, rounded
 // once. bias and res may be NULL. k = (i / inner) % K: inner is the spatial size for
 // channels-first data and 1 for channels-last. In place, like forward_loop.

@@ -31,7 +31,7 @@ class NoAlgorithmError(ConvfuseError, RuntimeError):
 
 class WorkspaceUnavailableError(NoAlgorithmError):
     """Every usable algorithm's workspace failed to allocate: a shortage of memory now,
-    which may pass (Note [transient out-of-memory] in plan/conv.py), unlike the flags."""
+    which may pass (Note [transient out-of-memory] in plan/choice.py), unlike the flags."""
 
 
 class WorkspaceFallbackWarning(RuntimeWarning):

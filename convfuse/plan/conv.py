@@ -16,16 +16,23 @@ from ..backend import gpu_available
 from ..config import Flags
 from ..config import get as get_flags
 from ..dtypes import canonical
-from ..errors import CaptureError, CudnnError
+from ..errors import CudnnError
 from ..geometry import ConvGeometry
 from . import algorithms as algos
 from . import descriptors as d
+from .capture import refuse_in_capture, stream_is_capturing
+from .choice import OOM_RETRY_CAP, OOM_RETRY_FIRST, Chosen, ForwardPath, next_backoff
+
+# Re-exported: tests and the engine reach them through this module.
+__all__ = ["OOM_RETRY_CAP", "OOM_RETRY_FIRST", "BiasGradFallbackWarning", "ConvPlan",
+           "ForwardPath", "FusedFallbackWarning", "PlanKey", "current_device", "pool_alloc",
+           "refuse_in_capture", "stream_is_capturing"]
 
 
 class FusedFallbackWarning(RuntimeWarning):
     """cuDNN refused the fused conv + bias + activation call for every algorithm a plan
     may use; the plan runs it unfused from then on, with extra kernel launches
-    (Note [unfused fallback] in convfuse/ops/cudnn/conv.py)."""
+    (Note [unfused fallback] in convfuse/ops/cudnn/fused.py)."""
 
 
 class BiasGradFallbackWarning(RuntimeWarning):
@@ -85,63 +92,6 @@ def pool_alloc(nbytes: int) -> Any:  # pragma: gpu
     return cupy.cuda.alloc(nbytes)
 
 
-#: Calls a plan runs on a demoted choice before it retries the better one that ran out of
-#: memory (Note [transient out-of-memory]); doubled after each failed retry, up to the cap.
-OOM_RETRY_FIRST = 8
-OOM_RETRY_CAP = 1024
-
-
-@dataclass
-class _Chosen:
-    """One slot's ranked candidates and the one in use.
-
-    Note [transient out-of-memory]
-    An algorithm whose workspace could not be allocated is skipped for the next ranked one,
-    but memory comes back (the caller frees arrays, CuPy's pool is flushed), so the skip is
-    not for good: after `retry_in` more calls the slot goes back to the best candidate, and
-    the next allocation decides again. Each failed retry doubles the wait (capped), so a
-    plan that really lacks the memory pays a failed allocation rarely. Algorithms cuDNN
-    refused to run are removed from `ranked` for good: a refusal does not change.
-    """
-
-    ranked: tuple[algos.Candidate, ...]
-    index: int
-    forced: bool
-    retry_in: int = 0  # calls until the best is tried again; 0: not demoted by memory
-    backoff: int = 0
-
-    @property
-    def candidate(self) -> algos.Candidate:
-        return self.ranked[self.index]
-
-    @property
-    def remaining(self) -> tuple[algos.Candidate, ...]:
-        return self.ranked[self.index + 1:]
-
-
-def stream_is_capturing() -> bool:
-    """Whether the current CUDA stream is recording a graph (False without a GPU)."""
-    if not gpu_available():
-        return False
-    import cupy  # pragma: gpu
-
-    return bool(cupy.cuda.get_current_stream().is_capturing())  # pragma: gpu
-
-
-def refuse_in_capture(what: str) -> None:
-    """Note [no plan work inside a capture]: choosing an algorithm (Find*Ex runs kernels
-    and syncs), timing the forward paths or creating cached device buffers cannot be
-    recorded into a CUDA graph; the step's warm-up must do them."""
-    if stream_is_capturing():
-        raise CaptureError(
-            f"{what} was needed while a CUDA graph was being captured. Plans, algorithm "
-            "choices and cached buffers must exist before capture: run the step eagerly "
-            "first (convfuse.graph.capture's warm-up does), with the same shapes, dtypes "
-            "and flags, and keep the number of distinct convolutions under the plan "
-            "cache's size so none is evicted between warm-up and capture"
-        )
-
-
 class ConvPlan:
     """Descriptors for x, w, y (also z), bias, the convolution and the fused activation."""
 
@@ -168,7 +118,7 @@ class ConvPlan:
                 f"computes {list(want)} for {self.describe()}"
             )
         self._lock = threading.Lock()
-        self._chosen: dict[str, _Chosen] = {}
+        self._chosen: dict[str, Chosen] = {}
         self._math_descs: dict[int, Any] = {getattr(lib, key.math_type): self.conv_desc}
         self._fused_refusal: Exception | None = None
         self._fused_warned = False
@@ -256,7 +206,7 @@ class ConvPlan:
             if chosen.index == 0:
                 chosen.retry_in = chosen.backoff = 0
             elif out_of_memory or chosen.index > start:  # skipped for memory: retry later
-                chosen.backoff = _next_backoff(chosen.backoff)
+                chosen.backoff = next_backoff(chosen.backoff)
                 chosen.retry_in = chosen.backoff
             return True
 
@@ -268,7 +218,7 @@ class ConvPlan:
             with self._lock:
                 chosen.backoff = chosen.retry_in = 0
 
-    # ---- the fused call's state: Note [unfused fallback] in ops/cudnn/conv.py ----
+    # ---- the fused call's state: Note [unfused fallback] in ops/cudnn/fused.py ----
 
     @property
     def fused_refusal(self) -> Exception | None:
@@ -288,7 +238,7 @@ class ConvPlan:
         """The fused call's forced workspace could not be allocated: run unfused for a while
         (Note [transient out-of-memory]); True when the caller should warn."""
         with self._lock:
-            self._fused_backoff = _next_backoff(self._fused_backoff)
+            self._fused_backoff = next_backoff(self._fused_backoff)
             self._fused_skip = self._fused_backoff
             return self._warn_once()
 
@@ -334,9 +284,10 @@ class ConvPlan:
         """Which forward this plan runs and why, once decided (ForwardPath), else None."""
         return self._forward_path
 
-    def set_forward_path(self, path: ForwardPath) -> None:
+    def set_forward_path(self, path: ForwardPath, replace: bool = False) -> None:
+        """Record the path once (a refusal, which ends the fused call, replaces it)."""
         with self._lock:
-            if self._forward_path is None:
+            if self._forward_path is None or replace:
                 self._forward_path = path
 
     def _slot(self, direction: str, fused: bool) -> str:
@@ -349,7 +300,7 @@ class ConvPlan:
         return f"cuDNN {slot} algorithm for {self.describe()}"
 
     def _choose(self, direction: str, slot: str, handle: Any,
-                inputs: tuple[int, int]) -> _Chosen:
+                inputs: tuple[int, int]) -> Chosen:
         lib, key = self.lib, self.key
         forced = slot == "fwd_identity"
         try:
@@ -371,25 +322,4 @@ class ConvPlan:
         first, _ = algos.first_allocatable(cands, pool_alloc, self._what(slot))
         index = cands.index(first)
         backoff = OOM_RETRY_FIRST if index else 0  # Note [transient out-of-memory]
-        return _Chosen(tuple(cands), index, forced, backoff, backoff)
-
-
-def _next_backoff(backoff: int) -> int:
-    return min(max(2 * backoff, OOM_RETRY_FIRST), OOM_RETRY_CAP)
-
-
-@dataclass(frozen=True)
-class ForwardPath:
-    """How a plan runs conv + bias + activation, for the selfcheck and the benchmark.
-
-    path: "fused" (one convolutionBiasActivationForward) or "unfused" (convolutionForward
-    plus convfuse's bias + activation (+ residual) kernel). reason: "heuristics" (the
-    default: fused whenever cuDNN accepts it), "timed" (config.benchmark timed both, times
-    in milliseconds), or "refused" (cuDNN refused the fused call; see fused_refusal).
-    """
-
-    path: str
-    reason: str
-    fused_ms: float | None = None
-    unfused_ms: float | None = None
-
+        return Chosen(tuple(cands), index, forced, backoff, backoff)

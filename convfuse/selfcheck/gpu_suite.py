@@ -64,7 +64,7 @@ def run_gpu_checks(cases: Cases | None = None,
 
 def forward_path_report(fallback_warnings: int) -> CheckResult:
     """Informational: how many plans ran the fused call and which ran unfused, and why
-    (ForwardPath in plan/conv.py). Never fails: cuDNN may refuse legitimately."""
+    (ForwardPath in plan/choice.py). Never fails: cuDNN may refuse legitimately."""
     from ..plan import forward_paths
 
     paths = forward_paths()

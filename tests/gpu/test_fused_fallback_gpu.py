@@ -1,4 +1,4 @@
-"""The unfused fallback (Note [unfused fallback] in convfuse/ops/cudnn/conv.py) against
+"""The unfused fallback (Note [unfused fallback] in convfuse/ops/cudnn/fused.py) against
 the float64 reference on a real GPU: cuDNN's fused call is made to refuse every
 algorithm, so every forward runs convolutionForward + convfuse's one bias + residual +
 activation pass (Note [bias + activation pass] in convfuse/kernels/activation.cu).

@@ -3,80 +3,26 @@
 Outputs and workspace come from CuPy's pool; nothing else is allocated per call (the
 zero bias for bias-free layers is cached per device, dtype and channel count).
 
-Note [unfused fallback]
-The fused call may be impossible for a plan: cuDNN refuses it (any NOT_SUPPORTED code, see
-`refused`) for every algorithm the plan may use, or, for IDENTITY, whose algorithm is forced
-(Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]), cuDNN refuses to size that algorithm's
-workspace, the workspace exceeds config.workspace_limit, or it cannot be allocated now.
-A slow path warns rather than fails, so the plan warns once (FusedFallbackWarning) and runs
-  convolutionForward into y, with conv_forward's plan and its best-ranked algorithm;
-  then one pass of convfuse's kernel y = act(y + bias + residual_scale * residual)
-    (Note [bias + activation pass] in kernels/activation.cu), act being the plan's fused
-    mode (relu or identity; other activations are applied by the caller as after the
-    fused call), skipped when there is no bias, no residual and no activation.
-Refusals and a too-small workspace_limit are for good; an out-of-memory is retried after a
-back-off (Note [transient out-of-memory] in plan/conv.py). Results differ from the fused
-call's by rounding only: y is rounded to the data's dtype after the convolution and again
-after the pass. The kernel's ReLU propagates NaN (as the reference engine and PyTorch do),
-where cuDNN's fused ReLU is NOT_PROPAGATE_NAN.
-
-Note [forced algorithm versus speed]
-IDENTITY's forced IMPLICIT_PRECOMP_GEMM can be slower than the best-ranked algorithm plus
-one bias pass (PaddlePaddle #14744, dlib #2656). With config.benchmark, an identity plan
-times both paths on its first call and keeps the faster; with heuristics it keeps the fused
-call. plan.forward_path records the choice (ForwardPath), for the selfcheck and benchmarks.
+The fused forward and its fallbacks live in fused.py (Note [unfused fallback], Note
+[forced algorithm versus speed]); running a plan's ranked algorithms in ranked.py.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Any
 
 from ... import activations, config
 from ..._binding import cudnn
 from ...errors import CudnnError
-from ...plan import (
-    BiasGradFallbackWarning,
-    Candidate,
-    ConvPlan,
-    ForwardPath,
-    FusedFallbackWarning,
-    NoAlgorithmError,
-    WorkspaceFallbackWarning,
-    WorkspaceUnavailableError,
-    get_plan,
-)
-from ...plan.conv import refuse_in_capture
+from ...plan import BiasGradFallbackWarning, Candidate, get_plan
 from .. import elementwise
+from . import fused
 from .handle import Workspace, get_handle
+from .ranked import forward_into, refused, run_ranked, where
 
-_zero_bias: dict[tuple[int, str, int], Any] = {}
-_zero_bias_lock = threading.Lock()
-
-
-def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
-    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros.
-
-    The cached array outlives the call that creates it, so it comes from CuPy's default
-    pool, never the current allocator: that may be a capture's private pool, which frees
-    its blocks when it goes, under the cached array. The default pool lives as long as the
-    process, and freeing into it is no cudaFree (no hidden device sync). It cannot be
-    created inside a capture: the zeroing would be recorded, not run.
-    """
-    key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
-    with _zero_bias_lock:
-        bias = _zero_bias.get(key)
-        if bias is None:
-            refuse_in_capture(f"the cached zero bias ({channels} x {cp.dtype(dtype).name})")
-            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
-        return bias
-
-
-def _where(plan: ConvPlan, what: str, cand: Candidate | None = None) -> str:
-    algo = f" algo={cand.algo} workspace={cand.workspace}" if cand is not None else ""
-    return f"{what} for {plan.describe()}{algo}"
+__all__ = ["conv_backward_bias", "conv_backward_data", "conv_backward_filter", "conv_bias_act",
+           "conv_forward", "refused"]
 
 
 def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity",
@@ -91,7 +37,7 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
     handle = get_handle()
     plan = get_plan(geom, x.dtype, act, residual is not None)
     conv_out = cp.empty(geom.output_shape, dtype=x.dtype)
-    _fused_forward(plan, handle, x, w, b, residual, float(residual_scale), conv_out)
+    fused.fused_forward(plan, handle, x, w, b, residual, float(residual_scale), conv_out)
     if act in activations.FUSED_IN_CUDNN:
         return conv_out, None
     if activations.saves(act) == "preactivation":
@@ -102,226 +48,13 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
     return conv_out, None
 
 
-def refused(err: CudnnError, lib: Any) -> bool:
-    """Whether cuDNN refused a call as not supported. cuDNN 9's statuses are categories
-    with specific codes (CUDNN_STATUS_NOT_SUPPORTED = 3000, ..._SHAPE = 3002,
-    ..._LAYOUT = 3004, ...); cudnn_graph.h's CUDNN_STATUS_CATEGORY(s) is s / 1000 * 1000,
-    so every 3xxx code is a refusal, not just 3000."""
-    return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
-
-
-def _fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                   residual_scale: float, y: Any) -> None:  # pragma: gpu
-    """y = act(conv(x, w) + b + residual_scale * residual), act being the plan's fused mode
-    (relu or identity); b and residual may be None.
-
-    One convolutionBiasActivationForward with the plan's fused forward algorithm. The
-    heuristics rank algorithms for convolutionForward; should cuDNN refuse one for the
-    fused call, the plan moves to the next ranked one for good. When the fused call is
-    impossible (Note [unfused fallback]) this and later calls run the unfused path.
-    Any other error is raised with context.
-    """
-    if (plan.key.benchmark and plan.key.activation == "identity"
-            and plan.forward_path is None and plan.fused_refusal is None):
-        _time_forward_paths(plan, handle, x, w, b, residual, residual_scale, y)
-        return
-    if plan.fused_off() or not _try_fused(plan, handle, x, w, b, residual, residual_scale, y):
-        _unfused_forward(plan, handle, x, w, b, residual, residual_scale, y)
-
-
-def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-               residual_scale: float, y: Any) -> bool:  # pragma: gpu
-    """Run the fused call; False (after recording why, and warning once per plan) when
-    the caller must take the unfused path instead."""
-    import cupy as cp
-
-    lib = cudnn()
-    forced = plan.key.activation == "identity"  # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]
-    bias = b if b is not None else zero_bias(cp, x.dtype, plan.key.geometry.out_channels)
-    if residual is not None:
-        z_ptr, alpha2 = residual.data.ptr, residual_scale
-    else:
-        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
-        z_ptr, alpha2 = y.data.ptr, 0.0
-    while True:
-        try:
-            cand, ws = _algorithm_and_workspace(plan, "fwd", handle, (x.data.ptr, w.data.ptr),
-                                                fused=True)
-        except CudnnError as err:  # the forced algorithm's workspace query
-            if not (forced and refused(err, lib)):
-                raise
-            return _fall_back(plan, err, permanent=True)
-        except WorkspaceUnavailableError as err:
-            if not forced:
-                raise
-            return _fall_back(plan, err, permanent=False)
-        except NoAlgorithmError as err:  # the forced workspace exceeds workspace_limit
-            if not forced:
-                raise
-            return _fall_back(plan, err, permanent=True)
-        try:
-            lib.convolutionBiasActivationForward(
-                handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
-                plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, alpha2,
-                plan.y_desc, z_ptr, plan.bias_desc, bias.data.ptr, plan.act_desc,
-                plan.y_desc, y.data.ptr)
-        except CudnnError as err:
-            where = _where(plan, "convolutionBiasActivationForward", cand)
-            if not refused(err, lib):
-                raise err.with_context(where) from None
-            if plan.reject("fwd", cand, fused=True):
-                continue
-            return _fall_back(plan, err.with_context(where), permanent=True)
-        plan.fused_ran()
-        if plan.forward_path is None and not (forced and plan.key.benchmark):  # else timed
-            plan.set_forward_path(ForwardPath("fused", "heuristics"))
-        return True
-
-
-def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # pragma: gpu
-    if permanent:
-        warn = plan.refuse_fused(reason)
-        plan.set_forward_path(ForwardPath("unfused", "refused"))
-    else:
-        warn = plan.fused_out_of_memory()
-    if warn:
-        # _fall_back < _try_fused < _fused_forward < engine < ops dispatch < the caller
-        warnings.warn(_fallback_message(plan, reason, permanent), FusedFallbackWarning,
-                      stacklevel=6)
-    return False
-
-
-def _time_forward_paths(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                        residual_scale: float, y: Any, reps: int = 3) -> None:  # pragma: gpu
-    """Note [forced algorithm versus speed]: time the fused call against the unfused path
-    on this call's arrays and keep the faster; y holds the result either way."""
-    import cupy as cp
-
-    refuse_in_capture(f"timing the fused and unfused forward of {plan.describe()}")
-    args = (plan, handle, x, w, b, residual, residual_scale, y)
-
-    def elapsed(run: Any) -> float | None:
-        if not run(*args):  # the first run chooses algorithms and compiles kernels
-            return None
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(reps):
-            run(*args)
-        end.record()
-        end.synchronize()
-        return cp.cuda.get_elapsed_time(start, end) / reps
-
-    fused_ms = elapsed(_try_fused)
-    if fused_ms is None:  # the fused call fell back: the plan recorded why
-        _unfused_forward(*args)
-        return
-    unfused_ms = elapsed(lambda *a: _unfused_forward(*a) or True)
-    path = "fused" if fused_ms <= unfused_ms else "unfused"
-    plan.set_forward_path(ForwardPath(path, "timed", fused_ms, unfused_ms))
-    if path == "fused":  # y last held the unfused result; equal up to rounding, but keep
-        _try_fused(*args)  # the call's result the path later calls will give
-
-
-def _algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
-                             inputs: tuple[int, int],
-                             fused: bool = False) -> tuple[Candidate, Workspace]:  # pragma: gpu
-    """The plan's algorithm for `direction` and its workspace for this call.
-
-    The plan chose an algorithm whose workspace could be allocated then; memory may be
-    scarcer now. Rather than fail, drop that algorithm for the next ranked one until a
-    later retry (Note [transient out-of-memory]); with none left, WorkspaceUnavailableError.
-    """
-    import cupy
-
-    skipped: list[Candidate] = []
-    while True:
-        cand = plan.choice(direction, handle, inputs, fused=fused)
-        try:
-            ws = Workspace(cand.workspace)
-        except cupy.cuda.memory.OutOfMemoryError as err:
-            skipped.append(cand)
-            if not plan.reject(direction, cand, fused=fused, out_of_memory=True):
-                tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
-                raise WorkspaceUnavailableError(
-                    f"{direction} workspace could not be allocated for {tried}, for "
-                    f"{plan.describe()}, and no other algorithm is left to try") from err
-            continue
-        plan.workspace_allocated(direction, fused=fused)
-        if skipped:  # one warning per call, naming every algorithm skipped
-            tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
-            warnings.warn(
-                f"{direction} workspace could not be allocated now for {tried}, for "
-                f"{plan.describe()}; using algo {cand.algo} ({cand.workspace} bytes) until "
-                "memory allows the faster one again", WorkspaceFallbackWarning, stacklevel=4)
-        return cand, ws
-
-
-def _fallback_message(plan: ConvPlan, reason: Exception, permanent: bool) -> str:
-    steps = ["convolutionForward", "one bias + activation pass"]
-    if plan.key.residual:
-        steps[-1] = "one bias + residual + activation pass"
-    if isinstance(reason, CudnnError):
-        why = (f"cuDNN refused {reason.function} with {reason.status_name} ({reason.status})"
-               + (" for every algorithm it may use" if reason.function.endswith(
-                   "BiasActivationForward") else " for the fused call's forced algorithm"))
-    else:
-        why = f"the fused call cannot run ({type(reason).__name__}: {reason})"
-    later = ("the plan remembers this and does not try the fused call again" if permanent
-             else "the fused call is retried after a back-off, as memory may come back")
-    return (
-        f"{why}, for {plan.describe()} residual={plan.key.residual}; running it unfused "
-        f"instead ({', '.join(steps)}). This path launches extra kernels and is slower; "
-        f"{later}."
-    )
-
-
-def _unfused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                     residual_scale: float, y: Any) -> None:  # pragma: gpu
-    """The fused call's result in two steps: Note [unfused fallback]."""
-    fwd = get_plan(plan.key.geometry, plan.key.dtype)
-    _forward_into(fwd, handle, x, w, y, "conv_bias_act unfused convolutionForward", plan)
-    if b is not None or residual is not None or plan.key.activation == "relu":
-        elementwise.bias_act_forward(y, b, residual, residual_scale, plan.key.activation,
-                                     plan.key.geometry)
-
-
-def _run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, int],
-                call: Any, what: str, about: ConvPlan | None = None) -> None:  # pragma: gpu
-    """call(cand, ws) with the plan's algorithm for `direction`, walking down the ranking
-    when cuDNN refuses one (NOT_SUPPORTED: it returns before launching anything, so a
-    beta = 1 output is untouched), as PyTorch's algorithm search does; the plan keeps the
-    one that ran. Other errors, and a refusal of the last one, are raised naming `what`
-    and the plan `about` (default: this one)."""
-    lib = cudnn()
-    while True:
-        cand, ws = _algorithm_and_workspace(plan, direction, handle, inputs)
-        try:
-            call(cand, ws)
-            return
-        except CudnnError as err:
-            if refused(err, lib) and plan.reject(direction, cand):
-                continue
-            raise err.with_context(_where(about or plan, what, cand)) from None
-
-
-def _forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
-                  about: ConvPlan | None = None) -> None:  # pragma: gpu
-    """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm."""
-    def call(cand: Candidate, ws: Workspace) -> None:
-        cudnn().convolutionForward(
-            handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
-            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
-
-    _run_ranked(plan, "fwd", handle, (x.data.ptr, w.data.ptr), call, what, about)
-
-
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
     import cupy as cp
 
     handle = get_handle()
     plan = get_plan(geom, x.dtype)
     y = cp.empty(geom.output_shape, dtype=x.dtype)
-    _forward_into(plan, handle, x, w, y, "conv_forward")
+    forward_into(plan, handle, x, w, y, "conv_forward")
     return y
 
 
@@ -339,7 +72,7 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.x_desc, dx.data.ptr)
 
-    _run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), call, "conv_backward_data")
+    run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), call, "conv_backward_data")
     return dx
 
 
@@ -357,7 +90,7 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.w_desc, dw.data.ptr)
 
-    _run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), call,
+    run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), call,
                 "conv_backward_filter")
     return dw
 
@@ -386,7 +119,7 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
                 handle, 1.0, plan.y_desc, dz.data.ptr, beta, plan.bias_desc, db.data.ptr)
             return db
         except CudnnError as err:
-            err = err.with_context(_where(plan, "conv_backward_bias"))
+            err = err.with_context(where(plan, "conv_backward_bias"))
             if not refused(err, cudnn()):
                 raise err from None
             if plan.refuse_bias_grad(err):
