@@ -70,10 +70,11 @@ class Mean:
                         "graph and reset the totals at every replay. Add to it once before "
                         "capturing (convfuse.graph.capture's warm-up does, with warmup >= 1)"
                     )
-                # Raw cudaMalloc, owned by the array: the current allocator may be a capture's
-                # private pool (graph.capture's warm-up runs under one), and with CuPy 14.0 a
-                # pooled array's memory is freed with its pool, under a Mean that lives on.
-                with xp.cuda.using_allocator():
+                # CuPy's default pool, not the current allocator: that may be a capture's
+                # private pool, whose blocks are freed with it, under a Mean that lives on.
+                # The default pool lives as long as the process, and returning a block to
+                # it is no cudaFree, so dropping a Mean costs no hidden device sync.
+                with xp.cuda.using_allocator(xp.get_default_memory_pool().malloc):
                     self._buffer = xp.zeros(2, dtype=np.float64)
         # 1-element slices are views in NumPy and CuPy alike (NumPy's a[0] is a copy).
         self._total, self._count = self._buffer[0:1], self._buffer[1:2]

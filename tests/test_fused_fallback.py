@@ -1,5 +1,5 @@
 """The unfused fallback of the cuDNN engine (Note [unfused fallback] in
-convfuse/ops/cudnn/conv.py), on the faked GPU of tests/test_ops_cudnn_wiring.py: when
+convfuse/ops/cudnn/fused.py), on the faked GPU of tests/test_ops_cudnn_wiring.py: when
 cuDNN refuses convolutionBiasActivationForward for every algorithm a plan may use, the
 engine warns once, runs convolutionForward + addTensor (+ ReLU) instead, and later calls
 go straight there. Other errors still raise. tests/gpu covers the numbers on a device."""
@@ -12,7 +12,7 @@ import pytest
 
 import convfuse.ops as ops
 from convfuse.errors import CudnnError
-from convfuse.ops.cudnn import conv as engine
+from convfuse.ops.cudnn import fused
 from convfuse.plan import FusedFallbackWarning, clear_plan_cache, get_plan
 from tests._ops_dispatch_helpers import GEOMS
 from tests.test_ops_cudnn_wiring import FUSED, FakeGpu, ptr
@@ -23,7 +23,7 @@ FWD = "convolutionForward"
 @pytest.fixture
 def gpu(monkeypatch):
     fake = FakeGpu(monkeypatch)
-    monkeypatch.setattr(engine, "_zero_bias", {})  # zero biases here live at fake addresses
+    monkeypatch.setattr(fused, "_zero_bias", {})  # zero biases here live at fake addresses
     yield fake
     clear_plan_cache()  # plans here remember refusals; no other test should meet them
 
@@ -44,15 +44,10 @@ def unfused_calls(gpu, geom, x, w, b, res, scale, act, y, z):
     conv_out = z if z is not None else y
     calls = [(FWD, ("H", 1.0, p.x_desc, ptr(x), p.w_desc, ptr(w), p.conv_desc_for(cand),
                     cand.algo, 0, 0, 0.0, p.y_desc, ptr(conv_out)))]
-    if b is not None:
-        calls.append(("addTensor", ("H", 1.0, p.bias_desc, ptr(b), 1.0, p.y_desc,
-                                    ptr(conv_out))))
-    if res is not None:
-        calls.append(("addTensor", ("H", scale, p.y_desc, ptr(res), 1.0, p.y_desc,
-                                    ptr(conv_out))))
-    if act == "relu":
-        calls.append(("activation_forward", (conv_out, "relu", conv_out)))
-    elif act != "identity":  # applied by conv_bias_act after the fallback, as after fusion
+    fused_mode = "relu" if act == "relu" else "identity"
+    if b is not None or res is not None or act == "relu":  # one bias + activation pass
+        calls.append(("bias_act_forward", (conv_out, b, res, scale, fused_mode, geom)))
+    if act not in ("identity", "relu"):  # applied by conv_bias_act after the fallback
         calls.append(("activation_forward", (conv_out, act, y)))
     return calls
 
@@ -94,8 +89,7 @@ def test_refused_fused_call_falls_back_and_warns_once(gpu, act, has_bias, has_re
     assert f"{lib.getErrorString(last)} ({last})" in msg
     assert geom.describe() in msg and "dtype=float32" in msg
     assert f"residual={has_res}" in msg and "extra kernels" in msg
-    assert ("addTensor for the residual" in msg) == has_res
-    assert ("a ReLU kernel" in msg) == (act == "relu")
+    assert ("bias + residual + activation pass" in msg) == has_res
     assert warning.filename == __file__  # stacklevel points at the caller of the op
     fused_mode = "relu" if act == "relu" else "identity"
     plan = get_plan(geom, "float32", fused_mode, has_res)
@@ -103,7 +97,8 @@ def test_refused_fused_call_falls_back_and_warns_once(gpu, act, has_bias, has_re
     # The zero bias exists only for the fused attempt, and is never added.
     zero_ptrs = {ptr(zb) for zb in gpu.zeros}
     assert len(gpu.zeros) == (0 if has_bias else 1)
-    assert not any(name == "addTensor" and a[3] in zero_ptrs for name, a in first + gpu.calls)
+    assert not any(name == "bias_act_forward" and a[1] is not None and ptr(a[1]) in zero_ptrs
+                   for name, a in first + gpu.calls)
 
 
 def test_refusal_is_remembered_per_plan(gpu):
@@ -168,7 +163,6 @@ def test_other_errors_still_raise_with_context(gpu):
 
 @pytest.mark.parametrize(("failing", "where"), [
     (FWD, r"conv_bias_act unfused convolutionForward for .* activation=relu algo=6"),
-    ("addTensor", r"conv_bias_act unfused bias addTensor for .* activation=relu"),
 ])
 def test_errors_in_the_fallback_carry_context(gpu, failing, where):
     lib, geom = gpu.lib, GEOMS[3]

@@ -267,3 +267,103 @@ def test_bias_launcher_validates_before_launching(layout):
     with pytest.raises(TypeError, match="takes CuPy arrays"):
         call(dy, dy, "relu", geom, dy, db, beta=1.0)
     np.testing.assert_array_equal(dy, before)
+
+
+# ---- Note [kernels need no CUDA headers] ----
+
+def test_sources_are_self_contained():
+    """Every #include is pasted in (CuPy's cache key then covers common.cuh) and NVRTC gets
+    no include folder: a user without a CUDA toolkit compiles the same source."""
+    from importlib import resources
+
+    common = (resources.files(kernels.__name__) / "common.cuh").read_text()
+    for name in kernels.names():
+        src = kernels.source(name)
+        assert not re.search(r"^\s*#\s*include", src, re.M), name
+        assert common.split("#pragma once", 1)[1] in src, name
+    assert not any(opt.startswith("-I") for opt in kernels.compile_options("sm_90"))
+
+
+def test_an_unshipped_include_is_refused():
+    from convfuse.kernels import _inline_includes
+
+    with pytest.raises(ValueError, match=r"includes 'nope\.cuh', which convfuse does not ship"):
+        _inline_includes('#include "nope.cuh"\n', set())
+    twice = _inline_includes('#include "common.cuh"\n#include "common.cuh"\n', set())
+    assert twice.count("struct Io<float>") == 1 and "already included" in twice
+
+
+_BF16_HOST = r"""
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+#define __align__(n) alignas(n)
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+struct __align__(2) __nv_bfloat16 { unsigned short x; };
+BODY
+extern "C" void to_bf16(const float* in, unsigned short* out, long n) {
+    for (long i = 0; i < n; ++i) out[i] = __float2bfloat16_rn(in[i]).x;
+}
+extern "C" void from_bf16(const unsigned short* in, float* out, long n) {
+    for (long i = 0; i < n; ++i) { __nv_bfloat16 b; b.x = in[i]; out[i] = __bfloat162float(b); }
+}
+"""
+
+
+def test_bfloat16_conversions_round_like_cuda(tmp_path):
+    """common.cuh's own bfloat16 conversions (no cuda_bf16.h), run on the host: round to
+    nearest even, NaN stays NaN, exactly as ml_dtypes (and cuda_bf16.hpp) round."""
+    import ctypes
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    common = (resources.files(kernels.__name__) / "common.cuh").read_text()
+    body = re.search(r"(__device__ __forceinline__ float __bfloat162float.*?)\n#endif",
+                     common, re.S).group(1)
+    (tmp_path / "bf16.cpp").write_text(_BF16_HOST.replace("BODY", body))
+    lib_path = tmp_path / "libbf16.so"
+    proc = subprocess.run([cxx, "-O1", "-shared", "-fPIC", "-o", str(lib_path),
+                           str(tmp_path / "bf16.cpp")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lib = ctypes.CDLL(str(lib_path))
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([
+        rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32),
+        np.array([0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF,
+                  0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x00000001, 0x00008000,
+                  0x7F7F8000], dtype=np.uint32)])
+    x = bits.view(np.float32)
+    got = np.empty(x.size, np.uint16)
+    lib.to_bf16(x.ctypes.data_as(ctypes.c_void_p), got.ctypes.data_as(ctypes.c_void_p),
+                ctypes.c_long(x.size))
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+    back = np.empty(x.size, np.float32)
+    lib.from_bf16(got.ctypes.data_as(ctypes.c_void_p), back.ctypes.data_as(ctypes.c_void_p),
+                  ctypes.c_long(x.size))
+    np.testing.assert_array_equal(back[~nan], want[~nan].view(ml_dtypes.bfloat16).astype(
+        np.float32))
+
+
+def test_half_conversions_are_the_ptx_instructions():
+    """__half loads and stores compile to cvt.f32.f16 and cvt.rn.f16.f32 (what
+    cuda_fp16.hpp emits), found in the PTX of the float16 kernels."""
+    lib = kernels.nvrtc()
+    prog = lib.createProgram(kernels.source("activation"), "activation.cu", [], [])
+    try:
+        lib.compileProgram(prog, kernels.compile_options("compute_80"))
+        ptx = lib.getPTX(prog)
+    finally:
+        lib.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    f16 = ptx.split(".entry act_forward_f16")[1].split(".entry")[0]
+    assert "cvt.f32.f16" in f16 and "cvt.rn.f16.f32" in f16

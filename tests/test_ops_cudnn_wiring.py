@@ -22,7 +22,8 @@ class FakeGpu:
                "convolutionBackwardData", "convolutionBackwardFilter",
                "convolutionBackwardBias", "poolingForward", "poolingBackward",
                "activationForward", "addTensor")
-    LAUNCHERS = ("activation_forward", "activation_backward", "activation_backward_bias")
+    LAUNCHERS = ("activation_forward", "activation_backward", "activation_backward_bias",
+                 "bias_act_forward")
 
     def __init__(self, monkeypatch):
         cp = pytest.importorskip("cupy")

@@ -64,6 +64,9 @@ def test_plan_descriptors_match_intent(rank, channels_last, dtype, groups):
     dt, dims, strides = plan.bias_desc.getNd()
     assert dt == CUDNN_DTYPE[dtype]
     assert dims == [1, 6] + [1] * (max(rank, 2))
+    # The layout's strides, as PyTorch gives the fused call's bias descriptor (issue #13).
+    bias_shape = (1, *[1] * rank, 6) if channels_last else (1, 6, *[1] * rank)
+    assert (dims, strides) == cudnn_view(bias_shape, channels_last)
     assert strides[1] == 1
 
     assert plan.act_desc.get() == (lib.CUDNN_ACTIVATION_RELU, lib.CUDNN_NOT_PROPAGATE_NAN, 0.0)

@@ -12,6 +12,7 @@ import pytest
 from convfuse._binding import cudnn
 from convfuse.errors import CudnnError
 from convfuse.ops.cudnn import conv as engine
+from convfuse.ops.cudnn import fused
 from convfuse.plan import Candidate, FusedFallbackWarning
 
 lib = cudnn()
@@ -44,19 +45,32 @@ class StandInPlan:
     def __init__(self, algos):
         self.cands = [Candidate(a, 0, lib.CUDNN_DEFAULT_MATH, True) for a in algos]
         self.x_desc = self.w_desc = self.y_desc = self.bias_desc = self.act_desc = "desc"
-        self.key = SimpleNamespace(activation="relu", residual=False)
+        self.key = SimpleNamespace(activation="relu", residual=False, benchmark=False)
         self.fused_refusal = None
+        self.forward_path = None
 
     def refuse_fused(self, err):
         first = self.fused_refusal is None
         self.fused_refusal = self.fused_refusal or err
         return first
 
+    def fused_off(self):
+        return self.fused_refusal is not None
+
+    def fused_ran(self):
+        pass
+
+    def set_forward_path(self, path, replace=False):
+        self.forward_path = path if replace else self.forward_path or path
+
+    def workspace_allocated(self, direction, fused=False):
+        pass
+
     def choice(self, direction, handle, inputs=(0, 0), fused=False):
         return self.cands[0]
 
-    def reject(self, direction, cand, fused=False):
-        assert cand == self.cands[0]
+    def reject(self, direction, cand, fused=False, out_of_memory=False):
+        assert cand == self.cands[0] and not out_of_memory
         self.cands.pop(0)
         return bool(self.cands)
 
@@ -84,9 +98,9 @@ def test_fused_forward_moves_on_after_a_specific_refusal(monkeypatch, status):
 
     fake = SimpleNamespace(CUDNN_STATUS_NOT_SUPPORTED=lib.CUDNN_STATUS_NOT_SUPPORTED,
                            convolutionBiasActivationForward=fused_call)
-    monkeypatch.setattr(engine, "cudnn", lambda: fake)
+    monkeypatch.setattr(fused, "cudnn", lambda: fake)
     plan = StandInPlan([6, 1])
-    engine._fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+    fused.fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
     assert tried == [6, 1] and plan.fused_refusal is None
 
 
@@ -100,13 +114,13 @@ def test_fused_forward_falls_back_when_no_algorithm_is_left(monkeypatch):
 
     fake = SimpleNamespace(CUDNN_STATUS_NOT_SUPPORTED=lib.CUDNN_STATUS_NOT_SUPPORTED,
                            convolutionBiasActivationForward=fused_call)
-    monkeypatch.setattr(engine, "cudnn", lambda: fake)
+    monkeypatch.setattr(fused, "cudnn", lambda: fake)
     unfused = []
-    monkeypatch.setattr(engine, "_unfused_forward", lambda *a: unfused.append(a))
+    monkeypatch.setattr(fused, "_unfused_forward", lambda *a: unfused.append(a))
     plan = StandInPlan([6])
     with pytest.warns(FusedFallbackWarning,
                       match=rf"\({lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE}\).*stand-in"):
-        engine._fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+        fused.fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
     assert plan.fused_refusal.status == lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE
     assert "stand-in geometry" in str(plan.fused_refusal)
     assert len(unfused) == 1
@@ -127,14 +141,15 @@ def test_zero_bias_never_comes_from_the_current_allocator(monkeypatch):
 
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(cp, "zeros", zeros)
-    monkeypatch.setattr(engine, "_zero_bias", {})
+    monkeypatch.setattr(fused, "_zero_bias", {})
 
     def private_pool_malloc(nbytes):
         raise AssertionError("the zero bias was taken from the private pool")
 
     with cp.cuda.using_allocator(private_pool_malloc):
-        bias = engine.zero_bias(cp, "float32", 5)
-        again = engine.zero_bias(cp, np.float32, 5)
+        bias = fused.zero_bias(cp, "float32", 5)
+        again = fused.zero_bias(cp, np.float32, 5)
         assert cp.cuda.get_allocator() is private_pool_malloc  # restored afterwards
     assert again is bias and bias.shape == (5,) and not bias.any()
-    assert seen == [cp.cuda.memory._malloc]  # made once, by the raw allocator
+    # Made once, from CuPy's default pool (issue #13: freeing raw memory is a cudaFree).
+    assert seen == [cp.get_default_memory_pool().malloc]

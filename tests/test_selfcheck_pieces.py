@@ -119,7 +119,8 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
     import convfuse
     from convfuse import backend, graph
     from convfuse.nn import module
-    from convfuse.selfcheck import gpu_checks
+    from convfuse.selfcheck import gpu_checks, gpu_suite
+    from convfuse.selfcheck.gpu_arrays import TF32_TOLERANCE
     from convfuse.selfcheck.gpu_training import TRAINING_CASES
 
     backend.cupy_module()  # cache the real answer first: is_cupy() must not see the stand-in
@@ -139,11 +140,19 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
     monkeypatch.setattr(graph, "capture", capture)
     # Autotuning is a cuDNN plan's business; the reference engine builds no plan to count.
     cases = (*gpu_checks.OP_CASES, *(c for c in TRAINING_CASES if c[0] != "plan autotune"))
-    results = gpu_checks.run_gpu_checks(cases)
+    results = gpu_suite.run_gpu_checks(cases, tf32=gpu_suite.tf32_cases())
     assert {r.dtype for r in results} == {"float64", "float32", "float16", "bfloat16"}
     bad = [(r.name, r.dtype, r.detail) for r in results if r.status != PASS]
     assert bad == []
     assert convfuse.config.get().allow_tf32 is True  # restored after the checks
+    # The float32 convolution cases ran again with TF32 allowed, at the TF32 tolerance.
+    tf32 = [r for r in results if r.name.endswith("(TF32 default)")]
+    assert {r.name for r in tf32} == {f"{n} (TF32 default)" for n, _ in gpu_checks.OP_CASES
+                                      if n.startswith("conv_")}
+    assert all(r.dtype == "float32" and r.tolerance == TF32_TOLERANCE for r in tf32)
+    strict = [r for r in results if r.dtype == "float32" and r.name.startswith("conv_")
+              and r not in tf32]
+    assert strict and all(r.tolerance == 1e-5 for r in strict)
 
 
 class _Replay:
@@ -157,3 +166,41 @@ class _Replay:
 
     def synchronize(self):
         return None
+
+
+def test_gpu_case_modules_do_not_import_each_other():
+    """gpu_checks.py and gpu_training.py once imported each other; both now take their
+    helpers from gpu_arrays.py and gpu_suite.py runs them (issue #13)."""
+    import ast
+    from importlib import resources
+
+    def imported(module):
+        tree = ast.parse((resources.files("convfuse.selfcheck") / f"{module}.py").read_text())
+        return {node.module for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module}
+
+    assert not {"gpu_training", "gpu_suite"} & imported("gpu_checks")
+    assert not {"gpu_checks", "gpu_suite"} & imported("gpu_training")
+    assert {"gpu_checks", "gpu_training"} <= imported("gpu_suite")
+
+
+def test_forward_path_report_lists_the_unfused_plans():
+    from convfuse.geometry import ConvGeometry
+    from convfuse.plan import ForwardPath, clear_plan_cache, get_plan
+    from convfuse.selfcheck.gpu_suite import forward_path_report
+
+    clear_plan_cache()
+    try:
+        geom = ConvGeometry.create((1, 2, 5, 5), (3, 2, 3, 3))
+        get_plan(geom, "float32", "relu").set_forward_path(ForwardPath("fused", "heuristics"))
+        get_plan(geom, "float32").set_forward_path(ForwardPath("unfused", "timed", 2.0, 1.5))
+        get_plan(geom, "float16").set_forward_path(ForwardPath("unfused", "refused"))
+        get_plan(geom, "float64")  # never ran: not reported
+        report = forward_path_report(1)
+    finally:
+        clear_plan_cache()
+    assert report.status == PASS
+    assert report.detail.startswith("1 plan(s) fused, 2 unfused; 1 FusedFallbackWarning(s)")
+    assert "dtype=float32 activation=identity residual=False (timed, fused 2.000 ms vs " \
+           "unfused 1.500 ms)" in report.detail
+    assert "dtype=float16 activation=identity residual=False (refused)" in report.detail

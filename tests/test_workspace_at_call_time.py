@@ -3,6 +3,8 @@ algorithm (with a warning), as at choice time, instead of failing the call."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 import convfuse.ops as ops
@@ -34,7 +36,7 @@ class ScarceWorkspace:
     ("bwd_filter", "convolutionBackwardFilter"),
 ])
 def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, call):  # noqa: F811
-    from convfuse.ops.cudnn import conv as engine
+    from convfuse.ops.cudnn import ranked
 
     geom = GEOMS[3]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
@@ -42,13 +44,14 @@ def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, 
     plan = get_plan(geom, "float32")
     first = plan.choice(direction, "H")
     scarce = ScarceWorkspace(failures=1)
-    monkeypatch.setattr(engine, "Workspace", scarce)
+    monkeypatch.setattr(ranked, "Workspace", scarce)
     run = {
         "fwd": lambda: ops.conv_forward(x, w, geom),
         "bwd_data": lambda: ops.conv_backward_data(dz, w, geom),
         "bwd_filter": lambda: ops.conv_backward_filter(x, dz, geom),
     }[direction]
-    with pytest.warns(WorkspaceFallbackWarning, match=f"{direction} algorithm {first.algo}"):
+    skipped = f"{direction} workspace could not be allocated now for algo {first.algo} "
+    with pytest.warns(WorkspaceFallbackWarning, match=skipped):
         run()
     used = [args[7] for name, args in gpu.calls if name == call]
     assert used and used[-1] != first.algo  # the call ran, with the next ranked algorithm
@@ -57,12 +60,15 @@ def test_call_time_oom_moves_to_the_next_algorithm(gpu, monkeypatch, direction, 
 
 
 def test_call_time_oom_without_another_algorithm_raises(gpu, monkeypatch):  # noqa: F811
-    import cupy
-
-    from convfuse.ops.cudnn import conv as engine
+    from convfuse.ops.cudnn import ranked
+    from convfuse.plan import WorkspaceUnavailableError
 
     geom = GEOMS[3]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
-    monkeypatch.setattr(engine, "Workspace", ScarceWorkspace(failures=10))
-    with pytest.raises(cupy.cuda.memory.OutOfMemoryError), pytest.warns(WorkspaceFallbackWarning):
+    monkeypatch.setattr(ranked, "Workspace", ScarceWorkspace(failures=10))
+    # A typed convfuse error naming the direction and the plan, not CuPy's raw one.
+    # No warning on the way: the error names every algorithm tried.
+    with warnings.catch_warnings(), pytest.raises(
+            WorkspaceUnavailableError, match=r"fwd workspace .* algo 6 .* algo 0 .* no other"):
+        warnings.simplefilter("error")
         ops.conv_forward(x, w, geom)

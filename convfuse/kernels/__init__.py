@@ -8,9 +8,8 @@ can compile each source through NVRTC for several architectures without a device
 from __future__ import annotations
 
 import functools
-import sys
+import re
 from importlib import resources
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -31,22 +30,35 @@ def names() -> list[str]:
 
 
 def source(name: str) -> str:
+    """The kernel source with every `#include "file"` of a shipped header pasted in.
+
+    CuPy's on-disk kernel cache is keyed by the source string and the options, not by
+    the files an #include pulls in, so an edit of common.cuh would otherwise reuse stale
+    cubins. Pasted in, the headers are part of the key, and NVRTC needs no -I at all
+    (Note [kernels need no CUDA headers] in common.cuh).
+    """
     path = resources.files(__name__) / f"{name}.cu"
     if not path.is_file():
         raise ValueError(f"no kernel source {name!r}; known: {', '.join(names())}")
-    return path.read_text()
+    return _inline_includes(path.read_text(), set())
 
 
-@functools.cache
-def include_dirs() -> tuple[str, ...]:
-    """Folders holding cuda_fp16.h and cuda_bf16.h, which NVRTC does not ship built in."""
-    for site in sys.path:
-        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
-            cand = Path(site) / sub
-            if (cand / "cuda_fp16.h").is_file():
-                return (str(cand),)  # one header set only: mixing CUDA versions breaks builds
-    home = Path("/usr/local/cuda/include")
-    return (str(home),) if (home / "cuda_fp16.h").is_file() else ()
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)".*$', re.M)
+
+
+def _inline_includes(text: str, seen: set[str]) -> str:
+    def paste(match: re.Match[str]) -> str:
+        header = match.group(1)
+        if header in seen:  # every shipped header is `#pragma once`
+            return f"// {header}: already included"
+        seen.add(header)
+        path = resources.files(__name__) / header
+        if not path.is_file():
+            raise ValueError(f"kernel source includes {header!r}, which convfuse does not ship")
+        body = path.read_text().replace("#pragma once", f"// {header}")
+        return _inline_includes(body, seen)
+
+    return _INCLUDE.sub(paste, text)
 
 
 def nvrtc() -> ModuleType:
@@ -59,8 +71,8 @@ def nvrtc() -> ModuleType:
 
 
 def compile_options(arch: str | None = None) -> list[str]:
-    here = str(resources.files(__name__))  # for the shared common.cuh
-    opts = ["--std=c++17", f"-I{here}", *(f"-I{d}" for d in include_dirs())]
+    """NVRTC options: no include folders (Note [kernels need no CUDA headers])."""
+    opts = ["--std=c++17"]
     if arch:
         opts.append(f"-arch={arch}")
     return opts

@@ -315,11 +315,41 @@ __device__ void bias_finish(const typename Io<T>::C* partial, long long P, long 
     }
 }
 
+// Note [bias + activation pass]: the unfused forward (Note [unfused fallback] in
+// ops/cudnn/fused.py) runs convolutionForward into y, then this one pass:
+// y = act(y + bias[k] + scale * res), the fused call's formula, in the compute type, rounded
+// once. bias and res may be NULL. k = (i / inner) % K: inner is the spatial size for
+// channels-first data and 1 for channels-last. In place, like forward_loop.
+template <int A, typename T>
+__device__ void bias_act_loop(T* y, const T* bias, const T* res, long long n, long long K,
+                              long long inner, typename Io<T>::C scale) {
+    typedef typename Io<T>::C C;
+    for (long long i = global_thread(); i < n; i += grid_threads()) {
+        C v = Io<T>::load(y[i]);
+        if (bias) v += Io<T>::load(bias[(i / inner) % K]);
+        if (res) v += scale * Io<T>::load(res[i]);
+        y[i] = Io<T>::store(act_forward<A, C>(v));
+    }
+}
+
+template <typename T>
+__device__ void bias_act(T* y, const T* bias, const T* res, long long n, long long K,
+                         long long inner, double scale, int act) {
+    typedef typename Io<T>::C C;
+#define CALL(A) bias_act_loop<A, T>(y, bias, res, n, K, inner, C(scale))
+    ACT_SWITCH(act, CALL)
+#undef CALL
+}
+
 }  // namespace
 
 #define CONVFUSE_ACTIVATION_KERNELS(SUFFIX, T)                                                 \
     extern "C" __global__ void act_forward_##SUFFIX(const T* z, T* y, long long n, int act) {  \
         forward<T>(z, y, n, act);                                                              \
+    }                                                                                          \
+    extern "C" __global__ void bias_act_forward_##SUFFIX(T* y, const T* bias, const T* res,    \
+        long long n, long long K, long long inner, double scale, int act) {                    \
+        bias_act<T>(y, bias, res, n, K, inner, scale, act);                                    \
     }                                                                                          \
     extern "C" __global__ void act_backward_##SUFFIX(const T* dy, const T* saved, T* dz,       \
                                                      long long n, int act) {                   \

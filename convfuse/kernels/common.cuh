@@ -1,10 +1,46 @@
 // Shared by convfuse's kernel sources: loading and storing each storage dtype through
 // its compute type (float for float/__half/__nv_bfloat16, double for double), so a kernel
 // template written once serves all four dtypes and rounds only when it stores.
+//
+// Note [kernels need no CUDA headers]
+// NVRTC ships no cuda_fp16.h / cuda_bf16.h; they come from a CUDA toolkit or the
+// nvidia-cuda-runtime wheel, and a user who installed convfuse with its cu12/cu13 extra
+// has neither. The kernels use only storage types and four conversions, so this file
+// defines those itself (under the CUDA names, bit-compatible with the toolkit's types),
+// and kernels.source() pastes it into each source: NVRTC needs no -I at all.
+// Conversions match cuda_fp16.hpp / cuda_bf16.hpp: half through PTX cvt (exact, and
+// round-to-nearest-even on store); bfloat16 by shifting (exact) and, on store, the
+// round-to-nearest-even with NaN -> 0x7fff that cuda_bf16.hpp uses below sm_80.
 #pragma once
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#if defined(__CUDACC_RTC__) || defined(__CUDACC__)
+struct __align__(2) __half { unsigned short x; };
+struct __align__(2) __nv_bfloat16 { unsigned short x; };
+
+__device__ __forceinline__ float __half2float(__half h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x));
+    return f;
+}
+__device__ __forceinline__ __half __float2half_rn(float f) {
+    __half h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float __bfloat162float(__nv_bfloat16 b) {
+    return __uint_as_float(static_cast<unsigned int>(b.x) << 16);
+}
+__device__ __forceinline__ __nv_bfloat16 __float2bfloat16_rn(float f) {
+    const unsigned int u = __float_as_uint(f);
+    __nv_bfloat16 b;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        b.x = 0x7fffu;  // NaN stays NaN
+    } else {
+        b.x = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+    return b;
+}
+#endif
 
 template <typename T> struct Io;
 template <> struct Io<float> {

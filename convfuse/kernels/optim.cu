@@ -17,8 +17,7 @@
 // lr and the step count, as PyTorch computes them in Python floats, then rounded once to
 // the compute type (float, or double for float64 parameters).
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"  // Note [kernels need no CUDA headers]
 
 namespace {
 

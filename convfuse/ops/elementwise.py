@@ -180,6 +180,31 @@ def activation_backward(dy: Any, saved: Any, activation: str, out: Any) -> Any:
     return out  # pragma: gpu
 
 
+def bias_act_forward(y: Any, bias: Any, residual: Any, residual_scale: float, activation: str,
+                     geom: ConvGeometry) -> Any:
+    """y = act(y + bias + residual_scale * residual) in place, one pass (Note [bias +
+    activation pass] in activation.cu); bias (shape (K,)) and residual may be None."""
+    code = activation_code(activation)
+    if not isinstance(geom, ConvGeometry):
+        raise TypeError(f"geom must be a convfuse.geometry.ConvGeometry, got {type(geom).__name__}")
+    _check_array("y", y)
+    if tuple(y.shape) != geom.output_shape:
+        raise ValueError(f"y has shape {tuple(y.shape)}, but the convolution's output has "
+                         f"shape {geom.output_shape} ({geom.layout})")
+    if bias is not None:
+        _check_array("bias", bias)
+        if tuple(bias.shape) != geom.bias_shape or bias.dtype != y.dtype:
+            raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}, "
+                             f"expected {geom.bias_shape} and {y.dtype}")
+    if residual is not None:
+        _check_like("residual", residual, "y", y)
+    if not math.isfinite(residual_scale):
+        raise ValueError(f"residual_scale must be finite, got {residual_scale}")
+    _require_cupy("bias_act_forward", y, bias, residual)
+    _launch_bias_act(y, bias, residual, float(residual_scale), code, geom)  # pragma: gpu
+    return y  # pragma: gpu
+
+
 def activation_backward_bias(
     dy: Any, saved: Any, activation: str, geom: ConvGeometry, dz_out: Any, db_out: Any,
     beta: float = 0.0,
@@ -248,6 +273,23 @@ def _launch_elementwise(kernel: str, tensors: tuple[Any, ...], code: int) -> Non
         fn((blocks,), (ELEMENTWISE_BLOCK,), (*tensors, np.int64(n), np.int32(code)))
 
 
+def _launch_bias_act(y: Any, bias: Any, res: Any, scale: float, code: int,
+                     geom: ConvGeometry) -> None:  # pragma: gpu
+    device = _device_of_all(y, bias, res)
+    n = y.size
+    if n == 0:
+        return
+    spatial = n // (geom.output_shape[0] * geom.out_channels)
+    inner = 1 if geom.channels_last else spatial
+    null = np.uint64(0)
+    with device:
+        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(device.id) * 32))
+        fn = kernels.function("activation", f"bias_act_forward_{kernel_suffix(y.dtype)}")
+        fn((blocks,), (ELEMENTWISE_BLOCK,),
+           (y, null if bias is None else bias, null if res is None else res, np.int64(n),
+            np.int64(geom.out_channels), np.int64(inner), np.float64(scale), np.int32(code)))
+
+
 def _launch_bias(dy: Any, saved: Any, code: int, geom: ConvGeometry, dz_out: Any, db_out: Any,
                  beta: float) -> None:  # pragma: gpu
     cp = cupy_module()
@@ -276,7 +318,7 @@ def kernel_names() -> list[str]:
     """Every kernel this module launches (the CPU suite checks each is in the cubin)."""
     names = []
     for suffix in _SUFFIXES.values():
-        names += [f"act_forward_{suffix}", f"act_backward_{suffix}",
+        names += [f"act_forward_{suffix}", f"act_backward_{suffix}", f"bias_act_forward_{suffix}",
                   f"act_bias_channel_{suffix}", f"act_bias_rows_{suffix}",
                   f"act_bias_finish_{suffix}"]
     return names

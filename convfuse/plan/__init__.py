@@ -11,9 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import get as get_flags
-from .algorithms import Candidate, NoAlgorithmError, WorkspaceFallbackWarning
+from .algorithms import (
+    Candidate,
+    NoAlgorithmError,
+    WorkspaceFallbackWarning,
+    WorkspaceUnavailableError,
+)
 from .cache import CacheInfo, PlanCache
-from .conv import ConvPlan, FusedFallbackWarning, PlanKey
+from .conv import BiasGradFallbackWarning, ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
 from .pool import PoolPlan, PoolPlanKey
 
 _conv_plans = PlanCache(ConvPlan)
@@ -28,6 +33,17 @@ def get_plan(geom: Any, dtype: Any, activation: str | None = "identity",
 
 def get_pool_plan(pgeom: Any, dtype: Any) -> PoolPlan:
     return _pool_plans.get(PoolPlanKey.create(pgeom, dtype, get_flags()))
+
+
+def forward_paths() -> list[tuple[str, ForwardPath]]:
+    """(plan description, ForwardPath) of every cached conv plan whose fused forward has
+    run: which path it takes (fused or unfused) and why (heuristics, timed, refused)."""
+    out = []
+    for plan in _conv_plans.values():
+        path = plan.forward_path
+        if path is not None:
+            out.append((f"{plan.describe()} residual={plan.key.residual}", path))
+    return out
 
 
 def plan_cache_info() -> CacheInfo:
@@ -46,7 +62,9 @@ def clear_plan_cache() -> None:
 
 
 __all__ = [
-    "CacheInfo", "Candidate", "ConvPlan", "FusedFallbackWarning", "NoAlgorithmError", "PlanKey",
-    "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning", "clear_plan_cache", "get_plan",
+    "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
+    "FusedFallbackWarning",
+    "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning",
+    "WorkspaceUnavailableError", "clear_plan_cache", "forward_paths", "get_plan",
     "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
 ]

@@ -29,6 +29,11 @@ class NoAlgorithmError(ConvfuseError, RuntimeError):
     """No cuDNN algorithm satisfies the flags (deterministic, workspace_limit) and memory."""
 
 
+class WorkspaceUnavailableError(NoAlgorithmError):
+    """Every usable algorithm's workspace failed to allocate: a shortage of memory now,
+    which may pass (Note [transient out-of-memory] in plan/choice.py), unlike the flags."""
+
+
 class WorkspaceFallbackWarning(RuntimeWarning):
     """A faster algorithm was skipped because its workspace could not be allocated."""
 
@@ -96,7 +101,7 @@ def first_allocatable(candidates: Sequence[Candidate], allocate: Callable[[int],
         return cand, tuple(candidates[i + 1:])
     if skipped:
         sizes = ", ".join(str(c.workspace) for c in skipped)
-        raise NoAlgorithmError(
+        raise WorkspaceUnavailableError(
             f"{what}: out of memory for every algorithm's workspace ({sizes} bytes)")
     raise NoAlgorithmError(f"{what}: no algorithm to try")
 

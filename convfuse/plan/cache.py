@@ -43,6 +43,11 @@ class PlanCache:
                 self._plans.popitem(last=False)
             return plan
 
+    def values(self) -> list[Any]:
+        """The cached plans, least recently used first (a snapshot)."""
+        with self._lock:
+            return list(self._plans.values())
+
     def info(self) -> CacheInfo:
         with self._lock:
             return CacheInfo(self._hits, self._misses, len(self._plans))

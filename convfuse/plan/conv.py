@@ -20,12 +20,24 @@ from ..errors import CudnnError
 from ..geometry import ConvGeometry
 from . import algorithms as algos
 from . import descriptors as d
+from .capture import refuse_in_capture, stream_is_capturing
+from .choice import OOM_RETRY_CAP, OOM_RETRY_FIRST, Chosen, ForwardPath, next_backoff
+
+# Re-exported: tests and the engine reach them through this module.
+__all__ = ["OOM_RETRY_CAP", "OOM_RETRY_FIRST", "BiasGradFallbackWarning", "ConvPlan",
+           "ForwardPath", "FusedFallbackWarning", "PlanKey", "current_device", "pool_alloc",
+           "refuse_in_capture", "stream_is_capturing"]
 
 
 class FusedFallbackWarning(RuntimeWarning):
     """cuDNN refused the fused conv + bias + activation call for every algorithm a plan
     may use; the plan runs it unfused from then on, with extra kernel launches
-    (Note [unfused fallback] in convfuse/ops/cudnn/conv.py)."""
+    (Note [unfused fallback] in convfuse/ops/cudnn/fused.py)."""
+
+
+class BiasGradFallbackWarning(RuntimeWarning):
+    """cuDNN refused convolutionBackwardBias for a plan; its bias gradient runs on
+    convfuse's bias kernel from then on (conv_backward_bias in ops/cudnn/conv.py)."""
 
 
 @dataclass(frozen=True)
@@ -80,13 +92,6 @@ def pool_alloc(nbytes: int) -> Any:  # pragma: gpu
     return cupy.cuda.alloc(nbytes)
 
 
-@dataclass
-class _Chosen:
-    candidate: algos.Candidate
-    remaining: tuple[algos.Candidate, ...]
-    forced: bool
-
-
 class ConvPlan:
     """Descriptors for x, w, y (also z), bias, the convolution and the fused activation."""
 
@@ -113,9 +118,14 @@ class ConvPlan:
                 f"computes {list(want)} for {self.describe()}"
             )
         self._lock = threading.Lock()
-        self._chosen: dict[str, _Chosen] = {}
+        self._chosen: dict[str, Chosen] = {}
         self._math_descs: dict[int, Any] = {getattr(lib, key.math_type): self.conv_desc}
-        self._fused_refusal: CudnnError | None = None
+        self._fused_refusal: Exception | None = None
+        self._fused_warned = False
+        self._fused_skip = 0  # calls left on the unfused path after a fused out-of-memory
+        self._fused_backoff = 0
+        self._forward_path: ForwardPath | None = None
+        self._bias_grad_refusal: CudnnError | None = None
 
     def describe(self) -> str:
         k = self.key
@@ -151,7 +161,9 @@ class ConvPlan:
         """The algorithm for `direction` ("fwd", "bwd_data", "bwd_filter"), chosen once.
 
         `fused=True` asks for the forward of convolutionBiasActivationForward; `inputs`
-        are the device pointers Find*Ex runs on when config.benchmark is on.
+        are the device pointers Find*Ex runs on when config.benchmark is on. A slot
+        demoted for lack of memory returns to its best candidate now and then
+        (Note [transient out-of-memory]).
         """
         if direction not in algos.DIRECTIONS:
             raise ValueError(f"direction must be one of {algos.DIRECTIONS}, got {direction!r}")
@@ -159,37 +171,124 @@ class ConvPlan:
         with self._lock:
             chosen = self._chosen.get(slot)
             if chosen is None:
+                refuse_in_capture(f"choosing the {slot} algorithm for {self.describe()}")
                 chosen = self._choose(direction, slot, handle, inputs)
                 self._chosen[slot] = chosen
+            elif chosen.retry_in:
+                chosen.retry_in -= 1
+                if not chosen.retry_in:
+                    chosen.index = 0  # try the best again; an allocation failure demotes anew
             return chosen.candidate
 
-    def reject(self, direction: str, cand: algos.Candidate,
-               fused: bool = False) -> bool:
-        """Drop `cand` after cuDNN refused to run it; True if another one is now chosen."""
+    def reject(self, direction: str, cand: algos.Candidate, fused: bool = False,
+               out_of_memory: bool = False) -> bool:
+        """Drop `cand` after cuDNN refused to run it (for good) or its workspace could not be
+        allocated (until the next retry, Note [transient out-of-memory]); True if another
+        candidate is now chosen."""
         slot = self._slot(direction, fused)
         with self._lock:
             chosen = self._chosen.get(slot)
             if chosen is None or chosen.candidate != cand:
                 return chosen is not None  # another thread moved on already
-            if chosen.forced or not chosen.remaining:
+            if chosen.forced:
                 return False
-            nxt, rest = algos.first_allocatable(chosen.remaining, pool_alloc, self._what(slot))
-            self._chosen[slot] = _Chosen(nxt, rest, False)
+            if out_of_memory:
+                start = chosen.index + 1
+            else:
+                ranked = chosen.ranked
+                chosen.ranked = ranked[:chosen.index] + ranked[chosen.index + 1:]
+                start = chosen.index
+            rest = chosen.ranked[start:]
+            if not rest:
+                return False
+            nxt, _ = algos.first_allocatable(rest, pool_alloc, self._what(slot))
+            chosen.index = chosen.ranked.index(nxt, start)
+            if chosen.index == 0:
+                chosen.retry_in = chosen.backoff = 0
+            elif out_of_memory or chosen.index > start:  # skipped for memory: retry later
+                chosen.backoff = next_backoff(chosen.backoff)
+                chosen.retry_in = chosen.backoff
             return True
 
+    def workspace_allocated(self, direction: str, fused: bool = False) -> None:
+        """The chosen algorithm's workspace was allocated: a retry of the best succeeded."""
+        slot = self._slot(direction, fused)
+        chosen = self._chosen.get(slot)
+        if chosen is not None and chosen.backoff and chosen.index == 0:
+            with self._lock:
+                chosen.backoff = chosen.retry_in = 0
+
+    # ---- the fused call's state: Note [unfused fallback] in ops/cudnn/fused.py ----
+
     @property
-    def fused_refusal(self) -> CudnnError | None:
-        """The error with which cuDNN refused the fused call for good, or None."""
+    def fused_refusal(self) -> Exception | None:
+        """Why the fused call is off for good (cuDNN's refusal, or no algorithm the fused
+        call may use fits the flags), or None."""
         return self._fused_refusal
 
-    def refuse_fused(self, err: CudnnError) -> bool:
-        """Record that no algorithm runs this plan's fused call; True for the first record,
-        so of the threads that hit the refusal together exactly one warns."""
+    def refuse_fused(self, err: Exception) -> bool:
+        """Record that the fused call cannot run this plan; True when the caller should warn
+        (the plan's first fallback), so of the threads that hit it together one warns."""
         with self._lock:
-            first = self._fused_refusal is None
-            if first:
+            if self._fused_refusal is None:
                 self._fused_refusal = err
+            return self._warn_once()
+
+    def fused_out_of_memory(self) -> bool:
+        """The fused call's forced workspace could not be allocated: run unfused for a while
+        (Note [transient out-of-memory]); True when the caller should warn."""
+        with self._lock:
+            self._fused_backoff = next_backoff(self._fused_backoff)
+            self._fused_skip = self._fused_backoff
+            return self._warn_once()
+
+    def fused_ran(self) -> None:
+        if self._fused_backoff:
+            with self._lock:
+                self._fused_backoff = 0
+
+    def fused_off(self) -> bool:
+        """Whether this call takes the unfused path (counts down a memory back-off)."""
+        if self._fused_refusal is not None:
+            return True
+        if self._forward_path is not None and self._forward_path.path == "unfused":
+            return True
+        if not self._fused_skip:
+            return False
+        with self._lock:
+            if self._fused_skip:
+                self._fused_skip -= 1
+                return True
+            return False
+
+    @property
+    def bias_grad_refusal(self) -> CudnnError | None:
+        """cuDNN's refusal of convolutionBackwardBias for this plan, or None."""
+        return self._bias_grad_refusal
+
+    def refuse_bias_grad(self, err: CudnnError) -> bool:
+        """Record the refusal; True for the first record (the caller warns)."""
+        with self._lock:
+            first = self._bias_grad_refusal is None
+            if first:
+                self._bias_grad_refusal = err
             return first
+
+    def _warn_once(self) -> bool:
+        first = not self._fused_warned
+        self._fused_warned = True
+        return first
+
+    @property
+    def forward_path(self) -> ForwardPath | None:
+        """Which forward this plan runs and why, once decided (ForwardPath), else None."""
+        return self._forward_path
+
+    def set_forward_path(self, path: ForwardPath, replace: bool = False) -> None:
+        """Record the path once (a refusal, which ends the fused call, replaces it)."""
+        with self._lock:
+            if self._forward_path is None or replace:
+                self._forward_path = path
 
     def _slot(self, direction: str, fused: bool) -> str:
         # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]: only the identity fused forward
@@ -201,7 +300,7 @@ class ConvPlan:
         return f"cuDNN {slot} algorithm for {self.describe()}"
 
     def _choose(self, direction: str, slot: str, handle: Any,
-                inputs: tuple[int, int]) -> _Chosen:
+                inputs: tuple[int, int]) -> Chosen:
         lib, key = self.lib, self.key
         forced = slot == "fwd_identity"
         try:
@@ -220,6 +319,7 @@ class ConvPlan:
         if not cands:
             raise algos.NoAlgorithmError(
                 f"no {self._what(slot)} fits: {algos.describe_empty(perfs, lib, **rules)}")
-        first, rest = algos.first_allocatable(cands, pool_alloc, self._what(slot))
-        return _Chosen(first, rest, forced)
-
+        first, _ = algos.first_allocatable(cands, pool_alloc, self._what(slot))
+        index = cands.index(first)
+        backoff = OOM_RETRY_FIRST if index else 0  # Note [transient out-of-memory]
+        return Chosen(tuple(cands), index, forced, backoff, backoff)

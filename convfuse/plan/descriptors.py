@@ -84,10 +84,18 @@ def bias_dims(geom: ConvGeometry) -> tuple[int, ...]:
 
 
 def bias_descriptor(lib: ModuleType, dtype: Any, geom: ConvGeometry) -> Any:
-    """The bias in the data's dtype, K contiguous values (FACTS: 1xKx1x1, stride 1 on K)."""
+    """The bias in the data's dtype, K contiguous values (FACTS: 1xKx1x1, stride 1 on K).
+
+    The strides follow the convolution's layout, as PyTorch gives the fused call's bias
+    descriptor the convolution's memory format: for 1xKx1x1 both layouts put K values
+    at stride 1 (same bytes), but cuDNN checks the bias, dy and db descriptors' layouts
+    against y's, and NHWC strides are (K, 1, K, K). The same descriptor serves the fused
+    call, convolutionBackwardBias and addTensor.
+    """
     desc = lib.TensorDescriptor()
     dims = bias_dims(geom)
-    desc.setNd(getattr(lib, data_type_name(dtype)), list(dims), list(packed_strides(dims, False)))
+    desc.setNd(getattr(lib, data_type_name(dtype)), list(dims),
+               list(packed_strides(dims, geom.channels_last)))
     return desc
 
 

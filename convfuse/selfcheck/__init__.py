@@ -67,7 +67,7 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
     for name, fn in reference_checks.REFERENCE_CHECKS:
         checks.append(run_check("reference", name, fn))
     if reason is None and lib is not None:  # pragma: gpu
-        from .gpu_checks import run_gpu_checks
+        from .gpu_suite import run_gpu_checks
 
         checks.extend(run_gpu_checks())
     elif reason is None:  # pragma: gpu

@@ -2,55 +2,25 @@
 
 Each case runs for every dtype the device supports, on the tiny geometries of
 reference_checks.GEOMETRIES (ranks 1-3, both layouts, groups and depthwise), with
-config.allow_tf32=False so float32 is held to 1e-5. Outputs that take `out=` are poisoned
+config.allow_tf32=False so float32 is held to 1e-5 (gpu_suite.py also runs the float32 cases
+with TF32 at its default, held to gpu_arrays.TF32_TOLERANCE). Outputs that take `out=` are poisoned
 with NaN first; a NaN left behind counts as an infinite error (runner.relative_error).
-Training-level cases (layers, autotune, optimizer, captured step) are in gpu_training.py.
+Training-level cases (layers, autotune, optimizer, captured step) are in gpu_training.py;
+gpu_suite.py runs both. Shared array helpers live in gpu_arrays.py, so neither case module
+imports the other.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from .. import activations, config, dtypes
+from .. import activations, dtypes
+from .gpu_arrays import dev, f64, host, host_inputs, poisoned, tolerance
 from .reference_checks import geometries
-from .report import TOLERANCES, CheckResult
-from .runner import Outcome, Worst, run_check
-
-
-def supported_dtypes(cp: Any) -> list[str]:  # pragma: gpu
-    """float64 and float32 everywhere; float16 from sm_53 and bfloat16 from sm_80."""
-    cc = int(cp.cuda.Device().compute_capability)
-    names = ["float64", "float32"]
-    if cc >= 53:
-        names.append("float16")
-    if cc >= 80:
-        names.append("bfloat16")
-    return names
-
-
-def host_inputs(rng: np.random.Generator, dtype: str, *shapes: tuple[int, ...]
-                ) -> list[np.ndarray]:
-    """Random host arrays already rounded to `dtype` (so the reference sees the same values)."""
-    dt = dtypes.SUPPORTED[dtype]
-    return [rng.standard_normal(s).astype(dt) for s in shapes]
-
-
-def f64(*arrays: Any) -> list[Any]:
-    return [None if a is None else np.asarray(a).astype(np.float64) for a in arrays]
-
-
-def host(a: Any) -> np.ndarray:  # pragma: gpu
-    import cupy
-
-    return cupy.asnumpy(a).astype(np.float64)
-
-
-def poisoned(cp: Any, shape: tuple[int, ...], dtype: str) -> Any:  # pragma: gpu
-    return cp.full(shape, np.nan, dtype=dtypes.SUPPORTED[dtype])
+from .runner import Outcome, Worst
 
 
 def conv_bias_act_case(act: str, dtype: str) -> Outcome:  # pragma: gpu
@@ -60,13 +30,13 @@ def conv_bias_act_case(act: str, dtype: str) -> Outcome:  # pragma: gpu
     from .. import ops
 
     rng = np.random.default_rng(10)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     for i, geom in enumerate(geometries()):
         x, w, b, res = host_inputs(rng, dtype, geom.input_shape, geom.weight_shape,
                                    (geom.out_channels,), geom.output_shape)
         bias = b if i % 2 == 0 else None
         residual = res if i % 2 == 1 else None
-        y, z = ops.conv_bias_act(*_dev(cp, x, w, bias), geom, act,
+        y, z = ops.conv_bias_act(*dev(cp, x, w, bias), geom, act,
                                  residual=None if residual is None else cp.asarray(residual),
                                  residual_scale=0.5)
         y_ref, z_ref = ops.conv_bias_act(*f64(x, w, bias), geom, act,
@@ -77,10 +47,6 @@ def conv_bias_act_case(act: str, dtype: str) -> Outcome:  # pragma: gpu
     return worst.outcome(f"{worst.count} outputs, ranks 1-3, both layouts, groups, residual")
 
 
-def _dev(cp: Any, *arrays: Any) -> list[Any]:  # pragma: gpu
-    return [None if a is None else cp.asarray(a) for a in arrays]
-
-
 def backward_case(which: str, dtype: str) -> Outcome:  # pragma: gpu
     """conv_backward_data / _filter / _bias into NaN-poisoned outputs (beta=0 overwrites),
     then again with beta=1 into the first result (accumulation doubles it)."""
@@ -89,7 +55,7 @@ def backward_case(which: str, dtype: str) -> Outcome:  # pragma: gpu
     from .. import ops
 
     rng = np.random.default_rng(11)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     for geom in geometries():
         x, w, dz = host_inputs(rng, dtype, geom.input_shape, geom.weight_shape,
                                geom.output_shape)
@@ -119,7 +85,7 @@ def activation_case(dtype: str) -> Outcome:  # pragma: gpu
     from .. import ops
 
     rng = np.random.default_rng(12)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     for geom in (geometries()[1], geometries()[2]):  # channels-last and channels-first
         for act in activations.ACTIVATIONS:
             z, dy = host_inputs(rng, dtype, geom.output_shape, geom.output_shape)
@@ -151,7 +117,7 @@ def pooling_case(dtype: str) -> Outcome:  # pragma: gpu
     from ..pool_geometry import PoolGeometry
 
     rng = np.random.default_rng(13)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     dt = dtypes.SUPPORTED[dtype]
     for mode, (shape, kernel, stride, pad, layout) in (
             ("max", ((2, 3, 6, 6), 2, None, 0, "NCHW")), ("max", ((1, 5, 5, 4), 3, 2, 1, "NHWC")),
@@ -178,30 +144,3 @@ OP_CASES: tuple[tuple[str, Callable[[str], Outcome]], ...] = (
     ("activation kernels", activation_case),
     ("pooling", pooling_case),
 )
-
-
-def run_gpu_checks(cases: tuple[tuple[str, Callable[[str], Outcome]], ...] | None = None
-                   ) -> list[CheckResult]:  # pragma: gpu
-    """Run every GPU case for every dtype this device supports, without TF32."""
-    import cupy as cp
-
-    from .gpu_training import TRAINING_CASES
-
-    results = []
-    with config.flags(allow_tf32=False):
-        for name, fn in cases or (*OP_CASES, *TRAINING_CASES):
-            for dtype in supported_dtypes(cp):
-                fixed = getattr(fn, "dtypes", None)
-                if fixed is not None and dtype not in fixed:
-                    continue
-                results.append(run_check("gpu", name, functools.partial(_synced, cp, fn, dtype),
-                                         dtype))
-    return results
-
-
-def _synced(cp: Any, fn: Callable[[str], Outcome], dtype: str) -> Outcome:  # pragma: gpu
-    """Run a case and wait for the device, so an asynchronous fault lands on this case."""
-    out = fn(dtype)
-    cp.cuda.get_current_stream().synchronize()
-    return out
-

@@ -15,8 +15,7 @@ import numpy as np
 
 from .. import config, dtypes
 from ..geometry import ConvGeometry
-from .gpu_checks import f64, host, host_inputs, poisoned
-from .report import TOLERANCES
+from .gpu_arrays import f64, host, host_inputs, poisoned, tolerance
 from .runner import CheckFailed, Outcome, Worst
 
 # Three SGD steps through a small net accumulate float32 rounding: compare at 1e-4.
@@ -43,7 +42,7 @@ def conv_layers_case(dtype: str) -> Outcome:  # pragma: gpu
     from convfuse import ops
 
     rng = np.random.default_rng(20)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     for cls, x_shape, layout, bias_grad in CONV_LAYERS:
         layer = getattr(convfuse, cls)(4, 6, 3, padding=1, groups=2, activation="relu",
                                        layout=layout, dtype=dtype, device="cpu",
@@ -81,7 +80,7 @@ def pool_layers_case(dtype: str) -> Outcome:  # pragma: gpu
     from convfuse.pool_geometry import PoolGeometry
 
     rng = np.random.default_rng(25)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     for cls, mode, layout in (("MaxPool2d", "max", "NCHW"), ("AvgPool2d", "avg", "NHWC")):
         layer = getattr(convfuse, cls)(3, stride=2, padding=1, layout=layout).to("cuda")
         shape = (2, 3, 7, 6) if layout == "NCHW" else (2, 7, 6, 3)
@@ -105,7 +104,7 @@ def linear_layer_case(dtype: str) -> Outcome:  # pragma: gpu
     from convfuse import ops
 
     rng = np.random.default_rng(21)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     layer = convfuse.Linear(12, 5, activation="gelu", dtype=dtype, device="cpu",
                             seed=0).to("cuda")
     x, dy = host_inputs(rng, dtype, (4, 12), (4, 5))
@@ -133,7 +132,7 @@ def autotune_case(dtype: str) -> Outcome:  # pragma: gpu
     from .reference_checks import geometries
 
     rng = np.random.default_rng(22)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     geom = geometries()[2]
     x, w, b, dz = host_inputs(rng, dtype, geom.input_shape, geom.weight_shape,
                               (geom.out_channels,), geom.output_shape)
@@ -163,7 +162,7 @@ def optimizer_case(kind: str, dtype: str) -> Outcome:  # pragma: gpu
     from convfuse import Parameter, optim
 
     rng = np.random.default_rng(23)
-    worst = Worst(TOLERANCES[dtype])
+    worst = Worst(tolerance(dtype))
     shapes = ((6, 3, 3, 3), (6,), (10, 24), (10,))
     values = host_inputs(rng, dtype, *shapes)
     on_gpu = [Parameter(cp.asarray(v)) for v in values]

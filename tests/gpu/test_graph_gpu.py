@@ -79,3 +79,65 @@ def test_inputs_must_keep_their_shape():
     captured = cf.graph.capture(step, cp.asarray(x), cp.asarray(y))
     with pytest.raises(ValueError, match="captured with"):
         captured(cp.asarray(x[:8]), cp.asarray(y[:8]))
+
+
+def build_in(layout, dtype, seed=0):
+    """A step with two conv layers (relu, then silu with a residual), pooling and Linear,
+    in `layout` and `dtype`."""
+    conv = dict(padding=1, layout=layout, dtype=dtype, device="cuda")
+    c1 = cf.Conv2d(3, 8, 3, activation="relu", seed=seed, **conv)
+    c2 = cf.Conv2d(8, 8, 3, activation="silu", seed=seed + 1, **conv)
+    pool, flat = cf.MaxPool2d(2, layout=layout), cf.Flatten()
+    head = cf.Linear(8 * 4 * 4, 10, dtype=dtype, device="cuda", seed=seed + 2)
+    layers = [c1, c2, head]
+    loss_fn = cf.CrossEntropyLoss()
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = cf.optim.SGD(params, lr=1e-2, momentum=0.9)
+    mean = cf.metrics.Mean()
+
+    def step(x, y):
+        opt.zero_grad()
+        h1 = c1(x)
+        h2 = c2(h1, residual=h1)
+        logits = head(flat(pool(h2)))
+        loss = loss_fn(logits, y)
+        g = flat.backward(head.backward(loss_fn.backward()))
+        dh2 = pool.backward(g)
+        dh1, dres = c2.backward(dh2)
+        c1.backward(dh1 + dres)
+        opt.step()
+        mean.add(loss)
+        return loss
+
+    return params, step, mean
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [("NHWC", "float32"), ("NCHW", "float16"),
+                                               ("NHWC", "float16"), ("NCHW", "bfloat16"),
+                                               ("NHWC", "bfloat16")])
+def test_replay_equals_eager_in_every_layout_and_dtype(layout, dtype):
+    """Issue #13: capture covers channels-last and the 16-bit dtypes, not only NCHW float32."""
+    import cupy as cp
+
+    from convfuse.dtypes import SUPPORTED
+
+    if dtype == "bfloat16" and int(cp.cuda.Device().compute_capability) < 80:
+        pytest.skip("bfloat16 needs sm_80")
+    rng = np.random.default_rng(3)
+    shape = (16, 8, 8, 3) if layout == "NHWC" else (16, 3, 8, 8)
+    data = [(rng.standard_normal(shape).astype(SUPPORTED[dtype]),
+             rng.integers(0, 10, 16).astype(np.int32)) for _ in range(5)]
+    eager_params, eager_step, eager_mean = build_in(layout, dtype)
+    for x, y in data:
+        eager_step(cp.asarray(x), cp.asarray(y))
+    graph_params, graph_step, graph_mean = build_in(layout, dtype)
+    captured = cf.graph.capture(graph_step, cp.asarray(data[0][0]), cp.asarray(data[0][1]))
+    for x, y in data[1:]:
+        captured(cp.asarray(x), cp.asarray(y))
+    captured.synchronize()
+    rtol = 1e-5 if dtype == "float32" else 2e-2
+    for pe, pg in zip(eager_params, graph_params):
+        ge, gg = (cp.asnumpy(p.data).astype(np.float32) for p in (pe, pg))
+        assert np.isfinite(gg).all()
+        np.testing.assert_allclose(gg, ge, rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(graph_mean.compute(), eager_mean.compute(), rtol=rtol)

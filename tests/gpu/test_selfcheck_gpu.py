@@ -32,7 +32,8 @@ def test_every_gpu_case_passes(report):
 def test_every_case_ran_for_every_supported_dtype(report):
     import cupy
 
-    from convfuse.selfcheck.gpu_checks import OP_CASES, supported_dtypes
+    from convfuse.selfcheck.gpu_arrays import supported_dtypes
+    from convfuse.selfcheck.gpu_checks import OP_CASES
 
     dtypes = supported_dtypes(cupy)
     assert {"float64", "float32"} <= set(dtypes)
@@ -79,7 +80,7 @@ def test_a_wrong_gpu_result_fails_with_its_error(monkeypatch):
     measured (about 1e-3), except float16/bfloat16 whose tolerance is 1e-2."""
     import convfuse.ops as ops
     from convfuse.backend import is_cupy
-    from convfuse.selfcheck.gpu_checks import run_gpu_checks
+    from convfuse.selfcheck.gpu_suite import run_gpu_checks
 
     real = ops.conv_backward_data
 
@@ -103,7 +104,7 @@ def test_an_unwritten_output_is_caught(monkeypatch):
     """An op that leaves its NaN-poisoned output untouched fails with an infinite error."""
     import convfuse.ops as ops
     from convfuse.backend import is_cupy
-    from convfuse.selfcheck.gpu_checks import run_gpu_checks
+    from convfuse.selfcheck.gpu_suite import run_gpu_checks
 
     real = ops.conv_backward_filter
 
@@ -118,13 +119,13 @@ def test_an_unwritten_output_is_caught(monkeypatch):
 
 
 def test_a_failing_case_does_not_stop_the_others(monkeypatch):
-    from convfuse.selfcheck import gpu_checks
+    from convfuse.selfcheck import gpu_suite
 
     def boom(dtype):
         raise RuntimeError(f"boom {dtype}")
 
     cases = (("boom", boom), *_only("pooling"))
-    results = gpu_checks.run_gpu_checks(cases)
+    results = gpu_suite.run_gpu_checks(cases)
     booms = [r for r in results if r.name == "boom"]
     assert booms and all(r.status == "fail" and r.detail.startswith("RuntimeError") for r in booms)
     assert all(r.status == "pass" for r in results if r.name == "pooling")
@@ -133,7 +134,8 @@ def test_a_failing_case_does_not_stop_the_others(monkeypatch):
 def test_each_case_runs_alone_without_tf32():
     """The cases set allow_tf32=False themselves; check the flag is restored afterwards."""
     from convfuse import config
-    from convfuse.selfcheck.gpu_checks import activation_case, run_gpu_checks
+    from convfuse.selfcheck.gpu_checks import activation_case
+    from convfuse.selfcheck.gpu_suite import run_gpu_checks
 
     before = config.get()
     results = run_gpu_checks((("activation kernels", activation_case),))

@@ -13,6 +13,12 @@ from ...backend import require_gpu
 from ...errors import CudnnError
 
 _local = threading.local()
+# Every handle ever created, kept for the life of the process. cudnnDestroy synchronises
+# the device (cudaDeviceSynchronize), and a thread-local handle would be destroyed when its
+# worker thread ends, stalling every stream at an arbitrary point of the program. A handle
+# per (device, thread) is small; a thread pool reuses its threads.
+_all_handles: list[Any] = []
+_all_handles_lock = threading.Lock()
 
 
 def get_handle() -> Any:
@@ -36,6 +42,8 @@ def _bound_handle(cp: Any) -> Any:  # pragma: gpu
     if handle is None:
         handle = cudnn().Handle()
         handles[device] = handle
+        with _all_handles_lock:
+            _all_handles.append(handle)
     handle.setStream(cp.cuda.get_current_stream().ptr)
     return handle
 

@@ -1,0 +1,30 @@
+"""Note [no plan work inside a capture]: what a plan may not do while a CUDA graph is
+being recorded, and how it tells."""
+
+from __future__ import annotations
+
+from ..backend import gpu_available
+from ..errors import CaptureError
+
+
+def stream_is_capturing() -> bool:
+    """Whether the current CUDA stream is recording a graph (False without a GPU)."""
+    if not gpu_available():
+        return False
+    import cupy  # pragma: gpu
+
+    return bool(cupy.cuda.get_current_stream().is_capturing())  # pragma: gpu
+
+
+def refuse_in_capture(what: str) -> None:
+    """Raise CaptureError naming `what` when the current stream is capturing: choosing an
+    algorithm (Find*Ex runs kernels and syncs), timing the forward paths or creating cached
+    device buffers cannot be recorded into a CUDA graph; the step's warm-up must do them."""
+    if stream_is_capturing():
+        raise CaptureError(
+            f"{what} was needed while a CUDA graph was being captured. Plans, algorithm "
+            "choices and cached buffers must exist before capture: run the step eagerly "
+            "first (convfuse.graph.capture's warm-up does), with the same shapes, dtypes "
+            "and flags, and keep the number of distinct convolutions under the plan "
+            "cache's size so none is evicted between warm-up and capture"
+        )

@@ -1,0 +1,117 @@
+"""Which path ran, on a real GPU: wherever cuDNN documents the fused call as supported
+(ReLU and IDENTITY, float32 and float16, NCHW and NHWC), the fused call must run, exactly
+convolutionBiasActivationForward and no convolutionForward, with no FusedFallbackWarning,
+over a grid of geometries, biases and residuals. A silent loss of fusion fails here.
+scripts/gpu_acceptance.sh also runs tests/gpu with FusedFallbackWarning as an error.
+
+Numbers are checked against the float64 reference with NaN-poisoned outputs
+(tests/gpu/test_cudnn_ops.py's helpers)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+
+import convfuse.ops as ops
+from convfuse import config
+from convfuse._binding import cudnn
+from convfuse.geometry import ConvGeometry
+from convfuse.plan import ForwardPath, FusedFallbackWarning, get_plan
+from tests.gpu.test_cudnn_ops import (  # noqa: F401  (the autouse fixture is used by name)
+    Data,
+    assert_close,
+    full_precision_fresh_plans,
+    poison_outputs,
+)
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+
+def documented_geoms():
+    """2-D, groups 1: strides, paddings, dilations, odd and even sizes, 1x1 and 3x3."""
+    out = []
+    for (n, c, h, w_), (k, kh, kw), stride, pad, dil in (
+            ((2, 8, 9, 9), (16, 3, 3), 1, 1, 1),
+            ((2, 16, 8, 12), (8, 1, 1), 1, 0, 1),
+            ((1, 8, 11, 7), (8, 3, 3), 2, 1, 1),
+            ((2, 4, 10, 10), (8, 3, 3), 1, 2, 2),
+            ((4, 32, 6, 6), (32, 3, 3), 1, 1, 1)):
+        for channels_last in (False, True):
+            x, wt = (n, c, h, w_), (k, c, kh, kw)
+            if channels_last:
+                x, wt = (n, h, w_, c), (k, kh, kw, c)
+            out.append(ConvGeometry.create(x, wt, stride, pad, dil, 1,
+                                           "NHWC" if channels_last else "NCHW"))
+    return out
+
+
+GEOMS = documented_geoms()
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """Counts of the fused and the plain forward calls actually made."""
+    lib = cudnn()
+    calls = {"fused": [], "plain": []}
+    for name, key in (("convolutionBiasActivationForward", "fused"),
+                      ("convolutionForward", "plain")):
+        real = getattr(lib, name)
+
+        def spy(*args, _real=real, _key=key):
+            calls[_key].append(args[7])
+            return _real(*args)
+
+        monkeypatch.setattr(lib, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("geom", GEOMS, ids=lambda g: g.describe().replace(" ", "_"))
+@pytest.mark.parametrize(("activation", "dtype"),
+                         list(itertools.product(["relu", "identity"], ["float32", "float16"])))
+@pytest.mark.parametrize(("with_bias", "with_res"), [(True, False), (False, True), (True, True)])
+def test_documented_configurations_run_fused(monkeypatch, rng, spied, geom, activation, dtype,
+                                             with_bias, with_res):
+    x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
+    b = Data(rng, geom.bias_shape, dtype) if with_bias else None
+    res = Data(rng, geom.output_shape, dtype) if with_res else None
+    y_ref, _ = ops.conv_bias_act(x.ref, w.ref, b and b.ref, geom, activation,
+                                 res and res.ref, 0.5)
+    with warnings.catch_warnings(), poison_outputs(monkeypatch):
+        warnings.simplefilter("error", FusedFallbackWarning)
+        y, _ = ops.conv_bias_act(x.dev, w.dev, b and b.dev, geom, activation,
+                                 res and res.dev, 0.5)
+    assert_close(y, y_ref, dtype, "y")
+    assert spied["fused"] and spied["plain"] == []
+    plan = get_plan(geom, dtype, activation, with_res)
+    assert plan.fused_refusal is None
+    assert plan.forward_path == ForwardPath("fused", "heuristics")
+    if activation == "identity":  # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]
+        assert spied["fused"] == [cudnn().CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM]
+
+
+@pytest.mark.parametrize("geom", GEOMS[:4], ids=lambda g: g.layout)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_benchmark_times_both_identity_paths_and_keeps_the_faster(monkeypatch, rng, spied, geom,
+                                                                  dtype):
+    """Note [forced algorithm versus speed]: both paths run, are timed, and give the same
+    numbers; later calls take the recorded one."""
+    x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
+    b = Data(rng, geom.bias_shape, dtype)
+    y_ref, _ = ops.conv_bias_act(x.ref, w.ref, b.ref, geom, "tanh")
+    with config.flags(benchmark=True), warnings.catch_warnings():
+        warnings.simplefilter("error", FusedFallbackWarning)
+        with poison_outputs(monkeypatch):
+            y, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "tanh")
+        assert_close(y, y_ref, dtype, "y (timed call)")
+        plan = get_plan(geom, dtype, "tanh")
+        path = plan.forward_path
+        assert path.reason == "timed" and path.fused_ms > 0 and path.unfused_ms > 0
+        assert path.path == ("fused" if path.fused_ms <= path.unfused_ms else "unfused")
+        spied["fused"].clear()
+        with poison_outputs(monkeypatch):
+            y2, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "tanh")
+    assert_close(y2, y_ref, dtype, "y (after the choice)")
+    assert bool(spied["fused"]) == (path.path == "fused")

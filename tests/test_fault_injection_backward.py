@@ -1,0 +1,165 @@
+"""Fault injection for the plain convolution calls (conv_forward, conv_backward_data,
+conv_backward_filter) and the bias gradient: each stage of each call fails in turn; every
+case ends on a documented fallback with the right numbers (beta = 1 outputs accumulate
+exactly once, even after a refused attempt) and exactly the warnings listed, or on a typed
+convfuse error naming the call. See tests/test_fault_injection.py for the forward."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import convfuse.ops as ops
+from convfuse import config
+from convfuse.errors import CudnnError
+from convfuse.plan import (
+    BiasGradFallbackWarning,
+    NoAlgorithmError,
+    WorkspaceFallbackWarning,
+    WorkspaceUnavailableError,
+    get_plan,
+)
+from tests._fault_injection import (
+    ALLOC_FAILED,
+    BAD_PARAM,
+    BIG,
+    NOT_SUPPORTED,
+    make_gpu,  # noqa: F401  (fixture)
+)
+from tests._ops_dispatch_helpers import GEOMS
+
+DIRECTIONS = {  # direction -> (heuristics query, compute call)
+    "fwd": ("getConvolutionForwardAlgorithm_v7", "convolutionForward"),
+    "bwd_data": ("getConvolutionBackwardDataAlgorithm_v7", "convolutionBackwardData"),
+    "bwd_filter": ("getConvolutionBackwardFilterAlgorithm_v7", "convolutionBackwardFilter"),
+}
+
+
+def _cname(name):
+    return f"cudnn{name[0].upper()}{name[1:]}"
+
+
+def _op(gpu, geom, direction, rng):
+    """Run the op of `direction` once: (device result, float64 reference)."""
+    x, w = rng.standard_normal(geom.input_shape), rng.standard_normal(geom.weight_shape)
+    dz = rng.standard_normal(geom.output_shape)
+    dx, dw = gpu.put(x), gpu.put(w)
+    ddz = gpu.put(dz)
+    if direction == "fwd":
+        return lambda: ops.conv_forward(dx, dw, geom), ops.conv_forward(x, w, geom)
+    if direction == "bwd_data":
+        start = rng.standard_normal(geom.input_shape)
+        out = gpu.put(start)
+        return (lambda: ops.conv_backward_data(ddz, dw, geom, out=out, beta=1.0),
+                ops.conv_backward_data(dz, w, geom) + start)
+    start = rng.standard_normal(geom.weight_shape)
+    out = gpu.put(start)
+    return (lambda: ops.conv_backward_filter(dx, ddz, geom, out=out, beta=1.0),
+            ops.conv_backward_filter(x, dz, geom) + start)
+
+
+def _cases():
+    out = []
+    for d, (query, call) in DIRECTIONS.items():
+        out += [
+            (d, "query-not-supported", {"inject": [(query, NOT_SUPPORTED, None)]},
+             ("raises", CudnnError, _cname(query))),
+            (d, "query-bad-param", {"inject": [(query, BAD_PARAM, None)]},
+             ("raises", CudnnError, _cname(query))),
+            (d, "query-alloc-failed", {"inject": [(query, ALLOC_FAILED, None)]},
+             ("raises", CudnnError, _cname(query))),
+            (d, "records-refused", {"refuse_records": True},
+             ("raises", NoAlgorithmError, "0 runnable")),
+            (d, "limit-keeps-small", {"flags": {"workspace_limit": 100}}, ("ran", 0, [])),
+            (d, "limit-below-all", {"flags": {"workspace_limit": 10}, "min_ws": 64},
+             ("raises", NoAlgorithmError, "within workspace_limit=10")),
+            (d, "oom-at-choice", {"oom_choice_at": BIG},
+             ("ran", 2, [WorkspaceFallbackWarning])),
+            (d, "oom-at-choice-all", {"oom_choice_at": 1, "min_ws": 64},
+             ("raises", WorkspaceUnavailableError, "out of memory for every")),
+            (d, "oom-at-call", {"oom_call_at": BIG}, ("ran", 2, [WorkspaceFallbackWarning])),
+            (d, "oom-at-call-all", {"oom_call_at": 1, "min_ws": 64},
+             ("raises", WorkspaceUnavailableError, "no other algorithm is left")),
+            (d, "call-refused-once", {"inject": [(call, NOT_SUPPORTED, 1)]}, ("ran", 2, [])),
+            (d, "call-refused-always", {"inject": [(call, NOT_SUPPORTED, None)]},
+             ("raises", CudnnError, _cname(call))),
+            (d, "call-bad-param", {"inject": [(call, BAD_PARAM, None)]},
+             ("raises", CudnnError, _cname(call))),
+            (d, "call-alloc-failed", {"inject": [(call, ALLOC_FAILED, None)]},
+             ("raises", CudnnError, _cname(call))),
+        ]
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[3]], ids=lambda g: g.layout)
+@pytest.mark.parametrize(("direction", "case", "setup", "outcome"), CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_convolution_fault(make_gpu, rng, geom, direction, case, setup, outcome):  # noqa: F811
+    gpu = make_gpu(geom)
+    for name, status, times in setup.get("inject", []):
+        gpu.inject(name, status, times)
+    if setup.get("refuse_records"):
+        gpu.perfs = [(a, m, NOT_SUPPORTED) for a, m, _ in gpu.perfs]
+    if "min_ws" in setup:
+        gpu.perfs = [(a, max(m, setup["min_ws"]), s) for a, m, s in gpu.perfs]
+    gpu.oom_choice_at = setup.get("oom_choice_at")
+    gpu.oom_call_at = setup.get("oom_call_at")
+    flags = setup.get("flags", {})
+    run, want = _op(gpu, geom, direction, rng)
+    kind, detail, warned = outcome
+    with config.flags(**flags):
+        if kind == "raises":
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                with pytest.raises(detail) as info:
+                    run()
+            msg = str(info.value)
+            assert warned in msg and geom.describe() in msg
+            # at most the one warning of a call-time walk that then ran out of candidates
+            assert len(record) <= 1
+            return
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = run()
+        np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+        assert [w.category for w in record] == warned
+        call = DIRECTIONS[direction][1]
+        used = [a[7] for n, a in gpu.calls if n == call]
+        assert used[-1] == detail
+        assert get_plan(geom, "float64").choice(direction, "H").algo == detail
+
+
+@pytest.mark.parametrize("geom", [GEOMS[1], GEOMS[2]], ids=lambda g: g.layout)
+@pytest.mark.parametrize(("status", "outcome"), [
+    (NOT_SUPPORTED, "kernel"), (BAD_PARAM, "raises"), (ALLOC_FAILED, "raises"),
+])
+def test_backward_bias_fault(make_gpu, rng, geom, status, outcome):  # noqa: F811
+    gpu = make_gpu(geom)
+    gpu.inject("convolutionBackwardBias", status)
+    dz = rng.standard_normal(geom.output_shape)
+    start = rng.standard_normal(geom.bias_shape)
+    out = gpu.put(start)
+    ddz = gpu.put(dz)
+    if outcome == "raises":
+        with pytest.raises(CudnnError) as info:
+            ops.conv_backward_bias(ddz, geom, out=out, beta=1.0)
+        assert "cudnnConvolutionBackwardBias" in str(info.value)
+        assert f"({status})" in str(info.value) and geom.describe() in str(info.value)
+        np.testing.assert_array_equal(gpu.get(out), start)  # untouched
+        return
+    with pytest.warns(BiasGradFallbackWarning, match=r"CUDNN_STATUS_NOT_SUPPORTED \(3000\)"):
+        ops.conv_backward_bias(ddz, geom, out=out, beta=1.0)
+    want = ops.conv_backward_bias(dz, geom) + start
+    np.testing.assert_allclose(gpu.get(out), want, rtol=1e-12)
+    gpu.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per plan
+        db = ops.conv_backward_bias(ddz, geom)
+    np.testing.assert_allclose(gpu.get(db), ops.conv_backward_bias(dz, geom), rtol=1e-12)
+    assert gpu.names() == ["activation_backward_bias"]  # straight to the kernel
+    assert get_plan(geom, "float64").bias_grad_refusal.status == status
