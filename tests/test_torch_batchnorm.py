@@ -251,3 +251,40 @@ def test_errors_name_the_layer_and_leave_no_state_behind():
     # one value per channel is fine in evaluation, as in torch.nn
     bn.eval()
     assert bn(torch.randn(1, 3, 1, 1)).shape == (1, 3, 1, 1)
+
+
+@pytest.mark.parametrize("dtype,cl,act", [(torch.float64, False, "relu"),
+                                          (torch.float64, True, "silu"),
+                                          (torch.bfloat16, True, "identity")])
+def test_opcheck_schema_fake_and_mutation(dtype, cl, act):
+    """torch.library.opcheck: the declared schema (running statistics mutated, nothing
+    else; no output aliasing an input), the fake implementations against the real ops,
+    and AOT dispatch. The bfloat16 case takes the cast-and-copy-back path."""
+    x = _input((3, 4, 5, 5), dtype, cl).detach()
+    w, b = torch.rand(4, dtype=dtype) + 0.5, torch.randn(4, dtype=dtype)
+    rm, rv = torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)
+    r = torch.randn_like(x)
+    nbt = torch.tensor(1)
+    torch.library.opcheck(torch.ops.convfuse.batchnorm_training,
+                          (x, w, b, rm, rv, r, nbt, None, 1e-5, act))
+    torch.library.opcheck(torch.ops.convfuse.batchnorm_inference,
+                          (x, w, b, rm, rv, None, 1e-5, act))
+    y, mean, invstd, z = torch.ops.convfuse.batchnorm_training(
+        x, w, b, None, None, None, None, 0.1, 1e-5, act)
+    saved = {"relu": y, "silu": z, "identity": None}[act]
+    torch.library.opcheck(torch.ops.convfuse.batchnorm_backward,
+                          (torch.randn_like(x), x, w, b, saved, mean, invstd, True, 1e-5, act,
+                           True, act != "identity"))
+
+
+def test_no_grad_forward_still_updates_statistics_and_backward_twice():
+    ours, theirs = _pair(2, 3, "relu")
+    with torch.no_grad():
+        ours(_input((4, 3, 2, 2)))
+    assert int(ours.num_batches_tracked) == 1
+    assert not torch.equal(ours.running_mean, theirs.running_mean)
+    x = _input((4, 3, 2, 2))
+    y = ours(x)
+    g1 = torch.autograd.grad(y.sum(), x, retain_graph=True)[0]
+    g2 = torch.autograd.grad(y.sum(), x)[0]
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
