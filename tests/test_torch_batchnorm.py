@@ -288,3 +288,11 @@ def test_no_grad_forward_still_updates_statistics_and_backward_twice():
     g1 = torch.autograd.grad(y.sum(), x, retain_graph=True)[0]
     g2 = torch.autograd.grad(y.sum(), x)[0]
     torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+def test_double_backward_is_refused_clearly():
+    bn = ct.BatchNorm2d(3, activation="relu", dtype=torch.float64)
+    x = _input((2, 3, 4, 4))
+    g, = torch.autograd.grad(bn(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()

@@ -209,6 +209,7 @@ class BatchNormFunction(torch.autograd.Function):
         return y, mean, invstd, z
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward, said clearly
     def backward(ctx, dy, _dmean, _dinvstd, _dz):
         x, weight, bias, saved, mean, invstd = ctx.saved_tensors
         training, eps, activation = ctx.hyper
