@@ -296,3 +296,14 @@ def test_double_backward_is_refused_clearly():
     g, = torch.autograd.grad(bn(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         g.sum().backward()
+
+
+def test_strided_running_statistics_are_written_back_in_place():
+    ours, theirs = _pair(2, 3)
+    store = torch.zeros(6, dtype=torch.float64)
+    ours.running_mean = store[::2]  # a strided view: updated through a copy, then written back
+    x = _input((4, 3, 2, 2))
+    ours(x)
+    theirs(x)
+    torch.testing.assert_close(store[::2], theirs.running_mean, rtol=1e-14, atol=1e-14)
+    assert torch.equal(store[1::2], torch.zeros(3, dtype=torch.float64))

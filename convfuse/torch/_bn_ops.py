@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from .. import activations, ops
+from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
 from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
 from ._ops import _empty_like_layout
@@ -46,11 +47,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _usable(t: torch.Tensor, cd: torch.dtype) -> bool:
+    """Whether convfuse can take the (C,) tensor `t` as it is: compute dtype, contiguous,
+    and on CUDA at an aligned address (a view into a flat buffer may not be)."""
+    return t.dtype == cd and t.is_contiguous() and (
+        t.device.type != "cuda" or t.data_ptr() % ALIGNMENT == 0)
+
+
 def _per_channel(t: torch.Tensor | None, cd: torch.dtype) -> Any:
-    """A (C,) tensor as a convfuse array in the compute dtype (a view when it already is)."""
+    """A (C,) tensor as a convfuse array in the compute dtype (a view when usable as is,
+    else a copy of C values)."""
     if t is None:
         return None
-    return to_array(t.detach().to(cd).contiguous())
+    t = t.detach()
+    return to_array(t if _usable(t, cd) else t.to(cd, copy=True).contiguous())
 
 
 def _layout(cl: bool) -> str:
@@ -87,7 +97,7 @@ def batchnorm_training(
         factor = as_factor(
             momentum, int(num_batches_tracked) if num_batches_tracked is not None else 1)
     # Statistics not already contiguous in the compute dtype run on a copy, written back.
-    stats = [s if s is None or (s.dtype == cd and s.is_contiguous()) else s.to(cd).contiguous()
+    stats = [s if s is None or _usable(s, cd) else s.to(cd, copy=True).contiguous()
              for s in (running_mean, running_var)]
     with engine_context(x.device):
         y, saved = ops.batchnorm_forward_training(
