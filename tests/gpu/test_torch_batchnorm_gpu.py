@@ -10,10 +10,12 @@ Written without a GPU: none of these has run yet.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 
 import convfuse as cf
+from convfuse.plan.conv import FusedFallbackWarning
 
 pytestmark = pytest.mark.gpu
 
@@ -84,9 +86,10 @@ def test_runs_cudnn_on_a_non_default_stream(monkeypatch, channels_last, momentum
     want, ref = _step_reference(layer, xs)
     rm_ptr = layer.running_mean.data_ptr()
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # xs and the layer are ready
     for x, (y_ref, dx_ref) in zip(xs, want):
-        _poison(8 * 16 * 12 * 12 * 4 * 4)
         with torch.cuda.stream(stream):
+            _poison(8 * 16 * 12 * 12 * 4 * 4)  # the caching allocator pools per stream
             torch.cuda._sleep(10_000_000)  # a long producer: a race would read stale x
             xx = (x * 1.0).requires_grad_()
             y = layer(xx)
@@ -136,8 +139,13 @@ def test_fused_forward_then_exact_plain_backward_half_nhwc(monkeypatch):
     r = torch.randn_like(x)
     want, ref = _step_reference(layer, [x], r)
     xx = x.clone().requires_grad_()
-    y = layer(xx, r)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = layer(xx, r)
     y.float().square().sum().backward()
+    fused = calls[0]["out"][4].fused  # the engine's EngineState of the forward
+    refused = any(issubclass(w.category, FusedFallbackWarning) for w in caught)
+    assert fused != refused  # fused, or cuDNN refused it and said so
     assert calls[1]["args"][4].engine_state is None  # the saved state crossed as tensors
     torch.testing.assert_close(y.double().cpu(), want[0][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(xx.grad.double().cpu(), want[0][1], rtol=5e-2, atol=5e-2)
