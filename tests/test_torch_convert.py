@@ -209,3 +209,14 @@ def test_converted_model_runs_convfuse(monkeypatch):
     model = ct.convert(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Conv2d(2, 2, 3)))
     model(torch.randn(1, 1, 6, 6))
     assert calls == ["relu", "identity"]
+
+
+def test_convert_leaves_batchnorm_subclasses_and_keeps_flags():
+    seq = nn.Sequential(nn.Conv2d(2, 4, 3), nn.SyncBatchNorm(4), nn.ReLU(),
+                        nn.BatchNorm2d(4, affine=False, track_running_stats=False), nn.Tanh())
+    seq.eval()
+    ct.convert(seq)
+    assert type(seq[1]) is nn.SyncBatchNorm and type(seq[2]) is nn.ReLU  # not fused past it
+    bn = seq[3]
+    assert isinstance(bn, ct.BatchNorm2d) and bn.activation == "tanh" and not bn.training
+    assert bn.weight is None and bn.running_mean is None and isinstance(seq[4], nn.Identity)
