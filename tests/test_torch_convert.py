@@ -1,5 +1,7 @@
-"""convfuse.torch.convert on torch.nn models: what is replaced, that Parameters are shared,
-and that a ResNet-like model gives the same outputs and gradients afterwards."""
+"""convfuse.torch.convert on torch.nn models: what is replaced (convolutions, batch norms, the
+activation after them inside nn.Sequential), that Parameters and buffers are shared, and
+that a torchvision-style ResNet-18 gives the same outputs, gradients and running statistics
+afterwards, in training and evaluation."""
 
 from __future__ import annotations
 
@@ -37,51 +39,124 @@ class BasicBlock(nn.Module):
         return self.relu(out + identity)  # the same ReLU twice: never fused with conv1
 
 
-def resnet_like(width: int = 8, classes: int = 5) -> nn.Module:
-    """ResNet-18's shape in miniature: a stem, four stages of two BasicBlocks, a head. The
-    stem's conv is followed directly by a ReLU, which convert fuses."""
-    w = width
+class ResNet(nn.Module):
+    """torchvision's ResNet (the same attribute names, so the same state-dict keys);
+    layers=(2, 2, 2, 2) is ResNet-18. `width` scales the 64-channel stem down for CPU runs."""
+
+    def __init__(self, layers=(2, 2, 2, 2), width: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin = width
+        for i, n in enumerate(layers):
+            cout = width * 2 ** i
+            blocks = [BasicBlock(cin, cout, 1 if i == 0 else 2)]
+            blocks += [BasicBlock(cout, cout) for _ in range(n - 1)]
+            setattr(self, f"layer{i + 1}", nn.Sequential(*blocks))
+            cin = cout
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def _same_step(ref: nn.Module, model: nn.Module, x: torch.Tensor, tol: float = 1e-9) -> None:
+    """One forward/backward/SGD step on both: equal outputs, input and parameter gradients,
+    and afterwards equal parameters and buffers (running statistics)."""
+    xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = ref(xr), model(xm)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    dy = torch.randn_like(y)
+    y_ref.backward(dy)
+    y.backward(dy)
+    torch.testing.assert_close(xm.grad, xr.grad, rtol=tol, atol=tol)
+    named = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, named[name].grad, rtol=tol, atol=tol, msg=name)
+    for m in (ref, model):
+        torch.optim.SGD(m.parameters(), lr=1e-3).step()
+        m.zero_grad()
+    mine = model.state_dict()
+    for name, t in ref.state_dict().items():
+        torch.testing.assert_close(mine[name], t, rtol=tol, atol=tol, msg=name)
+
+
+def test_resnet18_same_outputs_gradients_and_running_statistics():
+    torch.manual_seed(0)
+    ref = ResNet(width=8).double()
+    model = ct.convert(copy.deepcopy(ref))
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert [type(m) for m in model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d))] \
+        == []  # every torch conv and batch norm was replaced
+    assert sum(isinstance(m, ct.Conv2d) for m in model.modules()) == 20
+    assert sum(isinstance(m, ct.BatchNorm2d) for m in model.modules()) == 20
+    # outside nn.Sequential nothing is fused: BasicBlock applies its ReLU twice
+    block = model.layer2[0]
+    assert block.bn1.activation == "identity" and isinstance(block.relu, nn.ReLU)
+    assert block.bn1.running_mean is not ref.layer2[0].bn1.running_mean  # a deep copy
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    for train in (True, True, False):
+        ref.train(train)
+        model.train(train)
+        _same_step(ref, model, x)
+    assert int(model.bn1.num_batches_tracked) == 2
+    assert not torch.allclose(model.bn1.running_mean, torch.zeros(8, dtype=torch.float64))
+
+
+def _vgg_like() -> nn.Sequential:
+    """Conv -> BatchNorm -> ReLU runs inside nn.Sequential, plus a pre-activation BN."""
     return nn.Sequential(
-        nn.Sequential(nn.Conv2d(3, w, 3, padding=1), nn.ReLU()),
-        nn.Sequential(BasicBlock(w, w), BasicBlock(w, w)),
-        nn.Sequential(BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 2 * w)),
-        nn.Sequential(BasicBlock(2 * w, 4 * w, 2), BasicBlock(4 * w, 4 * w)),
-        nn.Sequential(BasicBlock(4 * w, 8 * w, 2), BasicBlock(8 * w, 8 * w)),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * w, classes),
+        nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(inplace=True),
+        nn.Conv2d(6, 8, 3, stride=2), nn.BatchNorm2d(8, momentum=None), nn.SiLU(),
+        nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1),
+        nn.Flatten(), nn.BatchNorm1d(4 * 3 * 3, affine=False), nn.Linear(4 * 3 * 3, 3),
     )
 
 
-def test_resnet_like_same_outputs_and_gradients():
-    torch.manual_seed(0)
-    ref = resnet_like().double()
+def test_conv_batchnorm_activation_fuses_inside_sequential(monkeypatch):
+    torch.manual_seed(1)
+    ref = _vgg_like().double()
     model = ct.convert(copy.deepcopy(ref))
-    assert set(model.state_dict()) == set(ref.state_dict())
-    stem = model[0]
-    assert isinstance(stem[0], ct.Conv2d) and stem[0].activation == "relu"
-    assert isinstance(stem[1], nn.Identity)
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
-    assert convs == []  # every torch conv was replaced
-    assert sum(isinstance(m, ct.Conv2d) for m in model.modules()) == 20
-    block = model[2][0]
-    assert isinstance(block.conv1, ct.Conv2d) and block.conv1.activation == "identity"
-    assert isinstance(block.relu, nn.ReLU) and isinstance(block.bn1, nn.BatchNorm2d)
-    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
-    for train in (True, False):
+    assert list(model.state_dict()) == list(ref.state_dict())
+    kinds = [(type(m).__name__, getattr(m, "activation", None)) for m in model]
+    assert kinds == [
+        ("Conv2d", "identity"), ("BatchNorm2d", "relu"), ("Identity", None),
+        ("Conv2d", "identity"), ("BatchNorm2d", "silu"), ("Identity", None),
+        ("BatchNorm2d", "relu"), ("Identity", None), ("Conv2d", "identity"),
+        ("Flatten", None), ("BatchNorm1d", "identity"), ("Linear", None)]
+    assert isinstance(model[1], ct.BatchNorm2d) and model[4].momentum is None
+    x = torch.randn(5, 3, 8, 8, dtype=torch.float64)
+    for train in (True, True, False):
         ref.train(train)
         model.train(train)
-        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y_ref, y = ref(xr), model(xm)
-        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-        dy = torch.randn_like(y)
-        y_ref.backward(dy)
-        y.backward(dy)
-        torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-9, atol=1e-9)
-        named = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, named[name].grad, rtol=1e-9, atol=1e-9,
-                                       msg=name)
-        ref.zero_grad()
-        model.zero_grad()
+        _same_step(ref, model, x)
+    # the same Parameter and buffer objects as before the conversion
+    bn = nn.BatchNorm2d(3)
+    fused = ct.convert(bn)
+    assert isinstance(fused, ct.BatchNorm2d)
+    assert fused.weight is bn.weight and fused.running_var is bn.running_var
+    assert fused.num_batches_tracked is bn.num_batches_tracked
+
+
+def test_converted_batchnorm_runs_convfuse(monkeypatch):
+    import convfuse.ops.reference.batchnorm as ref_bn
+
+    calls = []
+    real = ref_bn.batchnorm_forward_training
+    monkeypatch.setattr(ref_bn, "batchnorm_forward_training",
+                        lambda *a: calls.append(a[8]) or real(*a))
+    model = ct.convert(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.ReLU(),
+                                     nn.Conv2d(2, 2, 3), nn.BatchNorm2d(2)))
+    model(torch.randn(2, 1, 6, 6))
+    assert calls == ["relu", "identity"]
 
 
 def test_convert_shares_parameters_and_keeps_training_flag():
@@ -134,3 +209,14 @@ def test_converted_model_runs_convfuse(monkeypatch):
     model = ct.convert(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Conv2d(2, 2, 3)))
     model(torch.randn(1, 1, 6, 6))
     assert calls == ["relu", "identity"]
+
+
+def test_convert_leaves_batchnorm_subclasses_and_keeps_flags():
+    seq = nn.Sequential(nn.Conv2d(2, 4, 3), nn.SyncBatchNorm(4), nn.ReLU(),
+                        nn.BatchNorm2d(4, affine=False, track_running_stats=False), nn.Tanh())
+    seq.eval()
+    ct.convert(seq)
+    assert type(seq[1]) is nn.SyncBatchNorm and type(seq[2]) is nn.ReLU  # not fused past it
+    bn = seq[3]
+    assert isinstance(bn, ct.BatchNorm2d) and bn.activation == "tanh" and not bn.training
+    assert bn.weight is None and bn.running_mean is None and isinstance(seq[4], nn.Identity)

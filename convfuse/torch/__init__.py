@@ -1,12 +1,14 @@
-"""convfuse inside PyTorch: fused convolution layers as torch.nn.Modules.
+"""convfuse inside PyTorch: fused convolution and batch-normalization layers as
+torch.nn.Modules.
 
     pip install ".[cu12,torch]"
 
 `Conv1d/2d/3d` take torch.nn.Conv*d's arguments plus `activation=` and compute
-act(conv(x) + bias + residual) in one convfuse op, forward and backward (docs/PYTORCH.md).
-`convert(model)` swaps a model's convolutions (and the activation right after each, inside
-an nn.Sequential) for them, keeping the same Parameters. `import convfuse` never imports
-torch; only this package does.
+act(conv(x) + bias + residual) in one convfuse op, forward and backward; `BatchNorm1d/2d/3d`
+take torch.nn.BatchNorm*d's plus `activation=` and compute act(batchnorm(x) + residual)
+(docs/PYTORCH.md). `convert(model)` swaps a model's convolutions and batch norms (and the
+activation right after each, inside an nn.Sequential) for them, keeping the same Parameters
+and buffers. `import convfuse` never imports torch; only this package does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "without it)"
     ) from exc
 
+from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d
-from .convert import activation_of, convert, fused_conv
+from .convert import activation_of, convert, fused_batchnorm, fused_conv
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "activation_of", "convert", "fused_conv"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
+           "activation_of", "convert", "fused_batchnorm", "fused_conv"]

@@ -1,5 +1,5 @@
-"""`convert(model)`: swap torch.nn convolutions (and the activation after them) for
-convfuse's fused layers, sharing the same Parameters.
+"""`convert(model)`: swap torch.nn convolutions and batch norms (and the activation after
+them) for convfuse's fused layers, sharing the same Parameters and buffers.
 
 Note [conversion rules]
 Inside an nn.Sequential the order of the children is the order of the forward, so a run of
@@ -7,9 +7,12 @@ children can be fused: each rule in `RULES` looks at the children from position 
 returns the fused module and how many children it replaced (the first becomes the fused
 module, the others nn.Identity, so indices and state-dict keys stay the same). The first rule
 that matches wins. Outside nn.Sequential the forward order is unknown (ResNet's BasicBlock
-applies one ReLU twice, once after the residual add), so convolutions are converted alone.
-BatchNorm folds in here, in one place, once convfuse has BatchNorm ops: a rule matching
-(Conv, BatchNorm[, activation]) placed before `_conv_activation`.
+applies one ReLU twice, once after the residual add), so convolutions and batch norms are
+converted alone. BatchNorm needs no rule of its own for Conv -> BatchNorm -> activation:
+the conv rule sees a BatchNorm next (not an activation) and converts the conv alone, then
+the BatchNorm rule folds the activation into the convfuse BatchNorm. The same rule fuses a
+pre-activation BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into the
+convolution's weights: in training the statistics are the batch's, so they cannot be.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d, _BatchNormNd
 from .conv import Conv1d, Conv2d, Conv3d, _ConvNd
 
 _CONVS: dict[type, type[_ConvNd]] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+_BATCHNORMS: dict[type, type[_BatchNormNd]] = {
+    nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d}
 
 
 def activation_of(module: nn.Module) -> str | None:
@@ -61,6 +67,30 @@ def fused_conv(conv: nn.Module, activation: str | None = None) -> _ConvNd | None
     return new
 
 
+def fused_batchnorm(bn: nn.Module, activation: str | None = None) -> _BatchNormNd | None:
+    """A convfuse BatchNorm computing activation(bn(x)) with `bn`'s own Parameters and
+    buffers (the same tensors), or None (with a warning) when convfuse cannot run it."""
+    cls = _BATCHNORMS.get(type(bn))
+    if cls is None:
+        return None
+    like = bn.weight if bn.weight is not None else bn.running_mean
+    try:
+        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
+                  activation, device="meta",
+                  dtype=like.dtype if like is not None else None,
+                  bias=bn.bias is not None or not bn.affine)
+    except (ValueError, TypeError) as exc:
+        warnings.warn(f"convfuse.torch.convert: kept {bn!r} as PyTorch's ({exc})",
+                      stacklevel=3)
+        return None
+    for name in ("weight", "bias"):
+        setattr(new, name, getattr(bn, name))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        new._buffers[name] = bn._buffers.get(name)
+    new.train(bn.training)
+    return new
+
+
 Rule = Callable[[list[nn.Module], int], "tuple[nn.Module, int] | None"]
 
 
@@ -74,22 +104,35 @@ def _conv_activation(children: list[nn.Module], i: int) -> tuple[nn.Module, int]
     return fused, (2 if act is not None else 1)
 
 
-RULES: list[Rule] = [_conv_activation]
+def _batchnorm_activation(children: list[nn.Module], i: int) -> tuple[nn.Module, int] | None:
+    if type(children[i]) not in _BATCHNORMS:
+        return None
+    act = activation_of(children[i + 1]) if i + 1 < len(children) else None
+    fused = fused_batchnorm(children[i], act)
+    if fused is None:
+        return None
+    return fused, (2 if act is not None else 1)
+
+
+RULES: list[Rule] = [_conv_activation, _batchnorm_activation]
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Replace, in place, every nn.Conv1d/2d/3d by convfuse's fused layer with the same
-    Parameters, folding an activation that immediately follows it in an nn.Sequential
-    (Note [conversion rules]); returns the model (or the new layer, if `model` is a conv).
+    """Replace, in place, every nn.Conv1d/2d/3d and nn.BatchNorm1d/2d/3d by convfuse's
+    fused layer with the same Parameters and buffers, folding an activation that
+    immediately follows it in an nn.Sequential (Note [conversion rules]); returns the
+    model (or the new layer, if `model` is a conv or a batch norm).
 
-    The Parameters are the same objects, so an optimizer built before the conversion
-    keeps working. Convolutions convfuse cannot run (padding modes other than zeros,
-    asymmetric 'same' padding, integer dtypes) stay PyTorch's, with a warning.
+    The Parameters and buffers are the same objects, so an optimizer built before the
+    conversion keeps working. Layers convfuse cannot run (padding modes other than zeros,
+    asymmetric 'same' padding, integer dtypes) stay PyTorch's, with a warning; subclasses
+    (SyncBatchNorm, lazy modules) are left alone.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
-    if type(model) in _CONVS:
-        return fused_conv(model) or model
+    alone = _alone(model)
+    if alone is not None:
+        return alone
     _convert_children(model)
     return model
 
@@ -100,8 +143,8 @@ def _convert_children(parent: nn.Module) -> None:
     i = 0
     while i < len(children):
         match = _match(children, i) if isinstance(parent, nn.Sequential) else None
-        if match is None and type(children[i]) in _CONVS:
-            fused = fused_conv(children[i])
+        if match is None:
+            fused = _alone(children[i])
             match = (fused, 1) if fused is not None else None
         if match is None:
             _convert_children(children[i])
@@ -112,6 +155,15 @@ def _convert_children(parent: nn.Module) -> None:
         for j in range(i + 1, i + used):
             parent._modules[names[j]] = nn.Identity()
         i += used
+
+
+def _alone(module: nn.Module) -> nn.Module | None:
+    """`module` converted on its own (no activation folded), or None."""
+    if type(module) in _CONVS:
+        return fused_conv(module)
+    if type(module) in _BATCHNORMS:
+        return fused_batchnorm(module)
+    return None
 
 
 def _match(children: list[nn.Module], i: int) -> tuple[nn.Module, int] | None:

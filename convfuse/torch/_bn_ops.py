@@ -1,0 +1,239 @@
+"""convfuse's batch normalization as opaque PyTorch custom ops, with autograd.
+
+`torch.ops.convfuse.batchnorm_training` (batch statistics; updates the running statistics
+in place, declared in its schema as mutated arguments), `batchnorm_inference` (running
+statistics) and `batchnorm_backward` are `torch.library.custom_op`s with fake
+implementations, so torch.compile(fullgraph=True) sees each as one op and functionalizes
+the running-statistics update itself.
+
+Note [autograd for a mutating custom op]
+PyTorch refuses `register_autograd` on a custom op that mutates its arguments ("create a
+functional operator"), and the training forward must mutate running_mean/var (that is
+where convfuse's ops, and cuDNN, write them). So the gradient is attached one level up, by
+`BatchNormFunction` (a torch.autograd.Function), which dynamo traces with fullgraph=True:
+the forward and backward graphs still hold one opaque op each. Returning the new
+statistics from a functional op and copying them back instead would cost two extra
+copies per layer and step in eager mode.
+
+Note [what the backward reuses]
+The forward returns the per-channel mean and 1/sqrt(var + eps) it normalised with (batch
+or running statistics) and, as the activation needs, its output or pre-activation; the
+backward op hands them back to convfuse.ops.batchnorm_backward, so no statistic is
+recomputed. The cuDNN engine's private state of a fused forward (its reserve space) is
+not carried across: it is no tensor of a size known before the call, which a fake
+implementation must give. The backward then takes cuDNN's plain path, which is exact after
+a fused forward too (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
+
+Per-channel arrays cross in convfuse's compute dtype (float32 for float32/float16/
+bfloat16 data, float64 for float64). PyTorch keeps a float16/bfloat16 layer's parameters
+and statistics in its own dtype, so those are cast on the way in (C values) and the
+statistics copied back after the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import activations, ops
+from ..ops._checks import ALIGNMENT
+from ..ops.batchnorm import as_factor
+from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
+from ._ops import _empty_like_layout
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _usable(t: torch.Tensor, cd: torch.dtype) -> bool:
+    """Whether convfuse can take the (C,) tensor `t` as it is: compute dtype, contiguous,
+    and on CUDA at an aligned address (a view into a flat buffer may not be)."""
+    return t.dtype == cd and t.is_contiguous() and (
+        t.device.type != "cuda" or t.data_ptr() % ALIGNMENT == 0)
+
+
+def _per_channel(t: torch.Tensor | None, cd: torch.dtype) -> Any:
+    """A (C,) tensor as a convfuse array in the compute dtype (a view when usable as is,
+    else a copy of C values)."""
+    if t is None:
+        return None
+    t = t.detach()
+    return to_array(t if _usable(t, cd) else t.to(cd, copy=True).contiguous())
+
+
+def _layout(cl: bool) -> str:
+    return "NHWC" if cl else "NCHW"
+
+
+def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    yt = logical(to_tensor(y), cl)
+    mean, invstd = to_tensor(saved.mean), to_tensor(saved.invstd)
+    # Outputs may not alias each other: y is handed to the backward by the autograd
+    # Function, the op returns only a separate pre-activation.
+    z = saved.saved
+    zt = logical(to_tensor(z), cl) if z is not None and z is not y else x.new_empty(0)
+    return yt, mean, invstd, zt
+
+
+@torch.library.custom_op("convfuse::batchnorm_training",
+                         mutates_args=("running_mean", "running_var"))
+def batchnorm_training(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+    residual: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
+    momentum: float | None, eps: float, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, invstd, z): y = act(batchnorm(x) + residual) with the batch's statistics.
+
+    running_mean/var (when given) take the update with factor `momentum`, or
+    1/num_batches_tracked (already incremented by the caller, as PyTorch does) for
+    momentum=None. z is the pre-activation when the activation's backward needs it."""
+    cl = is_channels_last(x)
+    cd = _compute_dtype(x)
+    factor = 0.0
+    if running_mean is not None:
+        factor = as_factor(
+            momentum, int(num_batches_tracked) if num_batches_tracked is not None else 1)
+    # Statistics not already contiguous in the compute dtype run on a copy, written back.
+    stats = [s if s is None or _usable(s, cd) else s.to(cd, copy=True).contiguous()
+             for s in (running_mean, running_var)]
+    with engine_context(x.device):
+        y, saved = ops.batchnorm_forward_training(
+            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
+            *(None if s is None else to_array(s) for s in stats), _layout(cl), eps, factor,
+            activation, None if residual is None else to_array(physical(residual, cl)))
+        out = _result(y, saved, cl, x)
+    for target, s in zip((running_mean, running_var), stats):
+        if target is not None and s is not target:
+            target.copy_(s)
+    return out
+
+
+@torch.library.custom_op("convfuse::batchnorm_inference", mutates_args=())
+def batchnorm_inference(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    running_mean: torch.Tensor, running_var: torch.Tensor, residual: torch.Tensor | None,
+    eps: float, activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, invstd, z) as batchnorm_training, with the running statistics."""
+    cl = is_channels_last(x)
+    cd = _compute_dtype(x)
+    with engine_context(x.device):
+        y, saved = ops.batchnorm_forward_inference(
+            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
+            _per_channel(running_mean, cd), _per_channel(running_var, cd), _layout(cl), eps,
+            activation, None if residual is None else to_array(physical(residual, cl)))
+        return _result(y, saved, cl, x)
+
+
+def _fake_forward(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
+    cl = is_channels_last(x)
+    c = x.shape[1]
+    cd = _compute_dtype(x)
+    y = _empty_like_layout(x, x.shape, cl)
+    z = _empty_like_layout(x, x.shape, cl) \
+        if activations.saves(activation) == "preactivation" else x.new_empty(0)
+    return y, x.new_empty(c, dtype=cd), x.new_empty(c, dtype=cd), z
+
+
+@batchnorm_training.register_fake
+def _(x, weight, bias, running_mean, running_var, residual, num_batches_tracked, momentum,
+      eps, activation):
+    return _fake_forward(x, activation)
+
+
+@batchnorm_inference.register_fake
+def _(x, weight, bias, running_mean, running_var, residual, eps, activation):
+    return _fake_forward(x, activation)
+
+
+@torch.library.custom_op("convfuse::batchnorm_backward", mutates_args=())
+def batchnorm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    saved: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, training: bool,
+    eps: float, activation: str, need_dx: bool, need_dres: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias, dres) of the forward (Note [what the backward reuses]); dx and
+    dres only when asked for, else empty. dweight/dbias (in the parameters' dtype) come
+    from the same pass whenever weight is given (cuDNN computes them together with dx);
+    empty for affine=False."""
+    cl = is_channels_last(x)
+    cd = _compute_dtype(x)
+    xp = physical(x, cl)
+    affine = weight is not None
+    # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad.
+    dw = torch.empty(weight.shape, dtype=cd, device=x.device) if affine else None
+    db = torch.empty(weight.shape, dtype=cd, device=x.device) if affine else None
+    with engine_context(x.device):
+        state = ops.BatchNormSaved(
+            to_array(mean), to_array(invstd),
+            None if saved is None else to_array(physical(saved, cl)), training)
+        dx, _, _, dres = ops.batchnorm_backward(
+            to_array(physical(dy, cl)), to_array(xp), _per_channel(weight, cd),
+            _per_channel(bias, cd), state, _layout(cl), eps, activation, need_dres, need_dx,
+            None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0)
+        empty = dy.new_empty(0)
+        return (
+            logical(to_tensor(dx), cl) if dx is not None else empty,
+            dw.to(weight.dtype) if affine else empty.clone(),
+            db.to(weight.dtype) if affine else empty.clone(),
+            logical(to_tensor(dres), cl) if dres is not None else empty.clone(),
+        )
+
+
+@batchnorm_backward.register_fake
+def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_dx,
+      need_dres):
+    cl = is_channels_last(x)
+    empty = dy.new_empty(0)
+    return (
+        _empty_like_layout(x, x.shape, cl) if need_dx else empty,
+        weight.new_empty(weight.shape) if weight is not None else empty.clone(),
+        weight.new_empty(weight.shape) if weight is not None else empty.clone(),
+        _empty_like_layout(x, x.shape, cl) if need_dres else empty.clone(),
+    )
+
+
+class BatchNormFunction(torch.autograd.Function):
+    """act(batchnorm(x) + residual) through the ops above (Note [autograd for a mutating
+    custom op]). `use_batch_stats` picks batchnorm_training; running_mean/var are then
+    updated when given."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, running_mean, running_var,
+                num_batches_tracked, use_batch_stats, momentum, eps, activation):
+        if use_batch_stats:
+            y, mean, invstd, z = torch.ops.convfuse.batchnorm_training(
+                x, weight, bias, running_mean, running_var, residual, num_batches_tracked,
+                momentum, eps, activation)
+        else:
+            y, mean, invstd, z = torch.ops.convfuse.batchnorm_inference(
+                x, weight, bias, running_mean, running_var, residual, eps, activation)
+        kind = activations.saves(activation)
+        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
+        ctx.hyper = (bool(use_batch_stats), float(eps), activation)
+        ctx.mark_non_differentiable(mean, invstd, z)
+        return y, mean, invstd, z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward, said clearly
+    def backward(ctx, dy, _dmean, _dinvstd, _dz):
+        x, weight, bias, saved, mean, invstd = ctx.saved_tensors
+        training, eps, activation = ctx.hyper
+        need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+        none7 = (None,) * 7
+        identity = activations.normalize(activation) == "identity"
+        if dy is None:
+            return (None,) * 4 + none7
+        dx = dw = db = dres = None
+        if need_dx or need_dw or need_db or (need_dres and not identity):
+            dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(
+                dy, x, weight, bias, saved, mean, invstd, training, eps, activation,
+                bool(need_dx), bool(need_dres) and not identity)
+        if need_dres and identity:
+            dres = dy  # the gradient at the sum is dy itself: no copy, no op
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                dres if need_dres else None, *none7)

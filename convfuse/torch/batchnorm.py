@@ -1,0 +1,196 @@
+"""BatchNorm1d, BatchNorm2d, BatchNorm3d as torch.nn.Modules running convfuse's batch
+normalization, with a fused residual add and activation.
+
+Parameters and buffers are created, named and initialised exactly as torch.nn.BatchNorm*d's
+(weight, bias, running_mean, running_var, num_batches_tracked; same dtypes, same state-dict
+version), so state dicts are interchangeable, and train/eval, momentum=None (cumulative
+average) and track_running_stats=False follow PyTorch's rules line for line.
+`forward(x, residual=None)` computes act(batchnorm(x) + residual) in one convfuse op
+(_bn_ops.py). The classes do not subclass torch.nn.BatchNorm*d: code that rewrites
+PyTorch's batch norms by isinstance (SyncBatchNorm.convert_sync_batchnorm, fusers) must
+not take them for PyTorch's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import activations
+from ._arrays import SUPPORTED_DTYPES
+from ._bn_ops import BatchNormFunction
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class _BatchNormNd(nn.Module):
+    """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
+
+    _version = 2  # torch.nn's: version 2 added num_batches_tracked
+    _ndims: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str | None = None,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if not isinstance(num_features, int) or isinstance(num_features, bool) \
+                or num_features < 1:
+            raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
+        if not eps >= 0:
+            raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: momentum must lie in [0, 1] or be None, got {momentum!r}")
+        factory = {"device": device, "dtype": dtype}
+        pdtype = torch.empty(0, **factory).dtype
+        if pdtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {pdtype} is not supported; convfuse computes in "
+                            "float32, float64, float16 or bfloat16")
+        try:
+            self.activation = activations.normalize(activation)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        if affine:
+            self.weight = nn.Parameter(torch.empty(num_features, **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(num_features, **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked",
+                                 torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        # torch.nn's rule: a state dict older than version 2 has no num_batches_tracked.
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        if (version is None or version < 2) and self.track_running_stats \
+                and key not in state_dict:
+            nbt = self.num_batches_tracked
+            state_dict[key] = nbt if nbt is not None and nbt.device.type != "meta" \
+                else torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def _check(self, x: torch.Tensor, residual: torch.Tensor | None,
+               use_batch_stats: bool) -> None:
+        name = type(self).__name__
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in self._ndims:
+            ranks = " or ".join(f"{n}-d" for n in self._ndims)
+            raise ValueError(f"{name}: expected a {ranks} input, got shape {tuple(x.shape)}")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"{name}: input has {x.shape[1]} channels, the layer expects "
+                             f"{self.num_features}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
+                            "computes in float32, float64, float16 or bfloat16")
+        for what, t in (("weight", self.weight), ("bias", self.bias),
+                        ("running_mean", self.running_mean), ("running_var", self.running_var)):
+            if t is None:
+                continue
+            # PyTorch's mixed precision: float16/bfloat16 data with float32 statistics.
+            if t.dtype != x.dtype and not (x.dtype in _HALF and t.dtype == torch.float32):
+                raise TypeError(f"{name}: input dtype {x.dtype} does not match the {what}'s "
+                                f"{t.dtype}")
+            if t.device != x.device:
+                raise ValueError(f"{name}: input is on {x.device}, the {what} on {t.device}")
+        if use_batch_stats and x.numel() // x.shape[1] < 2:
+            raise ValueError(f"{name}: expected more than 1 value per channel when training, "
+                             f"got input shape {tuple(x.shape)}")
+        if residual is None:
+            return
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
+                            f"{type(residual).__name__}")
+        if residual.shape != x.shape:
+            raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the input "
+                             f"has shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype or residual.device != x.device:
+            raise TypeError(f"{name}: residual is {residual.dtype} on {residual.device}, the "
+                            f"input {x.dtype} on {x.device}")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
+        between batch and running statistics and whether the running ones are updated."""
+        use_batch_stats = self.training or (self.running_mean is None
+                                            and self.running_var is None)
+        self._check(x, residual, use_batch_stats)  # before any state changes
+        factor_momentum = self.momentum
+        update = self.training and self.track_running_stats
+        if update and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        if update and self.momentum is None and self.num_batches_tracked is None:
+            factor_momentum = 0.0  # torch.nn: no count, no cumulative average
+        # Buffers are passed when they are updated (training and tracking) or read (eval).
+        stats = not self.training or self.track_running_stats
+        rm = self.running_mean if stats else None
+        rv = self.running_var if stats else None
+        y, _, _, _ = BatchNormFunction.apply(
+            x, self.weight, self.bias, residual, rm, rv, self.num_batches_tracked,
+            use_batch_stats, factor_momentum, float(self.eps), self.activation)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self.bias is not None}, "
+                f"track_running_stats={self.track_running_stats}, "
+                f"activation={self.activation!r}")
+
+
+class BatchNorm1d(_BatchNormNd):
+    """torch.nn.BatchNorm1d + fused residual add and activation; input (N, C) or (N, C, L)."""
+
+    _ndims = (2, 3)
+
+
+class BatchNorm2d(_BatchNormNd):
+    """torch.nn.BatchNorm2d + fused residual add and activation; input (N, C, H, W),
+    contiguous or channels_last (convfuse's NHWC, no copy)."""
+
+    _ndims = (4,)
+
+
+class BatchNorm3d(_BatchNormNd):
+    """torch.nn.BatchNorm3d + fused residual add and activation; input (N, C, D, H, W)."""
+
+    _ndims = (5,)
