@@ -168,7 +168,7 @@ def test_call_rejects_bad_input(rng):
         cf.BatchNorm1d(3)(np.zeros((2, 3, 4, 4), np.float32))
     with pytest.raises(TypeError, match="BatchNorm2d: residual must be a NumPy or CuPy array"):
         bn(np.zeros((2, 3, 3, 3), np.float32), residual="not an array")
-    with pytest.raises(ValueError, match="batchnorm_forward_training: residual has shape"):
+    with pytest.raises(ValueError, match="BatchNorm2d: residual has shape"):
         bn(np.zeros((2, 3, 3, 3), np.float32), residual=np.zeros((2, 3, 3, 1), np.float32))
     with pytest.raises(DeviceMismatchError, match="BatchNorm2d is on 'cpu'"):
         bn(np.zeros((2, 3, 3, 3), np.float32), residual=_fake_cupy((2, 3, 3, 3)))

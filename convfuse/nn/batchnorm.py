@@ -35,7 +35,7 @@ from ..backend import is_cupy, resolve_device, to_device
 from ..errors import CaptureError
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
-from .module import Layer, init_parameter
+from .module import USER_ERRORS, Layer, contiguous, init_parameter
 
 
 class _BatchNorm(Layer):
@@ -126,6 +126,13 @@ class _BatchNorm(Layer):
         return as_factor(None, self._host_count + 1)  # pragma: gpu
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
+        """act(batchnorm(x) + residual); a non-C-contiguous x or residual is copied once."""
+        try:
+            return self._forward(x, residual)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+
+    def _forward(self, x: Any, residual: Any) -> Any:
         name = type(self).__name__
         self._check_input(x)
         if residual is not None:
@@ -134,6 +141,9 @@ class _BatchNorm(Layer):
             raise ValueError(
                 f"{name} has dtype {self.dtype} but its input has dtype {x.dtype}; cast the "
                 f"input (x.astype('{self.dtype}')) or build the layer with dtype={x.dtype}")
+        x = contiguous(x)
+        if residual is not None:
+            residual = contiguous(residual)
         g = self._geometry(x)
         w = self.weight.data if self.weight is not None else None
         b = self.bias.data if self.bias is not None else None
@@ -157,21 +167,20 @@ class _BatchNorm(Layer):
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        """dx (and dresidual when the forward took one); accumulates into .grad."""
-        ctx = self._take_ctx()
+        """dx (and dresidual when the forward took one); accumulates into .grad.
+        Atomic and repeatable: see Layer's backward rule."""
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
         saved, x, has_residual, _ = ctx
-        try:
-            self._check_input(dy, "dy")
-            dx, _, _, dres = ops.batchnorm_backward(
-                dy, x, self.weight.data if self.weight is not None else None,
-                self.bias.data if self.bias is not None else None, saved, self.layout,
-                self.eps, self.activation, has_residual, need_dx=self.needs_input_grad,
-                weight_grad=self.weight.grad if self.weight is not None else None,
-                bias_grad=self.bias.grad if self.bias is not None else None,
-                param_beta=1.0 if self.weight is not None else 0.0)
-        except Exception:
-            self._ctx = ctx  # a rejected dy must not cost the user their forward
-            raise
+        dy = self._check_dy(dy, x.shape, x.dtype)
+        dx, _, _, dres = ops.batchnorm_backward(
+            dy, x, self.weight.data if self.weight is not None else None,
+            self.bias.data if self.bias is not None else None, saved, self.layout,
+            self.eps, self.activation, has_residual, need_dx=self.needs_input_grad,
+            weight_grad=self.weight.grad if self.weight is not None else None,
+            bias_grad=self.bias.grad if self.bias is not None else None,
+            param_beta=1.0 if self.weight is not None else 0.0)
         return (dx, dres) if has_residual else dx
 
     def _move_own(self, target: str) -> None:
