@@ -95,7 +95,8 @@ def _first_real_offset(pg: PoolGeometry, dtype: np.dtype) -> np.ndarray:
 def _may_hold_nan(a: np.ndarray) -> bool:
     # one fast reduction: any NaN (or inf - inf, or overflow) makes the sum non-finite,
     # and then the NaN-aware path runs; finite sums prove there is no NaN
-    return not np.isfinite(np.add.reduce(a, axis=None, dtype=np.float64))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return not np.isfinite(np.add.reduce(a, axis=None, dtype=np.float64))
 
 
 def _max_forward(xp: np.ndarray, out: np.ndarray, offsets: list) -> None:
