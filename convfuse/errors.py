@@ -48,3 +48,8 @@ class BackwardBeforeForwardError(ConvfuseError, RuntimeError):
 
 class CaptureError(ConvfuseError, RuntimeError):
     """A training step could not be captured as a CUDA graph; the message says why."""
+
+
+class StateDictError(ConvfuseError, RuntimeError):
+    """load_state_dict found missing, unexpected, mis-shaped or mis-typed entries; the
+    message names every offending key. Nothing was loaded (RuntimeError, as PyTorch)."""

@@ -99,5 +99,6 @@ void bindDescriptors(py::module_& m);
 void bindConvolution(py::module_& m);
 void bindConvolutionAlgorithms(py::module_& m);
 void bindPoolingActivation(py::module_& m);
+void bindBatchNorm(py::module_& m);
 
 }  // namespace convfuse

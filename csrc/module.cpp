@@ -53,4 +53,5 @@ PYBIND11_MODULE(_cudnn, m) {
   convfuse::bindConvolution(m);
   convfuse::bindConvolutionAlgorithms(m);
   convfuse::bindPoolingActivation(m);
+  convfuse::bindBatchNorm(m);
 }

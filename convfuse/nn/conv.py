@@ -12,7 +12,6 @@ from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
 from ..geometry import ConvGeometry, IntOrTuple, as_tuple, parse_layout
 from .module import Layer, init_parameter
-from .parameter import Parameter
 
 
 class _ConvNd(Layer):
@@ -75,9 +74,6 @@ class _ConvNd(Layer):
         b = rng.uniform(-bound, bound, out_channels)
         self.bias = init_parameter(b, self.dtype, self.device, "bias") if bias else None
 
-    def parameters(self) -> list[Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
-
     def _geometry(self, x: Any) -> ConvGeometry:
         geom = self._geoms.get(tuple(x.shape))
         if geom is None:
@@ -118,13 +114,24 @@ class _ConvNd(Layer):
         self._check_input(dy, "dy")
         try:
             grads = conv_bias_act_backward(
-                dy, ctx, dweight=self.weight.grad,
+                dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
                 dbias=None if self.bias is None else self.bias.grad, accumulate=True,
             )
         except Exception:
             self._ctx = ctx  # a rejected dy must not cost the user their forward
             raise
         return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
+
+    def _param_to_state(self, name: str, value: Any) -> Any:
+        # channels-last stores (K, *kernel, C/groups); PyTorch's checkpoints hold (K, C/g, *k).
+        if name == "weight" and self.channels_last:
+            return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
+        return value
+
+    def _param_from_state(self, name: str, value: Any) -> Any:
+        if name == "weight" and self.channels_last:
+            return value.transpose(0, *range(2, value.ndim), 1)
+        return value
 
     def extra_repr(self) -> str:
         return (

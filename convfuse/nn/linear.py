@@ -16,7 +16,6 @@ from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
 from ..geometry import ConvGeometry
 from .module import Layer, init_parameter
-from .parameter import Parameter
 
 
 class Linear(Layer):
@@ -48,9 +47,6 @@ class Linear(Layer):
         self.weight = init_parameter(w, self.dtype, self.device, "weight")
         b = rng.uniform(-bound, bound, out_features)
         self.bias = init_parameter(b, self.dtype, self.device, "bias") if bias else None
-
-    def parameters(self) -> list[Parameter]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def _as_conv(self, a: Any) -> Any:
         return a.reshape(*a.shape, 1, 1)
@@ -89,12 +85,15 @@ class Linear(Layer):
             )
         try:
             grads = conv_bias_act_backward(
-                self._as_conv(dy), ctx, dweight=self._as_conv(self.weight.grad),
+                self._as_conv(dy), ctx, need_dx=self.needs_input_grad,
+                dweight=self._as_conv(self.weight.grad),
                 dbias=None if self.bias is None else self.bias.grad, accumulate=True,
             )
         except Exception:
             self._ctx = ctx
             raise
+        if grads.dx is None:
+            return None
         return grads.dx.reshape(ctx.geom.batch, self.in_features)
 
     def extra_repr(self) -> str:

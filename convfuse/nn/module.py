@@ -1,7 +1,15 @@
-"""What every convfuse layer shares: parameters, device moves, and input checks."""
+"""What every convfuse layer shares: PyTorch's Module API over NumPy/CuPy arrays.
+
+Registration follows torch.nn.Module: assigning a `Parameter` or a `Layer` to an attribute
+registers it, in definition order; `register_buffer` registers an array (running statistics).
+Everything stays an ordinary attribute, so the hot path reads `self.weight` at no extra cost.
+`state_dict()` and `load_state_dict()` live in convfuse/nn/state.py.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -11,33 +19,219 @@ from ..backend import device_of, resolve_device, to_device
 from ..errors import BackwardBeforeForwardError, DeviceMismatchError
 from .parameter import Parameter
 
+_REGISTRIES = ("_param_names", "_module_names", "_buffer_names")
+
 
 class Layer:
-    """Base of convfuse layers: `__call__`, `backward`, `parameters()`, `zero_grad()`, `to()`.
+    """Base of convfuse layers (alias `Module`): `__call__`, `backward`, and torch.nn.Module's
+    bookkeeping: `named_parameters`, `named_buffers`, `named_children`, `named_modules`,
+    `state_dict`/`load_state_dict`, `train`/`eval`, `to`/`cuda`/`cpu`, `zero_grad`.
 
     Subclasses keep what backward needs in `self._ctx` between the two calls; backward
     consumes it (like PyTorch freeing the graph), so a second backward needs a new forward.
+
+    `needs_input_grad` (default True) says whether backward must compute dx. A layer whose
+    input is data, like the first layer of a model, sets it False and backward returns None
+    for dx: on the GPU that saves a whole cudnnConvolutionBackwardData per step.
     """
 
     device: str
+    training: bool = True
+    needs_input_grad: bool = True
 
-    def parameters(self) -> list[Parameter]:
-        return [p for p in vars(self).values() if isinstance(p, Parameter)]
+    # -- registration ------------------------------------------------------------------------
+    def _registry(self, which: str) -> list[str]:
+        reg = self.__dict__.get(which)
+        if reg is None:
+            reg = []
+            object.__setattr__(self, which, reg)
+        return reg
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__.get("_buffer_names", ()):
+            if value is not None:
+                _check_array(value, f"{type(self).__name__}: buffer {name!r}")
+        elif isinstance(value, Parameter):
+            self._unregister(name)
+            self._registry("_param_names").append(name)
+        elif isinstance(value, Layer):
+            self._unregister(name)
+            self._registry("_module_names").append(name)
+        elif name in self.__dict__.get("_param_names", ()) and value is not None:
+            raise TypeError(
+                f"{type(self).__name__}: cannot assign {type(value).__name__} as parameter "
+                f"{name!r} (convfuse.nn.Parameter or None expected)"
+            )
+        elif name in self.__dict__.get("_module_names", ()) and value is not None:
+            raise TypeError(
+                f"{type(self).__name__}: cannot assign {type(value).__name__} as child "
+                f"module {name!r} (a convfuse layer or None expected)"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        self._unregister(name)
+        object.__delattr__(self, name)
+
+    def _unregister(self, name: str) -> None:
+        for which in _REGISTRIES:
+            reg = self.__dict__.get(which)
+            if reg is not None and name in reg:
+                reg.remove(name)
+
+    def register_buffer(self, name: str, value: Any, persistent: bool = True) -> None:
+        """Register an array (or None) that is state but not a parameter: moved by `to()`,
+        saved by `state_dict()` when persistent. PyTorch's `register_buffer`."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"{type(self).__name__}: buffer name must be an identifier, "
+                             f"got {name!r}")
+        if value is not None:
+            _check_array(value, f"{type(self).__name__}: buffer {name!r}")
+        self._unregister(name)
+        self._registry("_buffer_names").append(name)
+        nonpersistent = self._registry("_nonpersistent")
+        if not persistent and name not in nonpersistent:
+            nonpersistent.append(name)
+        elif persistent and name in nonpersistent:
+            nonpersistent.remove(name)
+        object.__setattr__(self, name, value)
+
+    def add_module(self, name: str, module: Layer | None) -> None:
+        if module is not None and not isinstance(module, Layer):
+            raise TypeError(f"{type(self).__name__}.add_module: {name!r} is a "
+                            f"{type(module).__name__}, not a convfuse layer")
+        self._unregister(name)
+        self._registry("_module_names").append(name)
+        object.__setattr__(self, name, module)
+
+    # -- traversal ---------------------------------------------------------------------------
+    def named_children(self) -> Iterator[tuple[str, Layer]]:
+        for name in list(self.__dict__.get("_module_names", ())):
+            child = self.__dict__.get(name)
+            if child is not None:
+                yield name, child
+
+    def children(self) -> Iterator[Layer]:
+        for _, child in self.named_children():
+            yield child
+
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Layer]]:
+        """Self first, then every descendant once, depth first, as PyTorch."""
+        seen: set[int] = set()
+
+        def walk(mod: Layer, pre: str) -> Iterator[tuple[str, Layer]]:
+            if id(mod) in seen:
+                return
+            seen.add(id(mod))
+            yield pre, mod
+            for name, child in mod.named_children():
+                yield from walk(child, f"{pre}.{name}" if pre else name)
+
+        yield from walk(self, prefix)
+
+    def modules(self) -> Iterator[Layer]:
+        for _, mod in self.named_modules():
+            yield mod
+
+    def _own(self, which: str) -> Iterator[tuple[str, Any]]:
+        for name in self.__dict__.get(which, ()):
+            value = self.__dict__.get(name)
+            if value is not None:
+                yield name, value
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True
+                         ) -> Iterator[tuple[str, Parameter]]:
+        """(qualified name, Parameter), own first then children's; shared ones once."""
+        seen: set[int] = set()
+        mods = self.named_modules(prefix) if recurse else iter([(prefix, self)])
+        for pre, mod in mods:
+            for name, p in mod._own("_param_names"):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{pre}.{name}" if pre else name), p
+
+    def parameters(self, recurse: bool = True) -> list[Parameter]:
+        """A list (not a generator, so it can be passed around twice) of the parameters."""
+        return [p for _, p in self.named_parameters(recurse=recurse)]
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, Any]]:
+        mods = self.named_modules(prefix) if recurse else iter([(prefix, self)])
+        for pre, mod in mods:
+            for name, b in mod._own("_buffer_names"):
+                yield (f"{pre}.{name}" if pre else name), b
+
+    def buffers(self, recurse: bool = True) -> list[Any]:
+        return [b for _, b in self.named_buffers(recurse=recurse)]
+
+    def apply(self, fn: Callable[[Layer], None]) -> Layer:
+        """Call fn on every child (recursively), then on self, as PyTorch; returns self."""
+        for child in self.children():
+            child.apply(fn)
+        fn(self)
+        return self
+
+    # -- modes and devices -------------------------------------------------------------------
+    def train(self, mode: bool = True) -> Layer:
+        """Set training mode on self and every descendant; returns self."""
+        if not isinstance(mode, (bool, np.bool_)):
+            raise TypeError(f"{type(self).__name__}.train: mode must be a bool, got {mode!r}")
+        for mod in self.modules():
+            mod.training = bool(mode)
+        return self
+
+    def eval(self) -> Layer:
+        return self.train(False)
 
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.zero_grad()
 
     def to(self, device: str) -> Layer:
-        """Move parameters (and their gradients) to 'cuda' or 'cpu'; returns self."""
+        """Move parameters (with their gradients) and buffers of self and every descendant to
+        'cuda' or 'cpu'; returns self. Build optimizers after moving, as in PyTorch."""
         target = resolve_device(device)
-        for p in self.parameters():
-            p.data = to_device(p.data, target)
-            p.grad = to_device(p.grad, target)
-        self.device = target
-        self._ctx = None
+        for mod in self.modules():
+            mod._move_own(target)
         return self
 
+    def _move_own(self, target: str) -> None:
+        for _, p in self._own("_param_names"):
+            p.data = to_device(p.data, target)
+            p.grad = to_device(p.grad, target)
+        for name, b in self._own("_buffer_names"):
+            object.__setattr__(self, name, to_device(b, target))
+        self.device = target
+        self._ctx = None
+
+    def cuda(self) -> Layer:
+        return self.to("cuda")
+
+    def cpu(self) -> Layer:
+        return self.to("cpu")
+
+    # -- state_dict hooks: a layer whose storage layout differs from PyTorch's overrides these
+    def _param_to_state(self, name: str, value: Any) -> Any:
+        """The array `state_dict` stores for own parameter/buffer `name` (PyTorch's layout)."""
+        return value
+
+    def _param_from_state(self, name: str, value: np.ndarray | Any) -> Any:
+        """Inverse of `_param_to_state`: a state_dict array in this layer's own layout."""
+        return value
+
+    def _state_shape(self, name: str, value: Any) -> tuple[int, ...]:
+        return tuple(self._param_to_state(name, value).shape)
+
+    def state_dict(self) -> OrderedDict[str, np.ndarray]:
+        from .state import state_dict
+
+        return state_dict(self)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> Any:
+        from .state import load_state_dict
+
+        return load_state_dict(self, state_dict, strict)
+
+    # -- call helpers ------------------------------------------------------------------------
     def _check_input(self, x: Any, name: str = "input") -> None:
         try:
             where = device_of(x)
@@ -63,10 +257,30 @@ class Layer:
         return ctx
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.extra_repr()})"
+        extra = self.extra_repr()
+        kids = list(self.named_children())
+        if not kids:
+            return f"{type(self).__name__}({extra})"
+        lines = [extra] if extra else []
+        for name, child in kids:
+            body = repr(child).replace("\n", "\n  ")
+            lines.append(f"({name}): {body}")
+        inner = "\n  ".join(lines)
+        return f"{type(self).__name__}(\n  {inner}\n)"
 
     def extra_repr(self) -> str:
         return ""
+
+
+Module = Layer
+
+
+def _check_array(value: Any, what: str) -> None:
+    try:
+        device_of(value)
+    except TypeError:
+        raise TypeError(f"{what} must be a NumPy or CuPy array or None, "
+                        f"got {type(value).__name__}") from None
 
 
 def init_parameter(values: np.ndarray, dtype: Any, device: str, name: str) -> Parameter:

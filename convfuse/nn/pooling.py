@@ -66,6 +66,8 @@ class _Pool2d(Layer):
             self._ctx = (x, y, geom)
             raise ValueError(f"dy has shape {tuple(dy.shape)}, but the forward's output has "
                              f"shape {tuple(y.shape)}")
+        if not self.needs_input_grad:
+            return None
         return ops.pool_backward(dy, x, y, geom)
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
 """Stateless ops (DESIGN.md "Ops"): validate the arrays, then dispatch on their type.
 
 NumPy arrays run on the reference engine (`convfuse.ops.reference.<kind>`), CuPy arrays
-on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation or pooling. Every
+on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling or batchnorm. Every
 check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
 cuDNN. Arrays passed in are never modified; `out=` arguments are written.
 
@@ -13,6 +13,12 @@ test observes (or replaces) an engine by patching e.g.
 from __future__ import annotations
 
 from .activation import activation_backward, activation_backward_bias, activation_forward
+from .batchnorm import (
+    BatchNormSaved,
+    batchnorm_backward,
+    batchnorm_forward_inference,
+    batchnorm_forward_training,
+)
 from .conv import (
     conv_backward_bias,
     conv_backward_data,
@@ -23,9 +29,13 @@ from .conv import (
 from .pooling import pool_backward, pool_forward
 
 __all__ = [
+    "BatchNormSaved",
     "activation_backward",
     "activation_backward_bias",
     "activation_forward",
+    "batchnorm_backward",
+    "batchnorm_forward_inference",
+    "batchnorm_forward_training",
     "conv_backward_bias",
     "conv_backward_data",
     "conv_backward_filter",

@@ -1,0 +1,218 @@
+"""BatchNorm1d, BatchNorm2d, BatchNorm3d: batch normalization with a fused residual add and
+activation, PyTorch's semantics and state_dict keys.
+
+`y = bn(x, residual=None)` computes act(batchnorm(x) + residual), so a ResNet block's add
+and ReLU cost no extra pass (one cuDNN call where cuDNN fuses them, Note [BatchNorm in
+cuDNN]). Training normalises with the batch's biased variance and folds the unbiased one
+into running_var; evaluation uses the running statistics, unless track_running_stats is
+False (batch statistics in both modes, as PyTorch). `bn.backward(dy)` returns dx (and
+dresidual when the forward took a residual) and accumulates into weight.grad / bias.grad,
+reusing the forward's saved mean and inverse std.
+
+Differences from PyTorch, documented: weight, bias and the running statistics of a float16
+or bfloat16 layer are float32 (cuDNN's derived BN descriptor type; PyTorch's AMP keeps them
+float32 too).
+
+Note [momentum=None without a host sync]
+momentum=None is the cumulative average: factor 1/num_batches_tracked. cuDNN takes the
+factor as a host double, and num_batches_tracked lives on the device, so on the GPU the
+layer keeps a host mirror of the count. It is read from the device once (one sync) when
+stale: at the first training forward, after `.to()` and after load_state_dict; between
+those it is kept in step by the layer itself. A CUDA graph would replay the factor of the
+capture forever, so a momentum=None layer refuses to run inside graph.capture (CaptureError);
+use a float momentum there. On the CPU the count is read directly (no sync to avoid).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .. import activations, dtypes, ops
+from ..backend import is_cupy, resolve_device, to_device
+from ..errors import CaptureError
+from ..ops.batchnorm import as_factor
+from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
+from .module import Layer, init_parameter
+
+
+class _BatchNorm(Layer):
+    """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
+
+    _ndims: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 activation: str | None = None, layout: str = "NCHW", dtype: Any = "float32",
+                 device: str | None = None) -> None:
+        name = type(self).__name__
+        if not isinstance(num_features, int) or isinstance(num_features, bool) \
+                or num_features < 1:
+            raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
+        self.num_features = num_features
+        self.eps = _real(name, "eps", eps, 0.0, None)
+        self.momentum = None if momentum is None else _real(name, "momentum", momentum, 0.0, 1.0)
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self.activation = activations.normalize(activation)
+        if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
+            raise ValueError(f"{name}: layout must be 'NCHW' or 'NHWC', got {layout!r}")
+        self.layout = layout.upper()
+        self.dtype = dtypes.canonical(dtype)
+        self.device = resolve_device(device)
+        pdt = dtypes.compute_dtype(self.dtype)
+        self._ctx = None
+        self._host_count: int | None = None  # Note [momentum=None without a host sync]
+        if self.affine:
+            self.weight = init_parameter(np.ones(num_features), pdt, self.device, "weight")
+            self.bias = init_parameter(np.zeros(num_features), pdt, self.device, "bias")
+        else:
+            self.weight = None
+            self.bias = None
+        if self.track_running_stats:
+            self.register_buffer("running_mean", to_device(np.zeros(num_features, pdt),
+                                                           self.device))
+            self.register_buffer("running_var", to_device(np.ones(num_features, pdt),
+                                                          self.device))
+            self.register_buffer("num_batches_tracked",
+                                 to_device(np.zeros((), np.int64), self.device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean[...] = 0
+            self.running_var[...] = 1
+            self.num_batches_tracked[...] = 0
+            self._host_count = 0
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            self.weight.data[...] = 1
+            self.bias.data[...] = 0
+
+    def _geometry(self, x: Any) -> BatchNormGeometry:
+        name = type(self).__name__
+        if x.ndim not in self._ndims:
+            ranks = " or ".join(f"{n}-d" for n in self._ndims)
+            raise ValueError(f"{name} expects a {ranks} input, got shape {tuple(x.shape)}")
+        g = BatchNormGeometry.create(x.shape, self.layout, name)
+        if g.channels != self.num_features:
+            raise ValueError(
+                f"{name}: expected {self.num_features} channels on axis {g.channel_axis} "
+                f"(layout {self.layout}), got input shape {tuple(x.shape)}")
+        return g
+
+    def _factor(self) -> float:
+        """exponential_average_factor for this training step (count not yet incremented)."""
+        if self.momentum is not None:
+            return self.momentum
+        nbt = self.num_batches_tracked
+        if not is_cupy(nbt):
+            return as_factor(None, int(nbt) + 1)
+        import cupy  # pragma: gpu
+
+        if cupy.cuda.get_current_stream().is_capturing():  # pragma: gpu
+            raise CaptureError(
+                f"{type(self).__name__}(momentum=None) cannot be captured: its factor "
+                "1/num_batches_tracked changes every step and cuDNN takes it from the host "
+                "(Note [momentum=None without a host sync]); use a float momentum")
+        if self._host_count is None:  # pragma: gpu
+            self._host_count = int(nbt.get())  # the one sync, only when stale
+        return as_factor(None, self._host_count + 1)  # pragma: gpu
+
+    def __call__(self, x: Any, residual: Any = None) -> Any:
+        name = type(self).__name__
+        self._check_input(x)
+        if residual is not None:
+            self._check_input(residual, "residual")
+        if x.dtype != self.dtype:
+            raise ValueError(
+                f"{name} has dtype {self.dtype} but its input has dtype {x.dtype}; cast the "
+                f"input (x.astype('{self.dtype}')) or build the layer with dtype={x.dtype}")
+        g = self._geometry(x)
+        w = self.weight.data if self.weight is not None else None
+        b = self.bias.data if self.bias is not None else None
+        if self.training or not self.track_running_stats:
+            update = self.training and self.track_running_stats
+            rm, rv = (self.running_mean, self.running_var) if update else (None, None)
+            factor = self._factor() if update else 0.0
+            y, saved = ops.batchnorm_forward_training(
+                x, w, b, rm, rv, self.layout, self.eps, factor, self.activation, residual)
+            if update:
+                self.num_batches_tracked += 1  # in place, on the device: capturable
+                if self._host_count is not None:
+                    self._host_count += 1
+        else:
+            y, saved = ops.batchnorm_forward_inference(
+                x, w, b, self.running_mean, self.running_var, self.layout, self.eps,
+                self.activation, residual)
+        self._ctx = (saved, x, residual is not None, g)
+        return y
+
+    forward = __call__
+
+    def backward(self, dy: Any) -> Any:
+        """dx (and dresidual when the forward took one); accumulates into .grad."""
+        ctx = self._take_ctx()
+        saved, x, has_residual, _ = ctx
+        try:
+            self._check_input(dy, "dy")
+            dx, _, _, dres = ops.batchnorm_backward(
+                dy, x, self.weight.data if self.weight is not None else None,
+                self.bias.data if self.bias is not None else None, saved, self.layout,
+                self.eps, self.activation, has_residual, need_dx=self.needs_input_grad,
+                weight_grad=self.weight.grad if self.weight is not None else None,
+                bias_grad=self.bias.grad if self.bias is not None else None,
+                param_beta=1.0 if self.weight is not None else 0.0)
+        except Exception:
+            self._ctx = ctx  # a rejected dy must not cost the user their forward
+            raise
+        return (dx, dres) if has_residual else dx
+
+    def _move_own(self, target: str) -> None:
+        super()._move_own(target)
+        self._host_count = None
+
+    def _param_from_state(self, name: str, value: Any) -> Any:
+        if name == "num_batches_tracked":
+            self._host_count = None  # re-read at the next momentum=None step
+        return value
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+                f"activation={self.activation!r}, layout={self.layout!r}, dtype={self.dtype}, "
+                f"device={self.device!r}")
+
+
+def _real(layer: str, what: str, value: Any, lo: float, hi: float | None) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{layer}: {what} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not (v >= lo and (hi is None or v <= hi)) or v != v or v == float("inf"):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo} and finite"
+        raise ValueError(f"{layer}: {what} must be {bound}, got {value!r}")
+    return v
+
+
+class BatchNorm1d(_BatchNorm):
+    """Over (N, C) or (N, C, L) (NCHW) / (N, L, C) (NHWC)."""
+
+    _ndims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Over (N, C, H, W) (NCHW) or (N, H, W, C) (NHWC)."""
+
+    _ndims = (4,)
+
+
+class BatchNorm3d(_BatchNorm):
+    """Over (N, C, D, H, W) (NCHW) or (N, D, H, W, C) (NHWC)."""
+
+    _ndims = (5,)

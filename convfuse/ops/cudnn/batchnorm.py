@@ -1,0 +1,280 @@
+"""The batch-normalization ops on CuPy arrays, through a cached BatchNormPlan.
+
+Training forward: cudnnBatchNormalizationForwardTrainingEx with the plan's fused bnOps
+(relu, or residual add + relu) when the plan tries them (Note [BatchNorm in cuDNN] in
+convfuse/plan/batchnorm.py), else cudnnBatchNormalizationForwardTraining, then addTensor
+for a residual and convfuse's activation kernel. cuDNN updates the running statistics in
+place with exponentialAverageFactor and writes the saved mean and inverse std; nothing is
+read back to the host. Inference: cudnnBatchNormalizationForwardInference, then the same
+add and activation. Backward: cudnnBatchNormalizationBackwardEx after a fused forward
+(it needs that forward's reserve space and output), else the activation kernel's backward
+then cudnnBatchNormalizationBackward; both accumulate into the parameter gradients through
+betaParamDiff. Workspace and reserve space come from CuPy's pool.
+
+Note [BatchNorm fallback]
+Should cuDNN refuse the fused ops (any NOT_SUPPORTED status, conv.refused) at the size
+query, the forward call or the backward call, the plan records it, warns once
+(FusedFallbackWarning) and runs the plain path from then on: plain training forward,
+addTensor(residual), the ReLU kernel; in backward the ReLU kernel's backward and plain
+BatchNormalizationBackward. A backward refused after a fused forward still has what the
+plain backward needs (the output y, the saved mean and inverse std), so it falls back
+within the same step. Any other error is raised with the plan's shapes.
+
+Evaluation-mode backward (rare: frozen statistics) is computed with CuPy arithmetic,
+since cuDNN has no backward for inference; it is correct but not a tuned path.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from ... import activations
+from ...dtypes import compute_dtype
+from ...errors import CudnnError
+from ...plan.batchnorm import BatchNormGeometry, BatchNormPlan, get_batchnorm_plan
+from ...plan.conv import FusedFallbackWarning
+from .. import elementwise
+from .conv import refused
+from .handle import Workspace, context, get_handle
+
+_affine_defaults: dict[tuple[int, str, int], tuple[Any, Any]] = {}
+_affine_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Which path a training forward took, and (fused) its reserve space for backward."""
+
+    fused: bool
+    reserve: Any = None  # Workspace
+
+
+def _ones_zeros(cp: Any, dtype: Any, channels: int) -> tuple[Any, Any]:  # pragma: gpu
+    """cuDNN needs scale and bias pointers, so affine=False passes cached ones and zeros.
+    Taken with the raw allocator, as conv.zero_bias explains (they outlive any pool)."""
+    key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
+    with _affine_lock:
+        pair = _affine_defaults.get(key)
+        if pair is None:
+            with cp.cuda.using_allocator():
+                pair = _affine_defaults[key] = (cp.ones((channels,), dtype),
+                                                cp.zeros((channels,), dtype))
+        return pair
+
+
+def _ptr(a: Any) -> int:
+    return a.data.ptr if a is not None else 0
+
+
+def _scale_shift(cp: Any, weight: Any, bias: Any, g: BatchNormGeometry,
+                 cd: Any) -> tuple[Any, Any]:  # pragma: gpu
+    ones, zeros = _ones_zeros(cp, cd, g.channels)
+    return (weight if weight is not None else ones), (bias if bias is not None else zeros)
+
+
+def _where(plan: BatchNormPlan, what: str) -> str:
+    return f"{what} for {plan.describe()}"
+
+
+def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None:
+    if plan.refuse_fused(refusal):
+        warnings.warn(
+            f"cuDNN refused the fused batch normalization ({stage}) with "
+            f"{refusal.status_name} ({refusal.status}) for {plan.describe()}; running plain "
+            "batch normalization plus convfuse's add and ReLU kernels instead. This path "
+            "launches extra kernels; the plan remembers the refusal and does not try again.",
+            FusedFallbackWarning, stacklevel=5)
+
+
+def _finish_forward(plan: BatchNormPlan, handle: Any, y: Any, residual: Any,
+                    act: str) -> tuple[Any, Any]:  # pragma: gpu
+    """Add the residual and apply the activation after a plain BN call; (y, saved)."""
+    lib = plan.lib
+    if residual is not None:
+        with context(lambda: _where(plan, "batchnorm residual addTensor")):
+            lib.addTensor(handle, 1.0, plan.x_desc, residual.data.ptr, 1.0, plan.x_desc,
+                          y.data.ptr)
+    need = activations.saves(act)
+    if need == "none":
+        return y, None
+    if need == "output":
+        elementwise.activation_forward(y, act, y)
+        return y, y
+    import cupy as cp
+
+    out = cp.empty_like(y)
+    elementwise.activation_forward(y, act, out)
+    return out, y
+
+
+def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any,
+                               running_var: Any, g: BatchNormGeometry, eps: float,
+                               factor: float, act: str,
+                               residual: Any) -> tuple[Any, ...]:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
+    cd = compute_dtype(x.dtype)
+    scale, shift = _scale_shift(cp, weight, bias, g, cd)
+    y = cp.empty(g.shape, dtype=x.dtype)
+    mean = cp.empty((g.channels,), dtype=cd)
+    invstd = cp.empty((g.channels,), dtype=cd)
+    if plan.tries_fused:
+        reserve = _fused_forward(plan, handle, x, scale, shift, running_mean, running_var, eps,
+                                 factor, residual, y, mean, invstd)
+        if reserve is not None:
+            return y, y, mean, invstd, EngineState(True, reserve)
+    with context(lambda: _where(plan, "batchNormalizationForwardTraining")):
+        plan.lib.batchNormalizationForwardTraining(
+            handle, plan.training_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
+            y.data.ptr, plan.bn_desc_training, scale.data.ptr, shift.data.ptr, factor,
+            _ptr(running_mean), _ptr(running_var), eps, mean.data.ptr, invstd.data.ptr)
+    y, saved = _finish_forward(plan, handle, y, residual, act)
+    return y, saved, mean, invstd, EngineState(False)
+
+
+def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: Any,
+                   running_mean: Any, running_var: Any, eps: float, factor: float,
+                   residual: Any, y: Any, mean: Any, invstd: Any) -> Any:  # pragma: gpu
+    """One ForwardTrainingEx; its reserve space, or None once cuDNN refused (warned)."""
+    lib = plan.lib
+    stage = "getBatchNormalization*Size"
+    try:
+        sizes = plan.sizes(handle)
+        ws, reserve = Workspace(sizes.forward_workspace), Workspace(sizes.reserve)
+        stage = "batchNormalizationForwardTrainingEx"
+        z_desc = plan.x_desc if residual is not None else None
+        lib.batchNormalizationForwardTrainingEx(
+            handle, plan.training_mode, plan.fused_ops, 1.0, 0.0, plan.x_desc, x.data.ptr,
+            z_desc, _ptr(residual), plan.x_desc, y.data.ptr, plan.bn_desc_training,
+            scale.data.ptr, shift.data.ptr, factor, _ptr(running_mean), _ptr(running_var), eps,
+            mean.data.ptr, invstd.data.ptr, plan.act_desc, ws.ptr, ws.size, reserve.ptr,
+            reserve.size)
+        return reserve
+    except CudnnError as err:
+        if not refused(err, lib):
+            raise err.with_context(_where(plan, stage)) from None
+        _warn_fallback(plan, err.with_context(_where(plan, stage)), stage)
+        return None
+
+
+def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
+                                running_var: Any, g: BatchNormGeometry, eps: float, act: str,
+                                residual: Any) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
+    cd = compute_dtype(x.dtype)
+    scale, shift = _scale_shift(cp, weight, bias, g, cd)
+    y = cp.empty(g.shape, dtype=x.dtype)
+    with context(lambda: _where(plan, "batchNormalizationForwardInference")):
+        plan.lib.batchNormalizationForwardInference(
+            handle, plan.inference_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
+            y.data.ptr, plan.bn_desc_inference, scale.data.ptr, shift.data.ptr,
+            running_mean.data.ptr, running_var.data.ptr, eps)
+    y, saved = _finish_forward(plan, handle, y, residual, act)
+    mean = running_mean.copy()
+    invstd = 1.0 / cp.sqrt(running_var + cd.type(eps))
+    return y, saved, mean, invstd.astype(cd, copy=False)
+
+
+def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
+                       g: BatchNormGeometry, eps: float, act: str, residual: bool,
+                       need_dx: bool, weight_grad: Any, bias_grad: Any,
+                       beta: float) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
+    import cupy as cp
+
+    cd = compute_dtype(x.dtype)
+    if weight_grad is not None:
+        dw, db, pbeta = weight_grad, bias_grad, beta
+    else:
+        dw, db, pbeta = cp.empty((g.channels,), cd), cp.empty((g.channels,), cd), 0.0
+    if not saved.training:
+        dx, dres = _eval_backward(dy, x, weight, saved, g, act, residual, need_dx, dw, db, pbeta)
+    else:
+        dx, dres = _training_backward(dy, x, weight, bias, saved, g, eps, act, residual, dw, db,
+                                      pbeta)
+    if weight is None:
+        dw = db = None
+    return (dx if need_dx else None), dw, db, dres
+
+
+def _training_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
+                       g: BatchNormGeometry, eps: float, act: str, residual: bool, dw: Any,
+                       db: Any, pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_batchnorm_plan(g, x.dtype, act, residual)
+    lib = plan.lib
+    cd = compute_dtype(x.dtype)
+    scale, shift = _scale_shift(cp, weight, bias, g, cd)
+    dx = cp.empty(g.shape, dtype=x.dtype)
+    state = saved.engine_state
+    if state is not None and state.fused and plan.fused_refusal is None:
+        dres = cp.empty(g.shape, dtype=x.dtype) if residual else None
+        try:
+            ws = Workspace(plan.sizes(handle).backward_workspace)
+            lib.batchNormalizationBackwardEx(
+                handle, plan.training_mode, plan.fused_ops, 1.0, 0.0, 1.0, pbeta, plan.x_desc,
+                x.data.ptr, plan.x_desc, saved.saved.data.ptr, plan.x_desc, dy.data.ptr,
+                plan.x_desc if residual else None, _ptr(dres), plan.x_desc, dx.data.ptr,
+                plan.bn_desc_training, scale.data.ptr, shift.data.ptr, dw.data.ptr, db.data.ptr,
+                eps, saved.mean.data.ptr, saved.invstd.data.ptr, plan.act_desc, ws.ptr, ws.size,
+                state.reserve.ptr, state.reserve.size)
+            return dx, dres
+        except CudnnError as err:
+            where = _where(plan, "batchNormalizationBackwardEx")
+            if not refused(err, lib):
+                raise err.with_context(where) from None
+            _warn_fallback(plan, err.with_context(where), "batchNormalizationBackwardEx")
+    dz = _activation_backward(dy, saved.saved, act)
+    with context(lambda: _where(plan, "batchNormalizationBackward")):
+        lib.batchNormalizationBackward(
+            handle, plan.training_mode, 1.0, 0.0, 1.0, pbeta, plan.x_desc, x.data.ptr,
+            plan.x_desc, dz.data.ptr, plan.x_desc, dx.data.ptr, plan.bn_desc_training,
+            scale.data.ptr, dw.data.ptr, db.data.ptr, eps, saved.mean.data.ptr,
+            saved.invstd.data.ptr)
+    dres = (dz.copy() if dz is dy else dz) if residual else None
+    return dx, dres
+
+
+def _activation_backward(dy: Any, saved: Any, act: str) -> Any:  # pragma: gpu
+    if act == "identity":
+        return dy
+    import cupy as cp
+
+    dz = cp.empty_like(dy)
+    elementwise.activation_backward(dy, saved, act, dz)
+    return dz
+
+
+def _eval_backward(dy: Any, x: Any, weight: Any, saved: Any, g: BatchNormGeometry, act: str,
+                   residual: bool, need_dx: bool, dw: Any, db: Any,
+                   pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
+    """Frozen statistics: dx = dz * weight * invstd; dweight = sum(dz * xhat); dbias = sum(dz)."""
+    cd = compute_dtype(x.dtype)
+    dz = _activation_backward(dy, saved, act)
+    shape = [1] * g.ndim
+    shape[g.channel_axis] = g.channels
+    invstd = saved.invstd.reshape(shape)
+    dzc = dz.astype(cd)
+    xhat = (x.astype(cd) - saved.mean.reshape(shape)) * invstd
+    dbias = dzc.sum(axis=g.reduce_axes)
+    dweight = (dzc * xhat).sum(axis=g.reduce_axes)
+    if pbeta != 0.0:
+        dbias += cd.type(pbeta) * db
+        dweight += cd.type(pbeta) * dw
+    db[...] = dbias
+    dw[...] = dweight
+    dx = None
+    if need_dx:
+        w = weight.reshape(shape) if weight is not None else 1.0
+        dx = (dzc * (w * invstd)).astype(x.dtype)
+    dres = (dz.copy() if dz is dy else dz) if residual else None
+    return dx, dres

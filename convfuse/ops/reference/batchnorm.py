@@ -1,0 +1,115 @@
+"""Batch normalization on NumPy arrays, with PyTorch's formulas (torch.nn.functional.batch_norm).
+
+Training normalises with the biased batch variance and folds the unbiased one into
+running_var; evaluation uses the running statistics. The fused form computes
+act(batchnorm(x) + residual). Arithmetic runs in float64 for float64 data and float32
+otherwise; float16/bfloat16 results are rounded once at the end. The per-channel arrays
+(weight, bias, running statistics, mean, invstd) are in that compute dtype, as cuDNN's
+derived BN descriptor requires. Inputs are never modified; the running statistics are
+documented outputs and are updated in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ... import activations as acts
+from ...dtypes import compute_dtype
+from ...plan.batchnorm import BatchNormGeometry
+from .activation import _backward_cd, apply_activation
+
+
+def _per_channel(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
+    """A (C,) array shaped to broadcast against x."""
+    shape = [1] * g.ndim
+    shape[g.channel_axis] = g.channels
+    return a.reshape(shape)
+
+
+def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
+                g: BatchNormGeometry) -> np.ndarray:
+    cd = compute_dtype(x.dtype)
+    return (x.astype(cd) - _per_channel(mean, g)) * _per_channel(invstd, g)
+
+
+def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activation: str,
+                g: BatchNormGeometry, dtype: np.dtype) -> tuple[np.ndarray, Any]:
+    """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves."""
+    cd = xhat.dtype
+    z = xhat
+    if weight is not None:
+        z = z * _per_channel(weight.astype(cd, copy=False), g)
+    if bias is not None:
+        z = z + _per_channel(bias.astype(cd, copy=False), g)
+    if residual is not None:
+        z = z + residual.astype(cd)
+    y = apply_activation(z, activation).astype(dtype, order="C")
+    need = acts.saves(activation)
+    saved = y if need == "output" else (z.astype(dtype, order="C") if need != "none" else None)
+    return y, saved
+
+
+def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_mean: Any,
+                               running_var: Any, g: BatchNormGeometry, eps: float,
+                               factor: float, activation: str,
+                               residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
+    """(y, saved, mean, invstd); updates running_mean/var in place when given."""
+    cd = compute_dtype(x.dtype)
+    xc = x.astype(cd)
+    mean = xc.mean(axis=g.reduce_axes)
+    centred = xc - _per_channel(mean, g)
+    var = (centred * centred).mean(axis=g.reduce_axes)
+    invstd = (1.0 / np.sqrt(var + cd.type(eps))).astype(cd)
+    y, saved = _affine_act(centred * _per_channel(invstd, g), weight, bias, residual,
+                           activation, g, x.dtype)
+    if running_mean is not None:
+        n = g.count
+        f = cd.type(factor)
+        unbiased = var * cd.type(n / (n - 1))
+        running_mean[...] = (1 - f) * running_mean + f * mean
+        running_var[...] = (1 - f) * running_var + f * unbiased
+    return y, saved, mean, invstd
+
+
+def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_mean: np.ndarray,
+                                running_var: np.ndarray, g: BatchNormGeometry, eps: float,
+                                activation: str,
+                                residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
+    """(y, saved, mean, invstd) with the running statistics (copied, so backward sees the
+    statistics this forward used)."""
+    cd = compute_dtype(x.dtype)
+    mean = running_mean.astype(cd, copy=True)
+    invstd = (1.0 / np.sqrt(running_var.astype(cd) + cd.type(eps))).astype(cd)
+    y, saved = _affine_act(_normalised(x, mean, invstd, g), weight, bias, residual, activation,
+                           g, x.dtype)
+    return y, saved, mean, invstd
+
+
+def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, mean: np.ndarray,
+                       invstd: np.ndarray, training: bool, g: BatchNormGeometry, activation: str,
+                       residual: bool, need_dx: bool) -> tuple[Any, np.ndarray, np.ndarray, Any]:
+    """(dx, dweight, dbias, dresidual) in the compute dtype for the per-channel ones.
+
+    dz = dy * act'(...); dbias = sum(dz); dweight = sum(dz * xhat); in training
+    dx = weight * invstd / n * (n * dz - dbias - xhat * dweight) (the batch statistics
+    depend on x), in evaluation dx = dz * weight * invstd.
+    """
+    cd = compute_dtype(x.dtype)
+    dz = _backward_cd(dy, saved, activation)
+    xhat = _normalised(x, mean, invstd, g)
+    dbias = dz.sum(axis=g.reduce_axes)
+    dweight = (dz * xhat).sum(axis=g.reduce_axes)
+    dx = None
+    if need_dx:
+        w = weight.astype(cd) if weight is not None else np.ones(g.channels, cd)
+        scale = _per_channel(w * invstd, g)
+        if training:
+            n = cd.type(g.count)
+            dx = scale / n * (n * dz - _per_channel(dbias, g) - xhat * _per_channel(dweight, g))
+        else:
+            dx = dz * scale
+        dx = dx.astype(x.dtype, order="C")
+    dres = dz.astype(x.dtype, order="C") if residual else None
+    return dx, dweight.astype(cd), dbias.astype(cd), dres

@@ -1,0 +1,204 @@
+"""Batch normalization on a real GPU against the float64 NumPy reference: every new cuDNN
+call (training plain and Ex, inference, backward plain and Ex, the three size queries),
+every dtype, both layouts, ranks 0-3, with NaN-poisoned outputs, and which path ran (the
+binding is spied on). Where cuDNN documents the fused ops (Note [BatchNorm in cuDNN]) no
+FusedFallbackWarning may appear; a forced refusal must land on the plain path with the
+reference's numbers. Never run on the development machines (no GPU there)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import convfuse as cf
+import convfuse.ops as ops
+from convfuse._binding import cudnn
+from convfuse.errors import CaptureError, CudnnError
+from convfuse.ops.cudnn.handle import get_handle
+from convfuse.plan import FusedFallbackWarning
+from convfuse.plan.batchnorm import (
+    BatchNormGeometry,
+    clear_batchnorm_plan_cache,
+    get_batchnorm_plan,
+)
+from tests.gpu.test_cudnn_ops import DTYPES, assert_close, host, poison_outputs
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+lib = cudnn()
+BN_CALLS = ("batchNormalizationForwardTraining", "batchNormalizationForwardTrainingEx",
+            "batchNormalizationBackward", "batchNormalizationBackwardEx",
+            "batchNormalizationForwardInference")
+SHAPES = [((6, 8), "NCHW"), ((3, 8, 7), "NCHW"), ((3, 7, 8), "NHWC"), ((2, 8, 5, 6), "NCHW"),
+          ((2, 5, 6, 8), "NHWC"), ((2, 8, 3, 4, 3), "NCHW"), ((2, 3, 4, 3, 8), "NHWC")]
+STAT_RTOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    clear_batchnorm_plan_cache()
+    yield
+    clear_batchnorm_plan_cache()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    for name in BN_CALLS:
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
+    return calls
+
+
+class Case:
+    """Device arrays in `dtype` and the float64 reference inputs they round to."""
+
+    def __init__(self, rng, shape, layout, dtype, residual=True):
+        self.g = BatchNormGeometry.create(shape, layout)
+        c = self.g.channels
+        pd = np.float64 if dtype == "float64" else np.float32
+        x = (rng.standard_normal(shape) * 2 + 0.5).astype(cf.dtypes.SUPPORTED[dtype])
+        r = rng.standard_normal(shape).astype(x.dtype) if residual else None
+        dy = rng.standard_normal(shape).astype(x.dtype)
+        w, b = rng.standard_normal(c).astype(pd), rng.standard_normal(c).astype(pd)
+        rm, rv = rng.standard_normal(c).astype(pd), (rng.random(c) + 0.5).astype(pd)
+        self.ref = {k: (v.astype(np.float64) if v is not None else None)
+                    for k, v in dict(x=x, r=r, dy=dy, w=w, b=b, rm=rm, rv=rv).items()}
+        self.dev = {k: (cp.asarray(v) if v is not None else None)
+                    for k, v in dict(x=x, r=r, dy=dy, w=w, b=b, rm=rm, rv=rv).items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "layout"), SHAPES)
+@pytest.mark.parametrize(("act", "residual"), [("identity", False), ("relu", True),
+                                               ("relu", False), ("gelu", True)])
+def test_training_matches_reference(monkeypatch, rng, spy, dtype, shape, layout, act, residual):
+    k = Case(rng, shape, layout, dtype, residual)
+    R, D = k.ref, k.dev
+    y_ref, s_ref = ops.batchnorm_forward_training(R["x"], R["w"], R["b"], R["rm"], R["rv"],
+                                                  layout, 1e-3, 0.2, act, R["r"])
+    with poison_outputs(monkeypatch):
+        y, saved = ops.batchnorm_forward_training(D["x"], D["w"], D["b"], D["rm"], D["rv"],
+                                                  layout, 1e-3, 0.2, act, D["r"])
+    assert_close(y, y_ref, dtype, "y")
+    for got, ref, what in ((saved.mean, s_ref.mean, "mean"), (saved.invstd, s_ref.invstd,
+                                                               "invstd"),
+                           (D["rm"], R["rm"], "running_mean"), (D["rv"], R["rv"], "running_var")):
+        assert_close(got, ref, "float64", what, STAT_RTOL[dtype])
+    dx_ref, dw_ref, db_ref, dr_ref = ops.batchnorm_backward(
+        R["dy"], R["x"], R["w"], R["b"], s_ref, layout, 1e-3, act, residual)
+    with poison_outputs(monkeypatch):
+        dx, dw, db, dr = ops.batchnorm_backward(D["dy"], D["x"], D["w"], D["b"], saved, layout,
+                                                1e-3, act, residual)
+    assert_close(dx, dx_ref, dtype, "dx")
+    assert_close(dw, dw_ref, "float64", "dweight", STAT_RTOL[dtype] * 10)
+    assert_close(db, db_ref, "float64", "dbias", STAT_RTOL[dtype] * 10)
+    if residual:
+        assert_close(dr, dr_ref, dtype, "dresidual")
+    fused = saved.engine_state.fused
+    assert spy == (["batchNormalizationForwardTrainingEx", "batchNormalizationBackwardEx"]
+                   if fused else ["batchNormalizationForwardTraining",
+                                  "batchNormalizationBackward"])
+    plan = get_batchnorm_plan(k.g, dtype, act, residual)
+    assert fused == (plan.fused_ops is not None)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("shape", [(4, 5, 6, 8), (2, 3, 4, 5, 16)])
+def test_documented_fused_config_runs_fused_without_warning(monkeypatch, rng, spy, residual,
+                                                           shape):
+    k = Case(rng, shape, "NHWC", "float16", residual)
+    R, D = k.ref, k.dev
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedFallbackWarning)
+        with poison_outputs(monkeypatch):
+            y, saved = ops.batchnorm_forward_training(D["x"], D["w"], D["b"], D["rm"], D["rv"],
+                                                      "NHWC", 1e-5, 0.1, "relu", D["r"])
+            dx, dw, db, dr = ops.batchnorm_backward(D["dy"], D["x"], D["w"], D["b"], saved,
+                                                    "NHWC", 1e-5, "relu", residual)
+    assert spy == ["batchNormalizationForwardTrainingEx", "batchNormalizationBackwardEx"]
+    y_ref, s_ref = ops.batchnorm_forward_training(R["x"], R["w"], R["b"], R["rm"], R["rv"],
+                                                  "NHWC", 1e-5, 0.1, "relu", R["r"])
+    ref = ops.batchnorm_backward(R["dy"], R["x"], R["w"], R["b"], s_ref, "NHWC", 1e-5, "relu",
+                                 residual)
+    assert_close(y, y_ref, "float16", "y")
+    assert_close(dx, ref[0], "float16", "dx")
+    assert_close(dw, ref[1], "float64", "dweight", 1e-3)
+    assert_close(db, ref[2], "float64", "dbias", 1e-3)
+    if residual:
+        assert_close(dr, ref[3], "float16", "dresidual")
+    assert_close(D["rv"], R["rv"], "float64", "running_var", 1e-4)
+
+
+@pytest.mark.parametrize("stage", ["batchNormalizationForwardTrainingEx",
+                                   "getBatchNormalizationTrainingExReserveSpaceSize"])
+def test_forced_refusal_falls_back_to_reference_numbers(monkeypatch, rng, stage):
+    def refuse(*a):
+        raise CudnnError(3000, "cudnn" + stage[0].upper() + stage[1:], lib.getErrorString(3000))
+
+    monkeypatch.setattr(lib, stage, refuse)
+    k = Case(rng, (4, 5, 6, 8), "NHWC", "float16")
+    R, D = k.ref, k.dev
+    refused = pytest.warns(FusedFallbackWarning, match=r"CUDNN_STATUS_NOT_SUPPORTED \(3000\)")
+    with refused, poison_outputs(monkeypatch):
+        y, saved = ops.batchnorm_forward_training(D["x"], D["w"], D["b"], D["rm"], D["rv"],
+                                                  "NHWC", 1e-5, 0.1, "relu", D["r"])
+    y_ref, _ = ops.batchnorm_forward_training(R["x"], R["w"], R["b"], R["rm"], R["rv"], "NHWC",
+                                              1e-5, 0.1, "relu", R["r"])
+    assert not saved.engine_state.fused
+    assert_close(y, y_ref, "float16", "y (fallback)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "layout"), SHAPES[::2])
+def test_inference_and_eval_backward_match_reference(monkeypatch, rng, spy, dtype, shape, layout):
+    k = Case(rng, shape, layout, dtype)
+    R, D = k.ref, k.dev
+    y_ref, s_ref = ops.batchnorm_forward_inference(R["x"], R["w"], R["b"], R["rm"], R["rv"],
+                                                   layout, 1e-5, "tanh", R["r"])
+    with poison_outputs(monkeypatch):
+        y, saved = ops.batchnorm_forward_inference(D["x"], D["w"], D["b"], D["rm"], D["rv"],
+                                                   layout, 1e-5, "tanh", D["r"])
+        dx, dw, db, dr = ops.batchnorm_backward(D["dy"], D["x"], D["w"], D["b"], saved, layout,
+                                                1e-5, "tanh", True)
+    assert spy == ["batchNormalizationForwardInference"]
+    assert_close(y, y_ref, dtype, "y")
+    ref = ops.batchnorm_backward(R["dy"], R["x"], R["w"], R["b"], s_ref, layout, 1e-5, "tanh",
+                                 True)
+    for got, want, what in zip((dx, dw, db, dr), ref, ("dx", "dw", "db", "dres"), strict=True):
+        assert_close(got, want, dtype if what in ("dx", "dres") else "float64", what,
+                     None if what in ("dx", "dres") else STAT_RTOL[dtype] * 10)
+
+
+def test_size_queries_answer_with_a_handle():
+    plan = get_batchnorm_plan(BatchNormGeometry.create((4, 5, 6, 8), "NHWC"), "float16", "relu",
+                              True)
+    sizes = plan.sizes(get_handle())
+    assert min(sizes.forward_workspace, sizes.backward_workspace, sizes.reserve) >= 0
+
+
+def test_layer_on_gpu_matches_cpu_layer_over_steps(rng):
+    gpu_bn = cf.BatchNorm2d(8, momentum=None, activation="relu", layout="NHWC", device="cuda")
+    cpu_bn = cf.BatchNorm2d(8, momentum=None, activation="relu", layout="NHWC")
+    for step in range(3):
+        x = rng.standard_normal((2, 4, 4, 8)).astype(np.float32) + step
+        r = rng.standard_normal(x.shape).astype(np.float32)
+        y = gpu_bn(cp.asarray(x), residual=cp.asarray(r))
+        assert_close(y, cpu_bn(x, residual=r).astype(np.float64), "float32", "y")
+        dy = rng.standard_normal(x.shape).astype(np.float32)
+        dx, _ = gpu_bn.backward(cp.asarray(dy))
+        assert_close(dx, cpu_bn.backward(dy)[0].astype(np.float64), "float32", "dx")
+    for name in ("running_mean", "running_var"):
+        np.testing.assert_allclose(host(getattr(gpu_bn, name)), getattr(cpu_bn, name),
+                                   rtol=1e-5)
+    assert int(gpu_bn.num_batches_tracked.get()) == 3
+    np.testing.assert_allclose(host(gpu_bn.weight.grad), cpu_bn.weight.grad, rtol=1e-4)
+
+
+def test_momentum_none_refuses_graph_capture(rng):
+    bn = cf.BatchNorm2d(4, momentum=None, device="cuda")
+    x = cp.asarray(rng.standard_normal((2, 4, 3, 3)).astype(np.float32))
+    with pytest.raises(CaptureError):
+        cf.graph.capture(lambda a: bn(a), x)

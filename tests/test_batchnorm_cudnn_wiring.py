@@ -1,0 +1,242 @@
+"""The cuDNN batch-normalization engine on the faked GPU of tests/test_ops_cudnn_wiring.py:
+which binding calls it makes, with which arguments, and Note [BatchNorm fallback] (a
+refusal of the fused ops at the size query, the forward call or the backward call lands
+on the plain path with one FusedFallbackWarning, remembered per plan). Other errors still
+raise. tests/gpu/test_batchnorm_gpu.py covers the numbers on a device."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import convfuse.ops as ops
+from convfuse.errors import CudnnError
+from convfuse.ops.cudnn import batchnorm as engine
+from convfuse.plan import FusedFallbackWarning
+from convfuse.plan.batchnorm import (
+    BatchNormGeometry,
+    clear_batchnorm_plan_cache,
+    get_batchnorm_plan,
+)
+from tests.test_ops_cudnn_wiring import FakeGpu, ptr
+
+SIZES = {"getBatchNormalizationForwardTrainingExWorkspaceSize": 1024,
+         "getBatchNormalizationBackwardExWorkspaceSize": 2048,
+         "getBatchNormalizationTrainingExReserveSpaceSize": 4096}
+BN_CALLS = ("batchNormalizationForwardTraining", "batchNormalizationForwardTrainingEx",
+            "batchNormalizationBackward", "batchNormalizationBackwardEx",
+            "batchNormalizationForwardInference")
+FWD_EX, BWD_EX = "batchNormalizationForwardTrainingEx", "batchNormalizationBackwardEx"
+FWD, BWD = "batchNormalizationForwardTraining", "batchNormalizationBackward"
+
+
+class FakeWorkspace:
+    def __init__(self, nbytes):
+        self.size = int(nbytes)
+        self.ptr = (1 << 44) + self.size if self.size else 0
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = FakeGpu(monkeypatch)
+    clear_batchnorm_plan_cache()
+    monkeypatch.setattr(engine, "get_handle", lambda: "H")
+    monkeypatch.setattr(engine, "Workspace", FakeWorkspace)
+    monkeypatch.setattr(engine, "_affine_defaults", {})
+    monkeypatch.setattr(fake.cp, "ones", lambda shape, dtype=float: fake.array(shape, dtype))
+    for name in BN_CALLS:
+        monkeypatch.setattr(fake.lib, name, lambda *a, _n=name: fake.record(_n, a))
+    for name, size in SIZES.items():
+        def query(*a, _n=name, _s=size):
+            fake.record(_n, a)
+            return _s
+        monkeypatch.setattr(fake.lib, name, query)
+    yield fake
+    clear_batchnorm_plan_cache()  # plans here remember refusals
+
+
+def names(calls):
+    return [n for n, _ in calls]
+
+
+def arrays(gpu, shape, dtype, residual=True, layout="NHWC"):
+    pd = "float64" if dtype == "float64" else "float32"
+    c = BatchNormGeometry.create(shape, layout).channels
+    x = gpu.array(shape, dtype)
+    per = [gpu.array((c,), pd) for _ in range(4)]
+    res = gpu.array(shape, dtype) if residual else None
+    return x, per, res
+
+
+FUSED_SHAPE = (2, 3, 3, 8)  # NHWC, C = 8: Note [BatchNorm in cuDNN]'s documented fused config
+
+
+def refusal(gpu, fn, status=3000):
+    return CudnnError(status, fn, gpu.lib.getErrorString(status))
+
+
+def test_documented_config_runs_fused_forward_and_backward(gpu):
+    lib = gpu.lib
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-3, 0.25, "relu", res)
+    g = BatchNormGeometry.create(FUSED_SHAPE, "NHWC")
+    plan = get_batchnorm_plan(g, "float16", "relu", True)
+    assert plan.training_mode == lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
+    assert plan.fused_ops == lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION
+    assert names(gpu.calls) == [*SIZES, FWD_EX]
+    a = gpu.calls[-1][1]
+    assert a[:5] == ("H", plan.training_mode, plan.fused_ops, 1.0, 0.0)
+    assert (a[5], a[6], a[7], a[8], a[9], a[10]) == (plan.x_desc, ptr(x), plan.x_desc, ptr(res),
+                                                      plan.x_desc, ptr(y))
+    assert (a[11], a[12], a[13], a[14]) == (plan.bn_desc_training, ptr(w), ptr(b), 0.25)
+    assert (a[15], a[16], a[17]) == (ptr(rm), ptr(rv), 1e-3)
+    assert (a[18], a[19]) == (ptr(saved.mean), ptr(saved.invstd))
+    assert a[20] is plan.act_desc and a[21:] == (1024 + (1 << 44), 1024, 4096 + (1 << 44), 4096)
+    assert saved.saved is y and saved.engine_state.fused
+    gpu.calls.clear()
+    dy = gpu.array(FUSED_SHAPE, "float16")
+    gw, gb = gpu.array((8,), "float32"), gpu.array((8,), "float32")
+    dx, dw, db, dres = ops.batchnorm_backward(dy, x, w, b, saved, "NHWC", 1e-3, "relu", True,
+                                              weight_grad=gw, bias_grad=gb, param_beta=1.0)
+    assert names(gpu.calls) == [BWD_EX]  # sizes were asked once, by the forward
+    a = gpu.calls[0][1]
+    assert a[:7] == ("H", plan.training_mode, plan.fused_ops, 1.0, 0.0, 1.0, 1.0)
+    assert (a[8], a[10], a[12], a[14], a[16]) == (ptr(x), ptr(y), ptr(dy), ptr(dres), ptr(dx))
+    assert (a[18], a[19], a[20], a[21], a[22]) == (ptr(w), ptr(b), ptr(gw), ptr(gb), 1e-3)
+    assert (a[23], a[24]) == (ptr(saved.mean), ptr(saved.invstd))
+    assert a[-4:] == (2048 + (1 << 44), 2048, 4096 + (1 << 44), 4096)
+    assert dw is gw and db is gb
+
+
+@pytest.mark.parametrize(("dtype", "shape", "layout", "act"), [
+    ("float16", (2, 8, 3, 3), "NCHW", "relu"),  # channels-first
+    ("float32", (2, 3, 3, 8), "NHWC", "relu"),  # not half
+    ("bfloat16", (2, 3, 3, 8), "NHWC", "relu"),  # not half
+    ("float16", (2, 3, 3, 6), "NHWC", "relu"),  # C % 4 != 0
+    ("float16", (2, 3, 3, 8), "NHWC", "tanh"),  # not relu
+])
+def test_undocumented_configs_run_plain_without_warning(gpu, dtype, shape, layout, act):
+    x, (w, b, rm, rv), res = arrays(gpu, shape, dtype, True, layout)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, layout, 1e-5, 0.1, act, res)
+        assert names(gpu.calls) == [FWD, "addTensor", "activation_forward"]
+        plan = get_batchnorm_plan(BatchNormGeometry.create(shape, layout), dtype, act, True)
+        a = gpu.calls[0][1]
+        assert a[1] == plan.training_mode and a[11:] == (0.1, ptr(rm), ptr(rv), 1e-5,
+                                                        ptr(saved.mean), ptr(saved.invstd))
+        assert gpu.calls[1][1] == ("H", 1.0, plan.x_desc, ptr(res), 1.0, plan.x_desc, ptr(y))
+        assert gpu.calls[2][1] == (y, act, y) and saved.saved is y
+        gpu.calls.clear()
+        dy = gpu.array(shape, dtype)
+        ops.batchnorm_backward(dy, x, w, b, saved, layout, 1e-5, act, True)
+    assert names(gpu.calls) == ["activation_backward", BWD]
+    dz = gpu.calls[0][1][3]
+    assert gpu.calls[0][1][:3] == (dy, y, act)
+    a = gpu.calls[1][1]
+    assert a[1] == plan.training_mode and a[5] == 0.0  # fresh gradients: betaParamDiff 0
+    assert (a[9], a[13], a[16], a[17]) == (ptr(dz), ptr(w), 1e-5, ptr(saved.mean))
+
+
+def test_persistent_mode_only_for_channels_last_non_double(gpu):
+    lib = gpu.lib
+    for shape, layout, dtype, mode in [
+        ((2, 3, 3, 4), "NHWC", "float32", lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT),
+        ((2, 3, 3, 4), "NHWC", "bfloat16", lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT),
+        ((2, 3, 3, 4), "NHWC", "float64", lib.CUDNN_BATCHNORM_SPATIAL),
+        ((2, 4, 3, 3), "NCHW", "float16", lib.CUDNN_BATCHNORM_SPATIAL),
+        ((5, 4), "NHWC", "float32", lib.CUDNN_BATCHNORM_SPATIAL),  # (N, C): no spatial dims
+    ]:
+        plan = get_batchnorm_plan(BatchNormGeometry.create(shape, layout), dtype)
+        assert plan.training_mode == mode, (shape, layout, dtype)
+        assert plan.inference_mode == lib.CUDNN_BATCHNORM_SPATIAL
+        rank = len(plan.x_desc.getNd()[1])
+        assert rank in (4, 5) and plan.bn_desc_training.getNd()[1][1] == shape[
+            -1 if layout == "NHWC" and len(shape) > 2 else 1]
+
+
+STAGES = {  # where cuDNN refuses -> the calls of the first (refused) forward
+    "size query": ("getBatchNormalizationForwardTrainingExWorkspaceSize",
+                   ["getBatchNormalizationForwardTrainingExWorkspaceSize"]),
+    "forward call": (FWD_EX, [*SIZES, FWD_EX]),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+@pytest.mark.parametrize("status", [3000, 3004, 3007])
+@pytest.mark.parametrize("residual", [True, False])
+def test_forward_refusal_falls_back_once(gpu, stage, status, residual):
+    fn, attempted = STAGES[stage]
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16", residual)
+    gpu.fail[fn] = [refusal(gpu, fn, status)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _y1, s1 = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-5, 0.1, "relu", res)
+        first = names(gpu.calls)
+        gpu.calls.clear()
+        _y2, s2 = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-5, 0.1, "relu", res)
+    plain = [FWD, *(["addTensor"] if residual else []), "activation_forward"]
+    assert first == attempted + plain
+    assert names(gpu.calls) == plain  # remembered: no size query, no Ex call
+    [w_] = [r for r in record if issubclass(r.category, FusedFallbackWarning)]
+    msg = str(w_.message)
+    assert f"({status})" in msg and "float16" in msg and f"residual={residual}" in msg
+    assert w_.filename == __file__
+    assert not s1.engine_state.fused and not s2.engine_state.fused
+    plan = get_batchnorm_plan(BatchNormGeometry.create(FUSED_SHAPE, "NHWC"), "float16", "relu",
+                              residual)
+    assert plan.fused_refusal.status == status and not plan.tries_fused
+
+
+def test_backward_refusal_falls_back_within_the_step(gpu):
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16")
+    y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-5, 0.1, "relu", res)
+    gpu.calls.clear()
+    gpu.fail[BWD_EX] = [refusal(gpu, BWD_EX, 3000)]
+    dy = gpu.array(FUSED_SHAPE, "float16")
+    gw, gb = gpu.array((8,), "float32"), gpu.array((8,), "float32")
+    with pytest.warns(FusedFallbackWarning, match="batchNormalizationBackwardEx"):
+        dx, _, _, dres = ops.batchnorm_backward(dy, x, w, b, saved, "NHWC", 1e-5, "relu", True,
+                                                weight_grad=gw, bias_grad=gb, param_beta=1.0)
+    assert names(gpu.calls) == [BWD_EX, "activation_backward", BWD]
+    dz = gpu.calls[1][1][3]
+    assert gpu.calls[1][1][:3] == (dy, y, "relu")
+    a = gpu.calls[2][1]
+    assert a[5] == 1.0 and (a[9], a[11], a[14], a[15]) == (ptr(dz), ptr(dx), ptr(gw), ptr(gb))
+    assert dres is dz
+    gpu.calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per plan
+        ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-5, 0.1, "relu", res)
+    assert names(gpu.calls) == [FWD, "addTensor", "activation_forward"]
+
+
+@pytest.mark.parametrize("fn", ["getBatchNormalizationTrainingExReserveSpaceSize", FWD_EX, FWD])
+def test_other_errors_raise_with_context(gpu, fn):
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16")
+    gpu.fail[fn] = [refusal(gpu, fn, 2000)]
+    if fn == FWD:  # the plain path: a channels-first plan
+        x, (w, b, rm, rv), res = arrays(gpu, (2, 8, 3, 3), "float16", True, "NCHW")
+    layout = "NCHW" if fn == FWD else "NHWC"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CudnnError) as info:
+            ops.batchnorm_forward_training(x, w, b, rm, rv, layout, 1e-5, 0.1, "relu", res)
+    assert info.value.status == 2000 and "batchnorm x=" in str(info.value)
+    plan = get_batchnorm_plan(BatchNormGeometry.create(x.shape, layout), "float16", "relu", True)
+    assert plan.fused_refusal is None
+
+
+def test_affine_false_passes_cached_ones_and_zeros(gpu):
+    x, (_, _, rm, rv), _ = arrays(gpu, (2, 4, 3, 3), "float32", False, "NCHW")
+    ops.batchnorm_forward_training(x, None, None, rm, rv)
+    ops.batchnorm_forward_training(x, None, None, None, None)
+    (ones, zeros), = engine._affine_defaults.values()
+    for _, a in gpu.calls:
+        assert (a[9], a[10]) == (ptr(ones), ptr(zeros))
+    assert (gpu.calls[1][1][12], gpu.calls[1][1][13]) == (0, 0)  # no running statistics
+    assert ones.dtype == np.float32 and ones.shape == (4,)

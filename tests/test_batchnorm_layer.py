@@ -1,0 +1,199 @@
+"""BatchNorm1d/2d/3d on the CPU against torch.nn.BatchNorm*d in float64: outputs, running
+statistics and gradients over several train/eval steps, state_dict interchange, atomic
+backward and typed errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import convfuse as cf
+from convfuse.errors import BackwardBeforeForwardError, DeviceMismatchError
+
+TORCH = {1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d, 3: torch.nn.BatchNorm3d}
+OURS = {1: cf.BatchNorm1d, 2: cf.BatchNorm2d, 3: cf.BatchNorm3d}
+SHAPES = {1: [(6, 4), (3, 4, 5)], 2: [(3, 4, 3, 5)], 3: [(2, 4, 2, 3, 2)]}
+CASES = [(r, s) for r, shapes in SHAPES.items() for s in shapes]
+
+
+def nhwc(a):
+    return np.ascontiguousarray(np.moveaxis(a, 1, -1)) if a.ndim > 2 else a
+
+
+def nchw(a):
+    return np.moveaxis(a, -1, 1) if a.ndim > 2 else a
+
+
+@pytest.mark.parametrize(("rank", "shape"), CASES)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(("momentum", "affine", "track"), [
+    (0.1, True, True), (None, True, True), (0.3, False, True), (0.1, True, False)])
+@pytest.mark.parametrize(("act", "residual"), [(None, False), ("relu", True), ("gelu", False)])
+def test_layer_matches_torch_over_steps(rng, rank, shape, layout, momentum, affine, track, act,
+                                        residual):
+    ours = OURS[rank](shape[1], momentum=momentum, affine=affine, track_running_stats=track,
+                      activation=act, layout=layout, dtype="float64")
+    ref = TORCH[rank](shape[1], momentum=momentum, affine=affine, track_running_stats=track,
+                      dtype=torch.float64)
+    if affine:  # non-trivial parameters, the same in both
+        w, b = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])
+        ours.weight.data[...] = w
+        ours.bias.data[...] = b
+        with torch.no_grad():
+            ref.weight.copy_(torch.tensor(w))
+            ref.bias.copy_(torch.tensor(b))
+    act_t = {None: lambda t: t, "relu": torch.relu, "gelu": torch.nn.functional.gelu}[act]
+    L = nhwc if layout == "NHWC" else (lambda a: a)
+    B = nchw if layout == "NHWC" else (lambda a: a)
+    for step in range(4):
+        training = step != 2
+        ours.train(training)
+        ref.train(training)
+        x = rng.standard_normal(shape) * (step + 1) + step
+        r = rng.standard_normal(shape) if residual else None
+        dy = rng.standard_normal(shape)
+        xt = torch.tensor(x, requires_grad=True)
+        rt = torch.tensor(r, requires_grad=True) if residual else None
+        yt = act_t(ref(xt) + rt if residual else ref(xt))
+        yt.backward(torch.tensor(dy))
+        xl = L(x)
+        x_copy = xl.copy()
+        y = ours(xl, residual=L(r)) if residual else ours(xl)
+        np.testing.assert_allclose(B(y), yt.detach().numpy(), rtol=1e-10, atol=1e-12)
+        got = ours.backward(L(dy))
+        dx, dr = got if residual else (got, None)
+        np.testing.assert_allclose(B(dx), xt.grad.numpy(), rtol=1e-8, atol=1e-10)
+        if residual:
+            np.testing.assert_allclose(B(dr), rt.grad.numpy(), rtol=1e-8, atol=1e-10)
+        np.testing.assert_array_equal(xl, x_copy)
+        if affine:  # accumulated across steps, as PyTorch's .grad
+            np.testing.assert_allclose(ours.weight.grad, ref.weight.grad.numpy(), rtol=1e-8,
+                                       atol=1e-10)
+            np.testing.assert_allclose(ours.bias.grad, ref.bias.grad.numpy(), rtol=1e-8,
+                                       atol=1e-10)
+        if track:
+            np.testing.assert_allclose(ours.running_mean, ref.running_mean.numpy(), rtol=1e-12)
+            np.testing.assert_allclose(ours.running_var, ref.running_var.numpy(), rtol=1e-12)
+            assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked)
+
+
+def test_state_dict_interchanges_with_torch(rng):
+    ref = torch.nn.BatchNorm2d(5)
+    ref.train()
+    for _ in range(3):
+        ref(torch.tensor(rng.standard_normal((4, 5, 3, 3)), dtype=torch.float32))
+    ours = cf.BatchNorm2d(5)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[k], v.numpy())
+    nbt = ours.state_dict()["num_batches_tracked"]
+    assert nbt.dtype == np.int64 and nbt.shape == () and int(nbt) == 3
+    # momentum=None continues the cumulative average from the loaded count.
+    ref_cma, ours_cma = torch.nn.BatchNorm2d(5, momentum=None), cf.BatchNorm2d(5, momentum=None)
+    ours_cma.load_state_dict(ref.state_dict())
+    ref_cma.load_state_dict(ref.state_dict())
+    x = rng.standard_normal((4, 5, 3, 3)).astype(np.float32)
+    ours_cma(x)
+    ref_cma(torch.tensor(x))
+    # float32 sums in another order: a few ulps apart
+    np.testing.assert_allclose(ours_cma.running_mean, ref_cma.running_mean.numpy(), rtol=1e-5,
+                               atol=1e-7)
+    np.testing.assert_allclose(ours_cma.running_var, ref_cma.running_var.numpy(), rtol=1e-5)
+    assert list(cf.BatchNorm1d(3, affine=False, track_running_stats=False).state_dict()) == []
+
+
+def test_rejected_dy_keeps_context_and_gradients(rng):
+    bn = cf.BatchNorm2d(3, activation="relu")
+    x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    bn(x, residual=x.copy())
+    bn.weight.grad[...] = 0.25
+    for bad in (np.ones((2, 3, 4, 5), np.float32), np.ones((2, 3, 4, 4), np.float64), [1.0]):
+        with pytest.raises((ValueError, TypeError)):
+            bn.backward(bad)
+        assert (bn.weight.grad == 0.25).all() and (bn.bias.grad == 0).all()
+    dx, dres = bn.backward(np.ones((2, 3, 4, 4), np.float32))
+    assert dx.shape == x.shape and dres.shape == x.shape
+    assert not (bn.bias.grad == 0).all()
+    with pytest.raises(BackwardBeforeForwardError):
+        bn.backward(np.ones_like(x))
+
+
+def test_needs_input_grad_false_skips_dx(rng):
+    bn = cf.BatchNorm1d(3)
+    bn.needs_input_grad = False
+    bn(rng.standard_normal((5, 3)).astype(np.float32))
+    assert bn.backward(np.ones((5, 3), np.float32)) is None
+    assert bn.bias.grad.tolist() == [5.0, 5.0, 5.0]
+
+
+def test_half_layer_keeps_float32_parameters_and_statistics(rng):
+    bn = cf.BatchNorm2d(4, dtype="float16", layout="NHWC")
+    assert bn.weight.dtype == np.float32 and bn.running_var.dtype == np.float32
+    y = bn(rng.standard_normal((2, 3, 3, 4)).astype(np.float16))
+    assert y.dtype == np.float16
+    names = [n for n, _ in bn.named_buffers()]
+    assert names == ["running_mean", "running_var", "num_batches_tracked"]
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda: cf.BatchNorm2d(0), "num_features must be a positive int"),
+    (lambda: cf.BatchNorm2d(3, eps=-1), "eps must be"),
+    (lambda: cf.BatchNorm2d(3, momentum=1.5), r"momentum must be in \[0.0, 1.0\]"),
+    (lambda: cf.BatchNorm2d(3, momentum=float("nan")), "momentum must be"),
+    (lambda: cf.BatchNorm2d(3, layout="NWC"), "layout must be"),
+    (lambda: cf.BatchNorm2d(3, activation="softmax"), "unknown activation"),
+    (lambda: cf.BatchNorm2d(3, dtype="int8"), "unsupported dtype"),
+])
+def test_constructor_rejects(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_call_rejects_bad_input(rng):
+    bn = cf.BatchNorm2d(3)
+    with pytest.raises(ValueError, match=r"BatchNorm2d expects a 4-d input"):
+        bn(np.zeros((2, 3, 4), np.float32))
+    with pytest.raises(ValueError, match=r"BatchNorm2d: expected 3 channels on axis 1"):
+        bn(np.zeros((2, 4, 3, 3), np.float32))
+    with pytest.raises(ValueError, match="has dtype float32 but its input has dtype float64"):
+        bn(np.zeros((2, 3, 3, 3)))
+    with pytest.raises(TypeError, match="BatchNorm2d input must be a NumPy or CuPy array"):
+        bn([[1.0]])
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        bn(np.zeros((1, 3, 1, 1), np.float32))
+    assert int(bn.num_batches_tracked) == 0  # no failed call counted a batch
+    with pytest.raises(ValueError, match=r"BatchNorm1d expects a 2-d or 3-d input"):
+        cf.BatchNorm1d(3)(np.zeros((2, 3, 4, 4), np.float32))
+    with pytest.raises(TypeError, match="BatchNorm2d residual must be a NumPy or CuPy array"):
+        bn(np.zeros((2, 3, 3, 3), np.float32), residual="not an array")
+    with pytest.raises(ValueError, match="batchnorm_forward_training: residual has shape"):
+        bn(np.zeros((2, 3, 3, 3), np.float32), residual=np.zeros((2, 3, 3, 1), np.float32))
+    with pytest.raises(DeviceMismatchError, match="BatchNorm2d is on 'cpu'"):
+        bn(np.zeros((2, 3, 3, 3), np.float32), residual=_fake_cupy((2, 3, 3, 3)))
+
+
+def _fake_cupy(shape):
+    cp = pytest.importorskip("cupy")
+    mem = cp.cuda.memory.UnownedMemory(1 << 40, 4 * int(np.prod(shape)), None, device_id=0)
+    return cp.ndarray(shape, np.float32, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+
+def test_eval_with_batch_statistics_when_not_tracking(rng):
+    bn = cf.BatchNorm1d(2, track_running_stats=False).eval()
+    x = rng.standard_normal((8, 2)).astype(np.float32) * 3 + 1
+    y = bn(x)
+    np.testing.assert_allclose(y.mean(axis=0), 0, atol=1e-5)
+    assert bn.running_mean is None and bn.num_batches_tracked is None
+
+
+def test_in_a_sequential_resnet_style_block(rng):
+    conv = cf.Conv2d(3, 3, 3, padding=1, bias=False, dtype="float64", seed=0)
+    bn = cf.BatchNorm2d(3, activation="relu", dtype="float64")
+    x = rng.standard_normal((2, 3, 5, 5))
+    y = bn(conv(x), residual=x)
+    assert (y >= 0).all() and y.shape == x.shape
+    dz, dskip = bn.backward(np.ones_like(y))
+    dx = conv.backward(dz) + dskip
+    assert dx.shape == x.shape and np.isfinite(dx).all()

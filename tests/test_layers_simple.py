@@ -1,0 +1,63 @@
+"""Identity, ReLU/Activation and Dropout layers against direct formulas and PyTorch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import convfuse as cf
+
+
+def test_identity_passes_values_and_gradients(rng):
+    layer = cf.Identity(54, unused="argument")
+    x = rng.standard_normal((3, 4))
+    assert layer(x) is x
+    dy = rng.standard_normal((3, 4))
+    assert layer.backward(dy) is dy
+    layer(x)
+    with pytest.raises(ValueError, match="Identity: dy has shape"):
+        layer.backward(dy[:2])
+    assert layer.backward(dy) is dy  # the rejected dy kept the context
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "tanh", "silu"])
+def test_activation_layer_matches_pytorch(rng, act):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 3, 4, 5))
+    dy = rng.standard_normal(x.shape)
+    layer = cf.ReLU() if act == "relu" else cf.Activation(act)
+    y = layer(x)
+    tx = torch.from_numpy(x).requires_grad_()
+    ty = getattr(torch.nn.functional, act)(tx)
+    ty.backward(torch.from_numpy(dy))
+    np.testing.assert_allclose(y, ty.detach().numpy(), rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(layer.backward(dy), tx.grad.numpy(), rtol=1e-12, atol=1e-14)
+    assert np.array_equal(x, tx.detach().numpy())  # input untouched
+
+
+def test_dropout_train_eval_and_mask_reuse(rng):
+    drop = cf.Dropout(0.25, seed=3)
+    x = rng.standard_normal((400, 50)) + 5.0
+    y = drop(x)
+    kept = y != 0
+    assert 0.70 < kept.mean() < 0.80
+    np.testing.assert_allclose(y[kept], x[kept] / 0.75, rtol=1e-15)
+    dy = rng.standard_normal(x.shape)
+    dx = drop.backward(dy)
+    np.testing.assert_allclose(dx, np.where(kept, dy / 0.75, 0.0), rtol=1e-15, atol=0)
+    drop.eval()
+    assert drop(x) is x
+    assert drop.backward(dy) is dy
+    drop.train()
+    assert np.all(cf.Dropout(1.0)(x) == 0)
+    with pytest.raises(ValueError, match=r"Dropout: p must be in \[0, 1\]"):
+        cf.Dropout(1.5)
+    with pytest.raises(TypeError, match="Dropout: p must be a number"):
+        cf.Dropout("half")
+
+
+def test_small_layers_follow_their_input_and_refuse_non_arrays():
+    for layer in (cf.Identity(), cf.ReLU(), cf.Dropout()):
+        with pytest.raises(TypeError, match="must be a NumPy or CuPy array, got list"):
+            layer([1.0, 2.0])
+    assert cf.ReLU()(np.float32([-1, 2])).tolist() == [0, 2]
