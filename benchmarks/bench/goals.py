@@ -134,10 +134,11 @@ def mnist_layers(seed: int) -> Any:
     return net
 
 
-def _no_input_grad(layer: Any, rec: dict) -> None:
-    """The first layer needs no dx: say so when the layer supports it, note it when not."""
-    if hasattr(layer, "needs_input_grad"):
-        layer.needs_input_grad = False
+def _no_input_grad(net: Any, rec: dict) -> None:
+    """The net's input needs no gradient: say so when layers support it, note it when not
+    (a Sequential hands the flag to its first layer)."""
+    if hasattr(net, "needs_input_grad"):
+        net.needs_input_grad = False
     else:
         rec["notes"].append("this convfuse has no needs_input_grad: its first layer "
                             "computes a dx that nothing uses")
@@ -148,7 +149,7 @@ def _mnist(ctx: Context, rec: dict) -> None:
     batch = 128
     rec["shape"] = f"N{batch} 1x28x28 -> conv16-pool-conv32-pool-conv32-pool-linear10"
     net = mnist_layers(ctx.seed)
-    _no_input_grad(net[0], rec)
+    _no_input_grad(net, rec)
     loss_fn = cf.CrossEntropyLoss()
     opt = cf.optim.Adam(net.parameters(), lr=LR)
     tnet = nn.Sequential(

@@ -45,6 +45,8 @@ class FusedStep:
 
     def __init__(self, device: str, seed: int) -> None:
         self.net = unfused_net.build_fused(cf, device, seed)
+        if hasattr(self.net, "needs_input_grad"):  # the images need no gradient
+            self.net.needs_input_grad = False
         self.loss_fn = cf.CrossEntropyLoss()
         self.opt = cf.optim.Adam(self.net.parameters(), lr=LR)
 

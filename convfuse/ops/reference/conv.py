@@ -165,9 +165,12 @@ def conv_bias_act(
         if bias is not None:
             z += bias
         if res_cf is not None:
-            z += scale * res_cf[lo:hi].astype(cd)
+            r = res_cf[lo:hi].astype(cd, copy=False)
+            z += r if scale == 1 else scale * r  # 1 * r == r exactly: skip the pass
         if z_cf is not None:
             z_cf[lo:hi] = z
+        if act == "relu":  # the common case, in place: z is this chunk's own buffer
+            return np.maximum(z, 0, out=z)
         return apply_activation(z, act)
 
     y = _finish_output(_forward_gemm(x, w, geom, cd), geom, x.dtype, epilogue)
