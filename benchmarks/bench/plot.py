@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use(): the backend must be chosen first
+from matplotlib.transforms import ScaledTranslation
 
 # (ratio key, legend label) per section and engine; a reference line marks parity.
 RATIOS = {
@@ -71,7 +72,7 @@ def save(path: Path, results: dict[str, list[dict]], title: str, engine: str = "
         rows = [r for r in recs if r["status"] == "ok" and r["ratios"]]
         if rows and section in ratios:
             panels.append((section, rows))
-    heights = [max(1.8, 0.26 * len(rows) * len(ratios[s]) + 1.6) for s, rows in panels] or [2]
+    heights = [max(2.0, 0.26 * len(rows) * len(ratios[s]) + 1.8) for s, rows in panels] or [2]
     fig, axes = plt.subplots(len(heights), 1, figsize=(12, sum(heights) + 1.2),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     fig.suptitle(title, fontsize=9)
@@ -81,7 +82,7 @@ def save(path: Path, results: dict[str, list[dict]], title: str, engine: str = "
     for ax, (section, rows) in zip(axes[:, 0], panels):
         _panel(ax, section, rows, ratios[section])
     total = sum(heights) + 1.2
-    fig.tight_layout(rect=(0, 0, 1, 1 - 1.0 / total))  # room for the multi-line title
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / total))  # room for the multi-line title
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
@@ -122,9 +123,12 @@ def _panel(ax: plt.Axes, section: str, rows: list[dict], ratios: list) -> None:
     if section in REFERENCE:
         ax.axvline(REFERENCE[section], color="grey", linestyle="--", linewidth=0.8)
     ax.set_title(section, fontsize=9, loc="left")
-    ax.set_xlabel("ratio of median times (log scale; 1.00 = parity, left of it the first-named "
-                  "form is faster); whiskers: ~95% interval; hatched / '!': unstable",
-                  fontsize=7)
+    what = ("measured / target (log scale; 1.00 = the target, left of it the goal is met)"
+            if section == "goals" else "ratio of median times (log scale; 1.00 = parity, left "
+                                       "of it the first-named form is faster)")
+    ax.set_xlabel(f"{what}; whiskers: ~95% interval; hatched / '!': unstable", fontsize=7)
     ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2,
-              frameon=False)
+    # below the x label, a fixed distance in inches whatever the panel's height
+    below = ax.transAxes + ScaledTranslation(0, -0.5, ax.figure.dpi_scale_trans)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below,
+              ncol=2, frameon=False)
