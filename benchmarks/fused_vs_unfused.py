@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 if (HERE.parent / "convfuse" / "__init__.py").exists():
     # run from a checkout: measure that checkout's convfuse, not another installed one
     sys.path.insert(0, str(HERE.parent))
+import bench.torch_convert as torch_convert  # noqa: E402
 from bench import (  # noqa: E402
     adam,
     backward,
@@ -66,6 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="NCHW,NHWC or one of them")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
+    p.add_argument("--torch-convert", action="store_true",
+                   help="also time a torch.nn conv net against convfuse.torch.convert of it")
     p.add_argument("--heuristics", action="store_true",
                    help="choose convfuse's algorithms by heuristics instead of autotuning "
                         "(PyTorch always runs with cudnn.benchmark=True)")
@@ -160,6 +163,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                                      if "biasgrad" in results else None),
         "counts": report.counts(results),
         "results": results,
+        "torch_convert": torch_convert.run(args.quick) if args.torch_convert else None,
     }
 
 
@@ -176,6 +180,8 @@ def render(payload: dict, args: argparse.Namespace) -> None:
                       "Floors use measured CPU copy and GEMM rates, so a roofline above 100% "
                       "means a case beat those measurements (e.g. from cache), not physics.")
     report.print_report(payload["results"], payload["engine"], footer)
+    if payload.get("torch_convert"):
+        print(torch_convert.format_table(payload["torch_convert"]))
     title = f"convfuse: ratios of median times on {payload['label']}"
     if not on_gpu:
         caps = payload["method"].get("cpu_shape_caps") or {}

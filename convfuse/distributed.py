@@ -1,0 +1,150 @@
+"""Data-parallel training of convfuse's own layers and optimizers on torch.distributed.
+
+    dist.init_process_group("nccl" if convfuse.gpu_available() else "gloo")
+    broadcast_parameters(model)              # once: every rank starts from rank 0's weights
+    for each step: forward, backward, allreduce_gradients(optimizer), optimizer.step()
+
+PyTorch is needed only when these functions are called (`import convfuse` never imports
+it). Buffers cross to torch.distributed with no copy: NumPy buffers through
+`torch.from_numpy` (gloo), CuPy buffers through DLPack (NCCL). bfloat16 NumPy buffers,
+which NumPy cannot hand to PyTorch as such, cross as int16 views reinterpreted as
+torch.bfloat16 (same bytes); the backend then sums in bfloat16, as DDP does for bfloat16
+gradients (gloo supports it, and NCCL).
+
+Note [one collective per flat buffer]
+A convfuse optimizer keeps, per dtype, one flat gradient buffer that every parameter's
+`.grad` is a view of (convfuse/optim/_flat.py), with zero gaps between the views. So
+`allreduce_gradients` issues one all-reduce per dtype for the whole model: the gaps stay
+zero under a sum, and no gradient is copied into or out of a bucket.
+
+Note [streams and capture]
+On CuPy buffers the collective is issued with PyTorch's current stream set to CuPy's current
+stream, so it is ordered after the backward that wrote the gradients and before the step
+that reads them, with no host synchronisation (NCCL averages natively, ReduceOp.AVG, so no
+extra kernel either). Inside `convfuse.graph.capture`, CuPy's current stream is the
+capturing stream, so the all-reduce is recorded into the graph where the backend allows it:
+PyTorch's NCCL process group supports CUDA-graph capture of collectives; gloo runs on the
+host and cannot be captured (nor does the CPU path have graphs). The GPU path has not run
+on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from .backend import is_cupy
+from .nn.parameter import Parameter
+
+
+def _torch() -> Any:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise ImportError(
+            "convfuse.distributed needs PyTorch's torch.distributed: pip install "
+            "'convfuse[torch]'"
+        ) from exc
+    if not dist.is_available():
+        raise RuntimeError("convfuse.distributed: this PyTorch build has no torch.distributed")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "convfuse.distributed: no default process group; call "
+            "torch.distributed.init_process_group first (torchrun sets the environment)"
+        )
+    return torch
+
+
+def _as_tensor(a: Any) -> Any:
+    """The buffer as a tensor on the same memory (Note [bfloat16 on the CPU] in
+    convfuse/torch/_arrays.py for bfloat16 NumPy buffers)."""
+    from .torch._arrays import to_tensor
+
+    return to_tensor(a)
+
+
+@contextlib.contextmanager
+def _on_cupy_stream(torch: Any, a: Any) -> Iterator[None]:
+    """PyTorch's current stream = CuPy's current stream, for CuPy buffers
+    (Note [streams and capture]); nothing for NumPy buffers."""
+    if not is_cupy(a):
+        yield
+        return
+    import cupy  # pragma: gpu
+
+    with cupy.cuda.Device(a.device.id):  # pragma: gpu
+        stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
+        with torch.cuda.stream(stream):
+            yield
+
+
+def _parameters(model: Any) -> list[Parameter]:
+    params = model.parameters() if hasattr(model, "parameters") else model
+    try:
+        plist = list(params)
+    except TypeError:
+        raise TypeError(
+            "broadcast_parameters expects a convfuse layer/model (with .parameters()) or an "
+            f"iterable of convfuse Parameters, got {type(model).__name__}"
+        ) from None
+    for i, p in enumerate(plist):
+        if not isinstance(p, Parameter):
+            raise TypeError(
+                f"broadcast_parameters: parameter {i} is a {type(p).__name__}, not a convfuse "
+                "Parameter (for torch.nn modules use DistributedDataParallel, which broadcasts)"
+            )
+    return plist
+
+
+def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
+    """Overwrite every parameter's data on every rank with rank `src`'s, in place.
+
+    `model` is a convfuse layer or Sequential, or an iterable of convfuse Parameters. One
+    broadcast per parameter (this runs once, before training); the arrays stay where they
+    are, so an optimizer's flat buffers (whose views they may be) see the new values.
+    """
+    torch = _torch()
+    dist = torch.distributed
+    for p in _parameters(model):
+        with _on_cupy_stream(torch, p.data):
+            dist.broadcast(_as_tensor(p.data), src=src, group=group)
+
+
+def flat_gradients(optimizer: Any) -> list[Any]:
+    """The optimizer's flat gradient buffers, one per dtype (Note [one collective per flat
+    buffer]); TypeError for anything but a convfuse optimizer."""
+    from .optim._flat import FlatGroup
+
+    groups = getattr(optimizer, "_groups", None)
+    if not isinstance(groups, list) or not all(isinstance(g, FlatGroup) for g in groups):
+        raise TypeError(
+            "allreduce_gradients expects a convfuse optimizer (convfuse.optim.SGD, Adam or "
+            f"AdamW), got {type(optimizer).__name__}; for torch.nn modules use "
+            "torch.nn.parallel.DistributedDataParallel"
+        )
+    return [g.grad for g in groups]
+
+
+def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None) -> None:
+    """Sum (or, with `average`, average) every gradient of `optimizer`'s parameters over
+    the ranks of `group` (default: the default process group), in place.
+
+    One all-reduce per flat gradient buffer, i.e. per dtype (Note [one collective per flat
+    buffer]), on the buffer's own memory. No host sync of its own; capturable with NCCL
+    (Note [streams and capture]). Call it between the backward and `optimizer.step()`.
+    """
+    torch = _torch()
+    dist = torch.distributed
+    buffers = flat_gradients(optimizer)
+    world = dist.get_world_size(group)
+    native_avg = average and dist.get_backend(group) == "nccl"
+    op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    for buf in buffers:
+        with _on_cupy_stream(torch, buf):
+            t = _as_tensor(buf)
+            dist.all_reduce(t, op=op, group=group)
+            if average and not native_avg and world > 1:
+                t.div_(world)
+

@@ -1,0 +1,121 @@
+"""PyTorch tensors as convfuse arrays and back, on the same memory.
+
+Note [layouts across the bridge]
+PyTorch keeps one logical order (N, C, *spatial) and expresses channels-last as strides;
+convfuse expresses it as the shape order (N, *spatial, C), C-contiguous. So a tensor whose
+`movedim(1, -1)` is contiguous (a `channels_last` / `channels_last_3d` tensor, or its 1-d
+analogue) *is* a contiguous NHWC array: `physical(t, True)` is a view, no copy. Results
+come back through `logical(a, True)` = `movedim(-1, 1)`, a channels-last tensor again.
+The layer's layout follows its input: contiguous -> NCHW, channels-last -> NHWC, anything
+else is made contiguous (one copy, as torch.nn.Conv2d does). The weight follows the input's
+layout; it is a view when the weight already has that memory format, else one copy.
+
+Note [bfloat16 on the CPU]
+CPU tensors of dtype bfloat16 do not cross DLPack (NumPy has no bfloat16), so they cross as
+int16 views and are reinterpreted as ml_dtypes.bfloat16 on the NumPy side: same bytes, no
+copy. On CUDA, bfloat16 crosses DLPack natively.
+
+Note [CUDA streams and memory]
+Every op runs inside `engine_context(device)`: the tensor's device is current for CuPy,
+CuPy's current stream is PyTorch's current stream (`cupy.cuda.Stream.from_external`), so
+convfuse's cuDNN handle (re-bound to CuPy's current stream at every call, see
+convfuse/ops/cudnn/handle.py) and its CuPy kernels queue behind PyTorch's work without a
+sync; and CuPy allocates from PyTorch's caching allocator (`_torch_allocator`). That
+allocator therefore backs the outputs handed to PyTorch and the cuDNN workspace: one pool
+for the process instead of two caches competing for the same GPU memory, and memory
+PyTorch frees is reusable by convfuse's next call and the other way round. The blocks are
+taken on PyTorch's current stream, so PyTorch's stream rules for its own tensors apply.
+DLPack exchanges inside the context are on one stream, so they add no synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..ops._checks import ALIGNMENT
+
+#: The tensor dtypes convfuse computes in (its four storage dtypes).
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def is_channels_last(t: torch.Tensor) -> bool:
+    """Whether `t` maps to convfuse's channels-last layout with no copy
+    (Note [layouts across the bridge]); a plain contiguous tensor is channels-first."""
+    if t.is_contiguous():
+        return False
+    return t.movedim(1, -1).is_contiguous()
+
+
+def physical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """`t` in convfuse's order for the layout, C-contiguous (a view when strides allow)."""
+    v = t.movedim(1, -1) if channels_last else t
+    v = v if v.is_contiguous() else v.contiguous()
+    if v.device.type == "cuda" and v.data_ptr() % ALIGNMENT:  # pragma: gpu
+        v = v.clone()  # a view at an odd offset: convfuse's GPU ops refuse it, so copy once
+    return v
+
+
+def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """A convfuse-ordered result as a PyTorch (N, C, ...) tensor (a view)."""
+    return t.movedim(-1, 1) if channels_last else t
+
+
+def to_array(t: torch.Tensor) -> Any:
+    """A contiguous tensor as a NumPy (CPU) or CuPy (CUDA) array on the same memory."""
+    t = t.detach()
+    if t.device.type == "cuda":  # pragma: gpu
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if t.dtype == torch.bfloat16:  # Note [bfloat16 on the CPU]
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def to_tensor(a: Any) -> torch.Tensor:
+    """A NumPy or CuPy array as a tensor on the same memory (PyTorch keeps it alive)."""
+    if isinstance(a, np.ndarray):
+        a = np.ascontiguousarray(a)  # a no-op for the engine's results; the fake ops assume it
+        if a.dtype == np.dtype(ml_dtypes.bfloat16):  # Note [bfloat16 on the CPU]
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    return torch.from_dlpack(a)  # pragma: gpu
+
+
+@contextlib.contextmanager
+def engine_context(device: torch.device) -> Iterator[None]:
+    """Run convfuse on `device` the way PyTorch would (Note [CUDA streams and memory])."""
+    if device.type != "cuda":
+        yield
+        return
+    import cupy  # pragma: gpu
+
+    stream = torch.cuda.current_stream(device)  # pragma: gpu
+    with (cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(stream),  # pragma: gpu
+          cupy.cuda.using_allocator(_torch_allocator(device))):
+        yield  # pragma: gpu
+
+
+def _torch_allocator(device: torch.device) -> Any:
+    """A CuPy allocator handing out PyTorch caching-allocator blocks on `device`.
+
+    Each block is a uint8 tensor taken on PyTorch's current stream; the CuPy memory object
+    owns it, so the block returns to PyTorch's cache when the last CuPy array (or the
+    tensor wrapping it through DLPack) goes away.
+    """
+    import cupy
+
+    def alloc(nbytes: int) -> Any:
+        if nbytes == 0:
+            return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device.index), 0)
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        mem = cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device.index)
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+    return alloc

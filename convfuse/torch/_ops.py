@@ -1,0 +1,181 @@
+"""convfuse's fused convolution as two opaque PyTorch custom ops, with autograd.
+
+`torch.ops.convfuse.conv_bias_act` (forward) and `torch.ops.convfuse.conv_bias_act_backward`
+are `torch.library.custom_op`s with fake (meta) implementations, and the forward's
+gradient is registered with `register_autograd`. So `torch.compile(model, fullgraph=True)`
+sees each layer as one op in the forward graph and one in the backward graph, with no graph
+break, and never traces into NumPy or CuPy.
+
+Both ops work on the tensors' memory through convfuse's stateless ops (convfuse.ops), with
+the layout rules of Note [layouts across the bridge] and, on CUDA, PyTorch's stream and
+allocator (Note [CUDA streams and memory]). The backward is convfuse's own: the bias
+gradient comes from cudnnConvolutionBackwardBias or the fused activation-backward + bias
+kernel (never a PyTorch reduction), and only the gradients autograd asks for are computed
+(`ctx.needs_input_grad`): the first layer of a network computes no dx.
+
+Custom ops may return neither None nor an input, so gradients that were not asked for come
+back as empty tensors (never read), and the residual's gradient for an identity activation
+(which is dy itself) is handed out by the autograd formula, not by the op.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from .. import activations, ops
+from ..geometry import ConvGeometry, conv_output_size, layout_name
+from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...],
+              padding: tuple[int, ...], dilation: tuple[int, ...], groups: int,
+              channels_last: bool) -> ConvGeometry:
+    rank = len(w_shape) - 2
+    return ConvGeometry.create(x_shape, w_shape, stride, padding, dilation, groups,
+                               layout_name(channels_last, rank))
+
+
+def _geom_for(xp: torch.Tensor, wp: torch.Tensor, stride: Sequence[int],
+              padding: Sequence[int], dilation: Sequence[int], groups: int,
+              channels_last: bool) -> ConvGeometry:
+    return _geometry(tuple(xp.shape), tuple(wp.shape), tuple(stride), tuple(padding),
+                     tuple(dilation), int(groups), channels_last)
+
+
+def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
+    return None if t is None else to_array(physical(t, channels_last))
+
+
+@torch.library.custom_op("convfuse::conv_bias_act", mutates_args=())
+def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
+                  dilation: Sequence[int], groups: int,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, z): y = act(conv(x, weight) + bias + residual); z is the pre-activation when the
+    activation's backward needs it (silu, gelu), else an empty tensor."""
+    cl = is_channels_last(x)
+    xp, wp = physical(x, cl), physical(weight, cl)
+    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    with engine_context(x.device):
+        y, z = ops.conv_bias_act(
+            to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
+            activation=activation, residual=_array_or_none(residual, cl),
+        )
+        yt = logical(to_tensor(y), cl)
+        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
+    return yt, zt
+
+
+def _out_shape(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
+               padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    spatial = [conv_output_size(n, k, s, p, d) for n, k, s, p, d in
+               zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return [x.shape[0], weight.shape[0], *spatial]
+
+
+def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int], channels_last: bool,
+                       ) -> torch.Tensor:
+    """A new tensor of logical `shape` laid out as convfuse writes it (contiguous in its
+    physical order), on `ref`'s device and dtype."""
+    phys = [shape[0], *shape[2:], shape[1]] if channels_last else list(shape)
+    return logical(ref.new_empty(phys), channels_last)
+
+
+@conv_bias_act.register_fake
+def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
+    cl = is_channels_last(x)
+    y = _empty_like_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
+    if activations.saves(activation) == "preactivation":
+        return y, _empty_like_layout(x, y.shape, cl)
+    return y, x.new_empty(0)
+
+
+@torch.library.custom_op("convfuse::conv_bias_act_backward", mutates_args=())
+def conv_bias_act_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
+    activation: str, need_dx: bool, need_dw: bool, need_db: bool, need_dz: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db, dz) of conv_bias_act, each computed only when its `need_*` is set
+    (else an empty tensor). dz is the pre-activation's gradient, which is the residual's;
+    for identity it is dy itself, so the op never returns it then."""
+    cl = is_channels_last(x)
+    xp, wp = physical(x, cl), physical(weight, cl)
+    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    act = activations.normalize(activation)
+    # Outputs PyTorch owns: allocated here, written by convfuse through `out=`.
+    dx_t = torch.empty(xp.shape, dtype=x.dtype, device=x.device) if need_dx else None
+    dw_t = torch.empty(wp.shape, dtype=x.dtype, device=x.device) if need_dw else None
+    db_t = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device) if need_db else None
+    with engine_context(x.device):
+        dya = to_array(physical(dy, cl))
+        sa = _array_or_none(saved, cl)
+        db_a = None if db_t is None else to_array(db_t)
+        if act == "identity":
+            dz = dya
+            if need_db:
+                ops.conv_backward_bias(dz, geom, out=db_a)
+        elif need_db:
+            dz, _ = ops.activation_backward_bias(dya, sa, act, geom, db_out=db_a)
+        else:
+            dz = ops.activation_backward(dya, sa, act)
+        if need_dw:
+            ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
+        if need_dx:
+            ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
+        dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
+    empty = dy.new_empty(0)
+    return (
+        logical(dx_t, cl) if dx_t is not None else empty,
+        logical(dw_t, cl) if dw_t is not None else empty.clone(),
+        db_t if db_t is not None else empty.clone(),
+        dz_t if dz_t is not None else empty.clone(),
+    )
+
+
+@conv_bias_act_backward.register_fake
+def _(dy, x, weight, saved, stride, padding, dilation, groups, activation, need_dx, need_dw,
+      need_db, need_dz):
+    cl = is_channels_last(x)
+    act = activations.normalize(activation)
+    dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
+    dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
+    db = dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0)
+    dz = _empty_like_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
+        else dy.new_empty(0)
+    return dx, dw, db, dz
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, _residual, stride, padding, dilation, groups, activation = inputs
+    y, z = output
+    kind = activations.saves(activation)
+    saved = {"none": None, "output": y, "preactivation": z}[kind]
+    ctx.save_for_backward(x, weight, saved)
+    ctx.hyper = (list(stride), list(padding), list(dilation), int(groups), activation)
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(z)
+
+
+def _backward(ctx, dy, _dz_output):
+    x, weight, saved = ctx.saved_tensors
+    stride, padding, dilation, groups, activation = ctx.hyper
+    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+    need_db = bool(need_db and ctx.has_bias)
+    identity = activations.normalize(activation) == "identity"
+    if dy is None:  # y itself fed nothing that needs a gradient
+        return (None,) * 9
+    dx, dw, db, dz = torch.ops.convfuse.conv_bias_act_backward(
+        dy, x, weight, saved, stride, padding, dilation, groups, activation,
+        bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity,
+    )
+    dres = (dy if identity else dz) if need_dres else None
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, dres,
+            None, None, None, None, None)
+
+
+conv_bias_act.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,252 @@
+"""convfuse.torch and convfuse.distributed on a GPU: PyTorch's stream, zero-copy memory,
+the cuDNN engine actually running, and NCCL on a CuPy flat buffer (world size 1).
+
+References are float64 results of the same layer on the CPU (convfuse's NumPy engine);
+outputs land in memory poisoned with NaN first, so a read before the write shows.
+Written without a GPU: none of these has run yet.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+import convfuse as cf
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_torch():
+    if not torch.cuda.is_available():
+        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
+    with cf.config.flags(allow_tf32=False):
+        yield
+
+
+def _poison(nbytes: int) -> None:
+    """Fill, then free, a block of PyTorch's cache with NaN: the next allocations of the
+    current stream likely reuse it, so an output read before it is written shows."""
+    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del block
+
+
+def _reference(layer, x, residual=None):
+    """The layer's float64 result and input gradient on the CPU (NumPy engine)."""
+    ref = copy.deepcopy(layer).cpu().double()
+    xr = x.detach().cpu().double().requires_grad_()
+    rr = None if residual is None else residual.detach().cpu().double()
+    y = ref(xr, rr)
+    y.square().sum().backward()
+    return y.detach(), xr.grad, ref
+
+
+def _spy(monkeypatch, module, name, record):
+    real = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        import cupy
+
+        from convfuse.ops.cudnn.handle import get_handle
+
+        record.append({"stream": cupy.cuda.get_current_stream().ptr,
+                       "handle_stream": get_handle().getStream(), "args": args,
+                       "kwargs": kwargs})
+        out = real(*args, **kwargs)
+        record[-1]["out"] = out
+        return out
+
+    monkeypatch.setattr(module, name, wrapped)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_runs_on_a_non_default_torch_stream(monkeypatch, channels_last):
+    import convfuse.ops.cudnn.conv as cudnn_conv
+    import convfuse.torch as ct
+
+    calls: list = []
+    _spy(monkeypatch, cudnn_conv, "conv_bias_act", calls)
+    _spy(monkeypatch, cudnn_conv, "conv_backward_filter", calls)
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    layer = ct.Conv2d(16, 32, 3, padding=1, activation="gelu").cuda().to(memory_format=fmt)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # A long producer on the side stream: a race with another stream would read a
+        # half-written x.
+        x = torch.randn(8, 16, 64, 64, device="cuda")
+        for _ in range(20):
+            x = torch.sin(x) * 1.5
+        x = x.contiguous(memory_format=fmt).requires_grad_()
+        _poison(8 * 32 * 64 * 64 * 4 * 3)
+        y = layer(x)
+        y.square().sum().backward()
+    stream.synchronize()
+    assert calls and all(c["stream"] == stream.cuda_stream for c in calls)
+    assert all(c["handle_stream"] == stream.cuda_stream for c in calls)
+    y_ref, dx_ref, _ = _reference(layer, x)
+    np.testing.assert_allclose(y.detach().cpu().double().numpy(), y_ref.numpy(), rtol=1e-4,
+                               atol=1e-4)
+    np.testing.assert_allclose(x.grad.cpu().double().numpy(), dx_ref.numpy(), rtol=1e-3,
+                               atol=1e-3)
+
+
+def test_zero_copy_and_pytorch_owns_the_memory(monkeypatch):
+    import convfuse.ops.cudnn.conv as cudnn_conv
+    import convfuse.torch as ct
+
+    calls: list = []
+    _spy(monkeypatch, cudnn_conv, "conv_bias_act", calls)
+    layer = ct.Conv2d(8, 8, 3, padding=1, activation="relu").cuda()
+    layer = layer.to(memory_format=torch.channels_last)
+    x = torch.randn(4, 8, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad():
+        y = layer(x)
+    x_arr, w_arr = calls[-1]["args"][0], calls[-1]["args"][1]
+    assert x_arr.data.ptr == x.data_ptr()              # input: same memory (NHWC view)
+    assert w_arr.data.ptr == layer.weight.data_ptr()   # channels_last weight: no copy
+    assert calls[-1]["out"][0].data.ptr == y.data_ptr()  # output: the engine's memory
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    # ...which came from PyTorch's caching allocator (Note [CUDA streams and memory])
+    assert torch.cuda.memory_allocated() - before >= y.numel() * y.element_size()
+    np.testing.assert_allclose(y.cpu().double().numpy(), _reference(layer, x)[0].numpy(),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_backward_writes_into_tensors_pytorch_allocated(monkeypatch):
+    import convfuse.ops.cudnn.conv as cudnn_conv
+    import convfuse.torch as ct
+
+    calls: list = []
+    for name in ("conv_backward_data", "conv_backward_filter", "conv_backward_bias"):
+        _spy(monkeypatch, cudnn_conv, name, calls)
+    layer = ct.Conv2d(4, 8, 3, padding=1).cuda().double()
+    x = torch.randn(2, 4, 16, 16, device="cuda", dtype=torch.float64, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert len(calls) == 3
+    # The ops hand the engine `out` positionally: (dz, w, geom, out, beta),
+    # (x, dz, geom, out, beta), (dz, geom, out, beta). Each is a tensor PyTorch allocated.
+    outs = [c["args"][3] if len(c["args"]) == 5 else c["args"][2] for c in calls]
+    assert all(o is not None and o.data.ptr == r.data.ptr for o, r in
+               zip(outs, (c["out"] for c in calls)))
+    _, dx_ref, ref = _reference(layer, x)
+    np.testing.assert_allclose(x.grad.cpu().numpy(), dx_ref.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(layer.bias.grad.cpu().numpy(), ref.bias.grad.numpy(),
+                               rtol=1e-10, atol=1e-10)
+
+
+def test_a_view_at_an_odd_offset_is_copied_not_refused():
+    import convfuse.torch as ct
+
+    layer = ct.Conv1d(3, 4, 3).cuda()
+    flat = torch.randn(1 + 2 * 3 * 10, device="cuda")
+    x = flat[1:].view(2, 3, 10)  # 4 bytes past an aligned block: convfuse's ops refuse it
+    assert x.data_ptr() % 16 and x.is_contiguous()
+    y = layer(x)
+    np.testing.assert_allclose(y.detach().cpu().double().numpy(),
+                               _reference(layer, x)[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_crosses_dlpack_on_cuda():
+    import convfuse.torch as ct
+
+    layer = ct.Conv2d(8, 8, 3, padding=1, activation="silu").cuda().to(torch.bfloat16)
+    x = torch.randn(2, 8, 16, 16, device="cuda").to(torch.bfloat16)
+    residual = torch.randn(2, 8, 16, 16, device="cuda").to(torch.bfloat16)
+    y = layer(x, residual)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y_ref = _reference(layer, x, residual)[0]
+    np.testing.assert_allclose(y.float().cpu().double().numpy(), y_ref.numpy(), rtol=3e-2,
+                               atol=3e-2)
+
+
+def test_nccl_allreduce_of_a_cupy_flat_buffer_world_one(tmp_path, monkeypatch):
+    import cupy
+    import torch.distributed as dist
+
+    from convfuse.distributed import allreduce_gradients, broadcast_parameters
+
+    if not dist.is_nccl_available():
+        pytest.skip("this PyTorch build has no NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = cf.Sequential(cf.Conv2d(2, 4, 3, device="cuda", seed=0), cf.Flatten(),
+                              cf.Linear(4, 3, device="cuda", seed=1))
+        opt = cf.optim.SGD(model.parameters(), lr=0.1)
+        for i, p in enumerate(model.parameters()):
+            p.grad[...] = i + 0.5
+        buffer = opt._groups[0].grad
+        expected = buffer.get()
+        seen = []
+        real = dist.all_reduce
+
+        def spy(t, *args, **kwargs):
+            seen.append((t.data_ptr(), t.device.type, kwargs.get("op"),
+                         torch.cuda.current_stream().cuda_stream))
+            return real(t, *args, **kwargs)
+
+        monkeypatch.setattr(dist, "all_reduce", spy)
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            allreduce_gradients(opt)
+            broadcast_parameters(model)
+        side.synchronize()
+        assert seen == [(buffer.data.ptr, "cuda", dist.ReduceOp.AVG, side.ptr)]
+        np.testing.assert_array_equal(buffer.get(), expected)  # the average over one rank
+    finally:
+        dist.destroy_process_group()
+
+
+def test_allreduce_gradients_is_captured_in_a_graph_with_nccl(tmp_path):
+    """Note [streams and capture]: inside convfuse.graph.capture the all-reduce goes to the
+    capturing stream; replays equal eager steps (world size 1: the average is the value)."""
+    import cupy
+    import torch.distributed as dist
+
+    from convfuse.distributed import allreduce_gradients
+
+    if not dist.is_nccl_available():
+        pytest.skip("this PyTorch build has no NCCL")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        def build():
+            model = cf.Sequential(cf.Conv2d(1, 4, 3, padding=1, activation="relu",
+                                            device="cuda", seed=0),
+                                  cf.Flatten(), cf.Linear(4 * 8 * 8, 5, device="cuda", seed=1))
+            opt = cf.optim.SGD(model.parameters(), lr=0.1)
+            loss_fn = cf.CrossEntropyLoss()
+
+            def step(x, y):
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                model.backward(loss_fn.backward())
+                allreduce_gradients(opt)
+                opt.step()
+                return loss
+
+            return model, step
+
+        rng = np.random.default_rng(0)
+        data = [(cupy.asarray(rng.random((8, 1, 8, 8), dtype=np.float32)),
+                 cupy.asarray(rng.integers(0, 5, 8).astype(np.int32))) for _ in range(4)]
+        eager_model, eager_step = build()
+        eager_step(*data[0])  # the capture's warm-up step
+        for x, y in data[1:]:
+            eager_step(x, y)
+        graph_model, graph_step = build()
+        captured = cf.graph.capture(graph_step, *data[0])
+        for x, y in data[1:]:
+            captured(x, y)
+        captured.synchronize()
+        for a, b in zip(graph_model.parameters(), eager_model.parameters()):
+            np.testing.assert_allclose(a.data.get(), b.data.get(), rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,205 @@
+"""Data-parallel training on 2 gloo processes over loopback: DDP around convfuse.torch layers,
+and convfuse's own layers with broadcast_parameters / allreduce_gradients. After a few steps
+on different data per rank, parameters are identical across ranks and equal to one process
+training on the concatenated batch.
+
+The ranks run this file as a script (`python tests/test_distributed.py MODE RANK ...`); they
+meet through a FileStore in the test's tmp_path, so no port is chosen, and gloo talks on the
+loopback interface only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import convfuse as cf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+STEPS = 3
+PER_RANK = 4
+TIMEOUT_S = 240
+
+
+def _data(step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The global batch of `step` (all ranks together), float64 images and int labels."""
+    rng = np.random.default_rng(100 + step)
+    x = rng.standard_normal((WORLD * PER_RANK, 1, 6, 6))
+    y = rng.integers(0, 3, WORLD * PER_RANK)
+    return x, y
+
+
+def _shard(a: np.ndarray, rank: int | None) -> np.ndarray:
+    return a if rank is None else a[rank * PER_RANK:(rank + 1) * PER_RANK]
+
+
+# -- convfuse's own layers ----------------------------------------------------------------
+def _cf_model(seed: int) -> cf.Sequential:
+    return cf.Sequential(
+        cf.Conv2d(1, 4, 3, padding=1, activation="relu", dtype="float64", seed=seed),
+        cf.Conv2d(4, 4, 3, stride=2, activation="tanh", dtype="float64", seed=seed + 1),
+        cf.Flatten(),
+        cf.Linear(4 * 2 * 2, 3, dtype="float64", seed=seed + 2),
+    )
+
+
+def train_convfuse(rank: int | None) -> list[np.ndarray]:
+    """STEPS Adam steps; rank None: one process on the whole batch. Ranks start from
+    different weights (seed = rank) and broadcast_parameters makes them rank 0's."""
+    from convfuse.distributed import allreduce_gradients, broadcast_parameters
+
+    model = _cf_model(seed=rank or 0)
+    opt = cf.optim.Adam(model.parameters(), lr=0.05)
+    if rank is not None:
+        broadcast_parameters(model)
+    loss_fn = cf.CrossEntropyLoss()
+    for step in range(STEPS):
+        x, y = _data(step)
+        opt.zero_grad()
+        loss_fn(model(_shard(x, rank)), _shard(y, rank).astype(np.int64))
+        model.backward(loss_fn.backward())
+        if rank is not None:
+            allreduce_gradients(opt)
+        opt.step()
+    return [p.data.copy() for p in model.parameters()]
+
+
+def _mixed_dtype_check(rank: int) -> dict[str, np.ndarray]:
+    """bfloat16 + float32 parameters: one all-reduce per dtype, sums exact."""
+    import torch.distributed as dist
+
+    from convfuse.distributed import allreduce_gradients
+
+    layers = [cf.Conv2d(2, 3, 3, dtype="bfloat16", seed=0), cf.Linear(3, 2, seed=0)]
+    opt = cf.optim.SGD([p for lyr in layers for p in lyr.parameters()], lr=0.1)
+    for lyr in layers:
+        for p in lyr.parameters():
+            p.grad[...] = rank + 1
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: calls.append(t.dtype) or real(t, *a, **k)
+    try:
+        allreduce_gradients(opt, average=False)
+    finally:
+        dist.all_reduce = real
+    out = {f"grad{i}": np.asarray(p.grad, dtype=np.float64)
+           for i, p in enumerate(q for lyr in layers for q in lyr.parameters())}
+    out["calls"] = np.array(sorted(str(c) for c in calls))
+    return out
+
+
+# -- PyTorch DDP around convfuse.torch layers --------------------------------------------
+def _torch_model(seed: int):
+    import convfuse.torch as ct
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        ct.Conv2d(1, 4, 3, padding=1, activation="relu", dtype=torch.float64),
+        ct.Conv2d(4, 4, 3, stride=2, activation="silu", dtype=torch.float64),
+        torch.nn.Flatten(), torch.nn.Linear(4 * 2 * 2, 3, dtype=torch.float64),
+    )
+
+
+def train_torch(rank: int | None) -> list[np.ndarray]:
+    model = _torch_model(seed=rank or 0)
+    net = model
+    if rank is not None:
+        net = torch.nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _data(step)
+        opt.zero_grad()
+        logits = net(torch.from_numpy(_shard(x, rank)))
+        torch.nn.functional.cross_entropy(logits, torch.from_numpy(_shard(y, rank))).backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def _worker(mode: str, rank: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        params = train_convfuse(rank) if mode == "convfuse" else train_torch(rank)
+        extra = _mixed_dtype_check(rank) if mode == "convfuse" else {}
+        np.savez(out, *params, **extra)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_ranks(mode: str, tmp_path: Path) -> list[dict[str, np.ndarray]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
+    init = tmp_path / "store"
+    procs = [
+        subprocess.Popen([sys.executable, __file__, mode, str(r), str(init),
+                          str(tmp_path / f"rank{r}.npz")], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]
+
+
+def _check_params(ranks: list[dict[str, np.ndarray]], single: list[np.ndarray]) -> None:
+    for i, want in enumerate(single):
+        a, b = ranks[0][f"arr_{i}"], ranks[1][f"arr_{i}"]
+        np.testing.assert_array_equal(a, b)  # identical across ranks
+        np.testing.assert_allclose(a, want, rtol=1e-10, atol=1e-12)
+    # and training moved them: the comparison is not between untouched initial weights
+    start = _cf_model(0).parameters()[0].data if len(single) == 6 else None
+    if start is not None:
+        assert not np.allclose(single[0], start)
+
+
+def test_allreduce_gradients_two_ranks_equal_single_process(tmp_path):
+    ranks = _run_ranks("convfuse", tmp_path)
+    _check_params(ranks, train_convfuse(None))
+    for r in ranks:
+        assert list(r["calls"]) == ["torch.bfloat16", "torch.float32"]  # one per dtype
+        for key in (k for k in r if k.startswith("grad")):
+            np.testing.assert_array_equal(r[key], np.full_like(r[key], 3.0))  # 1 + 2
+
+
+def test_ddp_with_convfuse_layers_two_ranks_equal_single_process(tmp_path):
+    ranks = _run_ranks("torch", tmp_path)
+    single = train_torch(None)
+    _check_params(ranks, single)
+    assert not np.allclose(single[0], _torch_model(0)[0].weight.detach().numpy())
+
+
+def test_helpers_refuse_without_a_process_group_or_a_convfuse_optimizer():
+    from convfuse.distributed import allreduce_gradients, broadcast_parameters, flat_gradients
+
+    with pytest.raises(TypeError, match="convfuse optimizer"):
+        flat_gradients(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))
+    model = _cf_model(0)
+    assert [g.dtype for g in flat_gradients(cf.optim.SGD(model.parameters(), lr=0.1))] == \
+        [np.dtype("float64")]
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            allreduce_gradients(cf.optim.SGD(_cf_model(0).parameters(), lr=0.1))
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            broadcast_parameters(model)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -1,0 +1,32 @@
+"""Every ```python block of docs/PYTORCH.md runs as written (CPU, each in its own process,
+since one of them joins a process group)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "PYTORCH.md").read_text(), re.S)
+
+
+def test_the_doc_has_both_sections_and_snippets():
+    text = (ROOT / "docs" / "PYTORCH.md").read_text()
+    assert "## Using convfuse from PyTorch" in text and "## Multi-GPU" in text
+    assert len(BLOCKS) == 2 and "```bash\ntorchrun" in text
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_python_block_runs(index):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo")
+    done = subprocess.run([sys.executable, "-c", BLOCKS[index]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
