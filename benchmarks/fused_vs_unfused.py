@@ -22,22 +22,33 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-try:
-    import convfuse as cf
-except ImportError:  # running from a checkout without an install
+if (HERE.parent / "convfuse" / "__init__.py").exists():
+    # run from a checkout: measure that checkout's convfuse, not another installed one
     sys.path.insert(0, str(HERE.parent))
-    import convfuse as cf
-
 import bench.torch_convert as torch_convert  # noqa: E402
-from bench import adam, backward, biasgrad, env, forward, peaks, report, torch_cmp, train  # noqa: E402
-from bench.cases import LAYOUTS, PRECISIONS  # noqa: E402
+from bench import (  # noqa: E402
+    adam,
+    backward,
+    biasgrad,
+    env,
+    forward,
+    goals,
+    peaks,
+    report,
+    timing,
+    torch_cmp,
+    train,
+)
+from bench.cases import CPU_CAPS, LAYOUTS, PRECISIONS  # noqa: E402
 from bench.engine import Engine, make_engine  # noqa: E402
 from bench.plot import save as save_plot  # noqa: E402
 from bench.records import Context  # noqa: E402
 from bench.timing import Budget  # noqa: E402
 
+import convfuse as cf  # noqa: E402
+
 SECTIONS = {"forward": forward.run, "backward": backward.run, "biasgrad": biasgrad.run,
-            "train": train.run, "adam": adam.run}
+            "train": train.run, "adam": adam.run, "goals": goals.run}
 RESULTS_DIR = HERE / "results"
 
 
@@ -68,6 +79,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-json", type=Path, default=None,
                    help="measure nothing: print the tables and draw --plot from a saved JSON")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+    p.add_argument("--suite", action="store_true",
+                   help="goals: also time the CPU test suite (about 90 s)")
     args = p.parse_args(argv)
     args.sections = _subset(p, "--sections", args.sections, SECTIONS)
     args.precisions = _subset(p, "--precisions", args.precisions, PRECISIONS)
@@ -86,7 +99,8 @@ def _subset(p: argparse.ArgumentParser, flag: str, text: str, known) -> tuple[st
 def budget_for(engine: Engine, quick: bool) -> Budget:
     if engine.is_gpu:  # pragma: gpu
         return Budget(5, 10, 100, 0.2) if quick else Budget(10, 30, 1000, 1.0)
-    return Budget(1, 3, 10, 0.05) if quick else Budget(2, 5, 30, 0.5)
+    # interleaved rounds go on until the medians are pinned down or `seconds` run out
+    return Budget(1, 5, 60, 0.25) if quick else Budget(2, 7, 200, 2.0)
 
 
 def result_name(device_name: str, when: datetime.datetime) -> str:
@@ -108,7 +122,8 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         used_peaks, peaks_info = peaks.resolve(engine, args.quick)
         torch_side, torch_note = torch_cmp.load(engine, args.no_torch)
         ctx = Context(engine, used_peaks, args.quick, budget_for(engine, args.quick), args.seed,
-                      log, torch_side, torch_note, args.precisions, args.layouts)
+                      log, torch_side, torch_note, args.precisions, args.layouts,
+                      suite=args.suite)
         print(f"peaks for the floors: {used_peaks.source}", flush=True)
         print(f"PyTorch: {torch_note or torch_side.label}", flush=True)
         results = {name: SECTIONS[name](ctx) for name in SECTIONS if name in args.sections}
@@ -124,6 +139,16 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
             "budget": vars(ctx.budget),
             "timer": engine.timer.kind,
             "statistic": "median of the repetitions, with min and max; ratios of medians",
+            "interleaved": "compared forms are timed one call each per round, the order "
+                           "rotating; rounds continue until every median's ~95% interval "
+                           f"is within {timing.TARGET_SPREAD:.0%} of it or the budget ends",
+            "spread": "relative width of a distribution-free ~95% interval of the median "
+                      "(order statistics n/2 -+ 0.98 sqrt(n)); a ratio's interval is "
+                      "[lo_a/hi_b, hi_a/lo_b]",
+            "unstable_threshold": {"time": timing.UNSTABLE_SPREAD,
+                                   "ratio": timing.UNSTABLE_RATIO_SPREAD},
+            "cpu_shape_caps": None if engine.is_gpu else dict(zip(
+                ("batch", "spatial", "channels"), CPU_CAPS[args.quick])),
             "cache_bytes_for_rotation": engine.cache_bytes,
             "convfuse_autotune": engine.is_gpu and not args.heuristics,
             "torch_cudnn_benchmark": True,
@@ -159,8 +184,12 @@ def render(payload: dict, args: argparse.Namespace) -> None:
         print(torch_convert.format_table(payload["torch_convert"]))
     title = f"convfuse: ratios of median times on {payload['label']}"
     if not on_gpu:
-        title += "\nCPU reference engine: says nothing about GPU performance"
-    save_plot(args.plot, payload["results"], title)
+        caps = payload["method"].get("cpu_shape_caps") or {}
+        title += ("\nCPU reference engine vs PyTorch CPU: says nothing about GPU performance"
+                  f"\nCPU layer shapes scaled down to batch <= {caps.get('batch')}, spatial "
+                  f"<= {caps.get('spatial')}, channels <= {caps.get('channels')} (the goals "
+                  "panel runs full size)")
+    save_plot(args.plot, payload["results"], title, payload["engine"])
 
 
 def keep_result(payload: dict, args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import pytest
 from convfuse.backend import gpu_unavailable_reason
 from tests._benchmarks_helpers import SCRIPT
 
-SECTIONS = ("forward", "backward", "biasgrad", "train", "adam")
+SECTIONS = ("forward", "backward", "biasgrad", "train", "adam", "goals")
 STATUSES = {"ok", "skipped"}
 
 
@@ -46,7 +46,7 @@ def test_quick_cpu_run_exits_0_and_says_cpu(cpu_run):
     if gpu_unavailable_reason() is not None:
         assert "NO GPU:" in text and gpu_unavailable_reason() in text
     for title in ("Layer forward", "Layer backward", "Bias gradient", "Training step",
-                  "Optimizer"):
+                  "Optimizer", "Goals of issue #14"):
         assert f"== {title}" in text
     for column in ("fused/unfused", "convfuse/PyTorch", "roofline fused", "bwd/fwd", "winner"):
         assert column in text
@@ -91,6 +91,19 @@ def _check_measured(rec: dict) -> None:
     assert rec["checks"] and all(c["ok"] for c in rec["checks"])
     assert rec["timings"]
     for stats in rec["timings"].values():
+        # Note [spread and unstable figures]: every time carries its interval and flag
+        assert stats["ci_low_s"] <= stats["median_s"] <= stats["ci_high_s"]
+        assert stats["unstable"] == (stats["spread"] > 0.10)
+    for key, iv in rec["ratio_intervals"].items():
+        assert iv["low"] <= rec["ratios"][key] <= iv["high"]
+    if rec["section"] == "goals":
+        g = rec["goal"]
+        assert {"target", "measured", "low", "high", "met", "unstable"} <= set(g)
+        assert g["met"] == (g["measured"] <= g["target"] if g["comparison"] == "<="
+                            else g["measured"] >= g["target"])
+        assert rec["threads"] >= 1
+        return
+    for stats in rec["timings"].values():
         assert stats["min_s"] <= stats["median_s"] <= stats["max_s"]
         assert stats["reps"] == len(stats["samples_s"]) >= 3
         assert min(stats["samples_s"]) == stats["min_s"] > 0
@@ -104,6 +117,24 @@ def _check_measured(rec: dict) -> None:
     assert rec["floor_s"] > 0 and rec["work"]["bytes"] > 0
     for form, fraction in rec["roofline"].items():
         assert fraction == pytest.approx(rec["floor_s"] / rec["timings"][form]["median_s"])
+
+
+def test_quick_cpu_run_reports_the_goals(cpu_run):
+    proc, out = cpu_run
+    d = json.loads((out / "r.json").read_text())
+    goals = {r["case"]: r for r in d["results"]["goals"]}
+    assert set(goals) == {"mnist_step", "resnet_block_step", "adam_bandwidth", "test_suite"}
+    for name in ("mnist_step", "resnet_block_step", "adam_bandwidth"):
+        assert goals[name]["status"] == "ok", goals[name].get("reason")
+    assert goals["test_suite"]["status"] == "skipped" and "--suite" in goals["test_suite"][
+        "reason"]
+    assert goals["mnist_step"]["goal"]["target"] == 1.5
+    assert goals["resnet_block_step"]["goal"]["target"] == 1.3
+    adam = goals["adam_bandwidth"]
+    assert adam["goal"]["target"] == 0.4 and "256 MiB" in adam["memcpy_source"]
+    assert d["method"]["unstable_threshold"] == {"time": 0.10, "ratio": 0.20}
+    assert d["method"]["cpu_shape_caps"] == {"batch": 8, "spatial": 14, "channels": 32}
+    assert "met?" in proc.stdout and "unstable" in proc.stdout
 
 
 def test_from_json_redraws_without_measuring(cpu_run):

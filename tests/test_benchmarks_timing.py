@@ -103,3 +103,70 @@ def test_asking_for_a_gpu_without_one_exits_with_the_reason():
         engine.make_engine("cuda")
     eng, notice = engine.make_engine(None)
     assert eng.kind == "cpu" and notice.startswith("NO GPU")
+
+
+# -- interleaving, spread and the unstable flag (Note [spread and unstable figures]) --------
+
+def test_median_interval_and_spread():
+    assert timing.median_interval([5.0, 1.0, 3.0, 2.0, 4.0]) == (1.0, 5.0)  # n=5: min..max
+    xs = [float(i) for i in range(1, 101)]
+    lo, hi = timing.median_interval(xs)
+    assert 39 <= lo < 50.5 < hi <= 62
+    steady = timing.summarize([1.0] * 20 + [1.01] * 20)
+    assert steady.spread <= 0.011 and not steady.unstable
+    noisy = timing.summarize([1.0, 3.0] * 10)
+    assert noisy.unstable and noisy.to_json()["unstable"] is True
+
+
+def test_measure_interleaved_rotates_forms_and_stops_when_pinned_down():
+    order = []
+    clock = iter(range(10_000)).__next__  # one "second" per clock read
+    timer = timing.CpuTimer()
+    forms = {"a": (timer, lambda i: order.append("a")), "b": (timer, lambda i: order.append("b"))}
+    budget = timing.Budget(warmup=1, min_reps=4, max_reps=50, seconds=1e9)
+    stats = timing.measure_interleaved(forms, 2, budget, clock=clock)
+    assert order[:2] == ["a", "b"]  # warm-up, one each
+    rounds = order[2:]
+    assert rounds[:4] == ["a", "b", "b", "a"]  # the order rotates every round
+    assert stats["a"].reps == stats["b"].reps >= 4
+    # a budget of 0 seconds stops right after min_reps rounds
+    order.clear()
+    stats = timing.measure_interleaved(forms, 1, timing.Budget(0, 3, 50, 0.0), clock=clock)
+    assert stats["a"].reps == 3 and len(order) == 6
+    with pytest.raises(ValueError, match="no forms"):
+        timing.measure_interleaved({}, 1, budget)
+
+
+def test_ratio_interval_combines_both_intervals():
+    a = timing.summarize([2.0] * 10)
+    b = timing.summarize([1.0] * 9 + [1.5])
+    r, lo, hi, unstable = timing.ratio_interval(a, b)
+    assert r == 2.0 and lo <= r <= hi and not unstable
+    c = timing.summarize([1.0, 2.0] * 5)
+    assert timing.ratio_interval(a, c)[3] is True
+
+
+def test_chart_has_parity_line_values_whiskers_and_a_legend_off_the_bars(tmp_path):
+    import matplotlib.pyplot as plt
+    from bench import plot
+
+    recs = [{"section": "forward", "case": f"c{i}", "status": "ok", "precision": "fp32",
+             "layout": "NCHW", "ratios": {"fused/unfused": 0.8 + 0.3 * i,
+                                          "convfuse/pytorch": 1.5},
+             "ratio_intervals": {"fused/unfused": {"low": 0.7, "high": 1.9, "spread": 0.5,
+                                                   "unstable": True},
+                                 "convfuse/pytorch": {"low": 1.4, "high": 1.6,
+                                                      "spread": 0.13, "unstable": False}}}
+            for i in range(3)]
+    fig, ax = plt.subplots()
+    plot._panel(ax, "forward", recs, plot.RATIOS["cpu"]["forward"])
+    texts = [t.get_text() for t in ax.texts]
+    assert "1.00" in texts and " 1.50 " in texts and " 0.80! " in texts
+    assert any(line.get_xdata()[0] == 1.0 for line in ax.get_lines())
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().y0 < ax.get_window_extent().y0  # below the axes
+    assert all("cuDNN" not in t.get_text() for t in legend.get_texts())
+    assert ax.containers and any(c.has_xerr for c in ax.containers if hasattr(c, "has_xerr"))
+    plt.close(fig)
+    for section, pairs in plot.RATIOS["cpu"].items():
+        assert all("cuDNN" not in label and "CUDA" not in label for _, label in pairs), section

@@ -62,16 +62,23 @@ def _measure(ctx: Context, n: int, rec: dict) -> None:
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
-    records.put_timing(rec, "fused", ctx.time(lambda i: fused[i][1].step(), n_sets))
-    records.put_timing(rec, "unfused", ctx.time(lambda i: slow[i].step(), n_sets))
-    records.ratio(rec, "fused/unfused", "fused", "unfused")
-    if ctx.torch is not None:
-        try:
-            ctx.torch.adam(ctx, ps, gs, LR, delta_f, rec)
-        except Exception as exc:  # PyTorch's own failure is a note, not a convfuse error
-            rec["notes"].append(f"PyTorch: {type(exc).__name__}: {exc}")
-        finally:
+    forms: dict[str, Any] = {"fused": lambda i: fused[i][1].step(),
+                             "unfused": lambda i: slow[i].step()}
+    try:
+        if ctx.torch is not None:
+            try:
+                form = ctx.torch.adam(ctx, ps, gs, LR, delta_f, rec)
+                if form is not None:
+                    forms["torch"] = form
+            except Exception as exc:  # PyTorch's own failure is a note, not a convfuse error
+                rec["notes"].append(f"PyTorch: {type(exc).__name__}: {exc}")
+        for name, st in ctx.time_many(forms, n_sets).items():
+            records.put_timing(rec, name, st)
+    finally:
+        if ctx.torch is not None:
             ctx.torch.release()
+    records.ratio(rec, "fused/unfused", "fused", "unfused")
+    records.ratio(rec, "convfuse/pytorch", "fused", "torch")
     work = roofline.adam(n)
     records.put_floor(rec, work, ctx.peaks.floor(work, "fp32"), "fp32",
                       ("fused", "unfused", "torch"))

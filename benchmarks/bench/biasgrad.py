@@ -91,9 +91,15 @@ def _measure(ctx: Context, case: BiasCase, prec: Precision, layout: str, act: st
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
-    for path, (fn, flag) in fns.items():
-        with config.flags(bias_grad=flag):
-            records.put_timing(rec, path, ctx.time(fn, n_sets))
+    def under(fn: Any, flag: str) -> Any:
+        def timed(i: int) -> Any:
+            with config.flags(bias_grad=flag):
+                return fn(i)
+        return timed
+
+    stats = ctx.time_many({path: under(fn, flag) for path, (fn, flag) in fns.items()}, n_sets)
+    for path, st in stats.items():
+        records.put_timing(rec, path, st)
     medians = {p: records.median(rec, p) for p in fns}
     rec["winner"] = min(medians, key=medians.__getitem__)
     records.ratio(rec, "fused/cudnn", "fused", "cudnn")

@@ -91,34 +91,40 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
-    records.put_timing(rec, "fused", ctx.time(fused, n_sets))
-    records.put_timing(rec, "unfused", ctx.time(unfused_passes, n_sets))
-    records.ratio(rec, "fused/unfused", "fused", "unfused")
-    ctx.forward_medians[(case.name, prec.name, layout)] = records.median(rec, "fused")
-
+    forms: dict[str, Any] = {"fused": fused, "unfused": unfused_passes}
     if ctx.torch is not None:
-        _torch(ctx, case, prec, layout, sets, y_fused, rec)
+        torch_form = _torch(ctx, case, prec, layout, sets, y_fused, rec)
+        if torch_form is not None:
+            forms["torch"] = torch_form
+    try:
+        stats = ctx.time_many(forms, n_sets)
+    finally:
+        if ctx.torch is not None:
+            ctx.torch.release()
+    for name, st in stats.items():
+        records.put_timing(rec, name, st)
+    records.ratio(rec, "fused/unfused", "fused", "unfused")
+    records.ratio(rec, "convfuse/pytorch", "fused", "torch")
+    ctx.forward_medians[(case.name, prec.name, layout)] = records.median(rec, "fused")
     work = roofline.conv_forward(geom, prec.dtype, act, True, case.residual)
     records.put_floor(rec, work, ctx.peaks.floor(work, prec.name), prec.name,
                       ("fused", "unfused", "torch"))
 
 
 def _torch(ctx: Context, case: LayerCase, prec: Precision, layout: str, sets: list,
-           y_fused: Any, rec: dict) -> None:
+           y_fused: Any, rec: dict) -> Any:
+    """PyTorch's form to time alongside, once its output agrees; None (with a note) if not."""
     host_sets = [{k: (None if v is None else ctx.engine.to_host(v)) for k, v in s.items()}
                  for s in sets]
     try:
-        stats, y_torch = ctx.torch.conv_forward(case, layout, prec, host_sets, ctx.budget)
+        form, y_torch = ctx.torch.conv_forward(case, layout, prec, host_sets)
     except Exception as exc:  # PyTorch's own failure is a note, not a convfuse error
         rec["notes"].append(f"PyTorch: {type(exc).__name__}: {exc}")
-        return
-    finally:
-        ctx.torch.release()
+        return None
     check = checks.compare("PyTorch vs fused y", y_torch, y_fused, prec.tol)
     rec["checks"].append(check)
     if not check["ok"]:
         rec["notes"].append("PyTorch output disagrees with convfuse; its time is not reported")
-        return
-    records.put_timing(rec, "torch", stats)
+        return None
     rec["torch"] = ctx.torch.label
-    records.ratio(rec, "convfuse/pytorch", "fused", "torch")
+    return form

@@ -9,7 +9,7 @@ from typing import Any
 
 from .engine import Engine
 from .peaks import Peaks
-from .timing import Budget, Stats, measure
+from .timing import UNSTABLE_RATIO_SPREAD, Budget, Stats, Timer, measure_interleaved
 
 
 @dataclass
@@ -26,9 +26,19 @@ class Context:
     layouts: tuple[str, ...] = ("NCHW", "NHWC")
     # fused forward medians by (case, precision, layout), for backward/forward ratios
     forward_medians: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    suite: bool = False  # goals: also time the CPU test suite
 
     def time(self, fn: Callable[[int], Any], n_sets: int) -> Stats:
-        return measure(self.engine.timer, fn, n_sets, self.budget)
+        return measure_interleaved({"only": (self.engine.timer, fn)}, n_sets,
+                                   self.budget)["only"]
+
+    def time_many(self, forms: dict[str, Callable[[int], Any] | tuple[Timer, Callable]],
+                  n_sets: int) -> dict[str, Stats]:
+        """Time compared forms interleaved (Note [spread and unstable figures], timing.py);
+        a bare callable runs under the engine's timer."""
+        full = {k: (v if isinstance(v, tuple) else (self.engine.timer, v))
+                for k, v in forms.items()}
+        return measure_interleaved(full, n_sets, self.budget)
 
 
 def new(section: str, case: str, **fields: Any) -> dict[str, Any]:
@@ -39,6 +49,7 @@ def new(section: str, case: str, **fields: Any) -> dict[str, Any]:
     rec.setdefault("ratios", {})
     rec.setdefault("roofline", {})
     rec.setdefault("notes", [])
+    rec.setdefault("ratio_intervals", {})
     return rec
 
 
@@ -89,9 +100,17 @@ def median(rec: dict[str, Any], name: str) -> float | None:
 
 
 def ratio(rec: dict[str, Any], label: str, num: str, den: str) -> None:
-    a, b = median(rec, num), median(rec, den)
-    if a is not None and b:
-        rec["ratios"][label] = a / b
+    """The ratio of medians, and its interval and flag (Note [spread and unstable figures])."""
+    a, b = rec["timings"].get(num), rec["timings"].get(den)
+    if a is None or b is None or not b["median_s"]:
+        return
+    r = a["median_s"] / b["median_s"]
+    rec["ratios"][label] = r
+    if "ci_low_s" in a and "ci_low_s" in b and b["ci_low_s"] > 0:
+        lo, hi = a["ci_low_s"] / b["ci_high_s"], a["ci_high_s"] / b["ci_low_s"]
+        rec.setdefault("ratio_intervals", {})[label] = {
+            "low": lo, "high": hi, "spread": (hi - lo) / r,
+            "unstable": (hi - lo) / r > UNSTABLE_RATIO_SPREAD}
 
 
 def put_floor(rec: dict[str, Any], work: Any, floor_s: float, precision_key: str,

@@ -1,8 +1,10 @@
 """The printed tables and the JSON file.
 
-Times are medians in milliseconds with [min-max] of the repetitions. Ratios are of
-medians: below 1 means the first-named form is faster. "roofline" is floor / median
-time: the fraction of the physical floor achieved (1 = at the floor).
+Times are medians in milliseconds with [min-max] of the repetitions and the spread of the
+median (the relative width of its ~95% interval). Ratios are of medians, with their
+interval's relative width: below 1 means the first-named form is faster. A trailing "!"
+marks an unstable figure (Note [spread and unstable figures] in timing.py). "roofline" is
+floor / median time: the fraction of the physical floor achieved (1 = at the floor).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ SECTION_TITLES = {
     "biasgrad": "Bias gradient: three paths on the same dy",
     "train": "Training step (digits net: forward, loss, backward, Adam)",
     "adam": "Optimizer: fused Adam vs separate array operations",
+    "goals": "Goals of issue #14 (CPU engine against PyTorch CPU, same thread count)",
 }
 
 # What each form is on each engine: the CPU forms stand in for the GPU ones by name only.
@@ -40,6 +43,7 @@ FORMS = {
                  "= the fused step as one CUDA graph",
         "adam": "fused = convfuse.optim.Adam (one kernel over the flat buffer); unfused = "
                 "separate CuPy operations; PyTorch = torch.optim.Adam(fused=True)",
+        "goals": "the goals are CPU goals: skipped on a GPU run",
     },
     "cpu": {
         "forward": "CPU: fused = ops.conv_bias_act on the reference engine; unfused = its "
@@ -50,22 +54,33 @@ FORMS = {
                     "paths they stand in for)",
         "train": "CPU: fused = convfuse layers on the reference engine; unfused = the same net "
                  "from reference-engine convolutions and NumPy passes",
-        "adam": "CPU: fused = convfuse.optim.Adam's vectorised NumPy pass; unfused = separate "
-                "NumPy operations",
+        "adam": "CPU: fused = convfuse.optim.Adam's blocked, threaded NumPy pass; unfused = "
+                "separate NumPy operations",
+        "goals": "CPU: convfuse NumPy engine vs PyTorch CPU eager, interleaved, same thread "
+                 "count; Adam against np.copyto bandwidth (256 MiB); full-size shapes "
+                 "(not scaled down)",
     },
 }
+
+
+def _spread(t: dict) -> str:
+    spread = t.get("spread")
+    if spread is None:
+        return ""
+    return f" ±{50 * spread:.0f}%" + ("!" if t.get("unstable") else "")
 
 
 def ms(rec: dict, form: str) -> str:
     t = rec["timings"].get(form)
     if t is None:
         return "-"
-    return f"{_num(t['median_s'] * 1e3)} [{_num(t['min_s'] * 1e3)}-{_num(t['max_s'] * 1e3)}]"
+    return (f"{_num(t['median_s'] * 1e3)} [{_num(t['min_s'] * 1e3)}-"
+            f"{_num(t['max_s'] * 1e3)}]{_spread(t)}")
 
 
 def ms_only(rec: dict, form: str) -> str:
     t = rec["timings"].get(form)
-    return "-" if t is None else _num(t["median_s"] * 1e3)
+    return "-" if t is None else _num(t["median_s"] * 1e3) + _spread(t)
 
 
 def _num(x: float) -> str:
@@ -77,7 +92,26 @@ def _num(x: float) -> str:
 
 def ratio(rec: dict, key: str) -> str:
     r = rec["ratios"].get(key)
-    return "-" if r is None else f"{r:.2f}"
+    if r is None:
+        return "-"
+    iv = rec.get("ratio_intervals", {}).get(key)
+    if iv is None:
+        return f"{r:.2f}"
+    return f"{r:.2f} ±{50 * iv['spread']:.0f}%" + ("!" if iv["unstable"] else "")
+
+
+def _goal_value(rec: dict) -> str:
+    g = rec.get("goal", {})
+    if "measured" not in g:
+        return "-"
+    return f"{g['measured']:.3g} [{g['low']:.3g}-{g['high']:.3g}]"
+
+
+def _goal_met(rec: dict) -> str:
+    g = rec.get("goal", {})
+    if "met" not in g:
+        return "-"
+    return ("yes" if g["met"] else "NO") + (" (unstable)" if g.get("unstable") else "")
 
 
 def frac(rec: dict, form: str) -> str:
@@ -147,6 +181,15 @@ COLUMNS: dict[str, list[Column]] = {
         ("GB/s fused", lambda r: "-" if "achieved_GBps" not in r
          else f"{r['achieved_GBps'].get('fused', 0):.1f}"),
     ],
+    "goals": [
+        ("goal", lambda r: r["case"]),
+        ("target", lambda r: f"{r['goal']['comparison']} {r['goal']['target']:g} "
+                             f"{r['goal']['unit']}"),
+        ("measured [~95% interval]", _goal_value), ("met?", _goal_met),
+        ("convfuse ms", lambda r: ms(r, "convfuse")), ("PyTorch ms", lambda r: ms(r, "torch")),
+        ("threads", lambda r: str(r.get("threads", "-"))),
+        ("what", lambda r: r.get("shape", "")),
+    ],
 }
 
 
@@ -185,8 +228,18 @@ def print_report(results: dict[str, list[dict]], engine_kind: str, footer: list[
         print(FORMS[engine_kind][section])
         print(table(section, recs))
     print()
+    print(STABILITY_LEGEND)
+    print()
     for line in footer:
         print(line)
+
+
+STABILITY_LEGEND = (
+    "±x%: half the relative width of the ~95% interval of a median (times) or of a ratio of "
+    "medians; '!' = unstable: a time's interval wider than 10% of its median, a ratio's wider "
+    "than 20% (timing.py, Note [spread and unstable figures]). Compared forms were timed "
+    "interleaved."
+)
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:

@@ -1,4 +1,16 @@
-"""Timing: warm-up, then many timed repetitions; median with min and max.
+"""Timing: warm-up, then timed repetitions until the median is pinned down; median with
+min, max and the spread of the median, interleaved when forms are compared.
+
+Note [spread and unstable figures]
+A figure's `spread` is the relative width of a distribution-free ~95% confidence interval
+of its median: the order statistics j = floor(n/2 - 0.98 sqrt(n)) and k = ceil(n/2 +
+0.98 sqrt(n)) of the n sorted samples (the binomial bound), divided by the median.
+Repetitions continue until every compared form's spread is at most TARGET_SPREAD, or the
+budget's seconds or max_reps run out. A time whose spread exceeds UNSTABLE_SPREAD is
+flagged unstable; a ratio of medians gets the interval [lo_a / hi_b, hi_a / lo_b] and is
+flagged when that interval's relative width exceeds UNSTABLE_RATIO_SPREAD (it compounds
+two intervals). Compared forms are timed interleaved: one call of each per round, the
+order rotating, so load that comes and goes on a shared machine hits every form alike.
 
 On the GPU each repetition is bracketed by two CUDA events recorded on the current stream,
 and the host does not wait between repetitions: the events measure device time, plus any
@@ -19,6 +31,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 PILOT_REPS = 3
+TARGET_SPREAD = 0.05
+UNSTABLE_SPREAD = 0.10
+UNSTABLE_RATIO_SPREAD = 0.20
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free ~95% interval of the median (Note [spread and unstable figures])."""
+    xs = sorted(values)
+    n = len(xs)
+    half = 0.98 * math.sqrt(n)
+    j = max(0, math.floor(n / 2 - half))
+    k = min(n - 1, math.ceil(n / 2 + half) - 1)
+    return xs[j], xs[max(j, k)]
 
 
 @dataclass(frozen=True)
@@ -33,9 +58,25 @@ class Stats:
     def reps(self) -> int:
         return len(self.samples)
 
+    @property
+    def interval(self) -> tuple[float, float]:
+        return median_interval(self.samples)
+
+    @property
+    def spread(self) -> float:
+        lo, hi = self.interval
+        return (hi - lo) / self.median if self.median > 0 else math.inf
+
+    @property
+    def unstable(self) -> bool:
+        return self.spread > UNSTABLE_SPREAD
+
     def to_json(self) -> dict[str, Any]:
+        lo, hi = self.interval
         return {"median_s": self.median, "min_s": self.min, "max_s": self.max,
-                "mean_s": self.mean, "reps": self.reps, "samples_s": list(self.samples)}
+                "mean_s": self.mean, "reps": self.reps, "ci_low_s": lo, "ci_high_s": hi,
+                "spread": self.spread, "unstable": self.unstable,
+                "samples_s": list(self.samples)}
 
 
 def summarize(samples: Sequence[float]) -> Stats:
@@ -141,6 +182,53 @@ def measure(timer: Timer, fn: Callable[[int], Any], n_sets: int, budget: Budget)
     pilot = timer.sample(fn, n_sets, budget.warmup, PILOT_REPS)
     reps = budget.reps_for(statistics.median(pilot))
     return summarize(timer.sample(fn, n_sets, budget.warmup + PILOT_REPS, reps))
+
+
+Form = tuple[Timer, Callable[[int], Any]]
+
+
+def measure_interleaved(forms: dict[str, Form], n_sets: int, budget: Budget,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, Stats]:
+    """Time several forms of one operation interleaved (Note [spread and unstable figures]).
+
+    Each round times one call of every form, rotating the order; rounds go on from
+    budget.min_reps until every median's spread is <= TARGET_SPREAD, or budget.seconds of
+    wall time or budget.max_reps rounds are used up.
+    """
+    if n_sets < 1:
+        raise ValueError(f"n_sets must be >= 1, got {n_sets}")
+    if not forms:
+        raise ValueError("no forms to measure")
+    names = list(forms)
+    for name in names:
+        timer, fn = forms[name]
+        for i in range(budget.warmup):
+            fn(i % n_sets)
+        timer.sync()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    start = clock()
+    rounds = 0
+    while rounds < budget.max_reps:
+        order = names[rounds % len(names):] + names[:rounds % len(names)]
+        for name in order:
+            timer, fn = forms[name]
+            samples[name] += timer.sample(fn, n_sets, budget.warmup + rounds, 1)
+        rounds += 1
+        if rounds < budget.min_reps:
+            continue
+        if clock() - start >= budget.seconds:
+            break
+        if all(summarize(v).spread <= TARGET_SPREAD for v in samples.values()):
+            break
+    return {name: summarize(v) for name, v in samples.items()}
+
+
+def ratio_interval(a: Stats, b: Stats) -> tuple[float, float, float, bool]:
+    """(ratio of medians, low, high, unstable) for a / b."""
+    (alo, ahi), (blo, bhi) = a.interval, b.interval
+    r = a.median / b.median
+    lo, hi = alo / bhi, ahi / blo if blo > 0 else math.inf
+    return r, lo, hi, (hi - lo) / r > UNSTABLE_RATIO_SPREAD
 
 
 def rotation_sets(working_set_bytes: int, cache_bytes: int, max_sets: int,

@@ -16,10 +16,10 @@ import numpy as np
 
 import convfuse as cf
 
-from . import checks, records
+from . import checks
 from .cases import LayerCase, Precision
 from .engine import Engine
-from .timing import Budget, CpuTimer, Stats, TorchEventTimer, measure
+from .timing import CpuTimer, TorchEventTimer
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -71,9 +71,6 @@ class TorchSide:
             t = t.permute(0, 2, 3, 1)
         return t.float().cpu().numpy()
 
-    def _measure(self, fn: Any, n_sets: int, budget: Budget) -> Stats:
-        return measure(self.timer, fn, n_sets, budget)
-
     def _adam(self, params: Any, lr: float) -> tuple[Any, str]:
         optim = self.torch.optim
         try:
@@ -82,9 +79,11 @@ class TorchSide:
             return optim.Adam(params, lr=lr), f"default (fused=True refused: {exc})"
 
     # -- layer forward ------------------------------------------------------------------
-    def conv_forward(self, case: LayerCase, layout: str, prec: Precision, host_sets: list,
-                     budget: Budget) -> tuple[Stats, np.ndarray]:
-        """PyTorch eager: conv2d (cuDNN conv, then its bias add), += residual, relu_."""
+    def conv_forward(self, case: LayerCase, layout: str, prec: Precision,
+                     host_sets: list) -> tuple[tuple[Any, Any], np.ndarray]:
+        """PyTorch eager: conv2d (cuDNN conv, then its bias add), += residual, relu_.
+
+        Returns the form to time, (timer, fn) under no_grad, and its first output."""
         F = self.torch.nn.functional
         nhwc = layout == "NHWC"
         self._set_tf32(prec.allow_tf32)
@@ -106,9 +105,11 @@ class TorchSide:
                 y.relu_()
             return y
 
-        with self.torch.no_grad():
-            y0 = self._host(run(0), nhwc)
-            return self._measure(run, len(sets), budget), y0
+        def timed(i: int) -> Any:
+            with self.torch.no_grad():
+                return run(i)
+
+        return (self.timer, timed), self._host(timed(0), nhwc)
 
     # -- training step ------------------------------------------------------------------
     def _net(self, weights: list[np.ndarray]) -> Any:
@@ -125,29 +126,34 @@ class TorchSide:
 
     def train_forms(self, ctx: Any, weights: list[np.ndarray], xs: list, ys: list,
                     lr: float, want_loss: np.ndarray, want_grads: list[np.ndarray],
-                    rec: dict) -> None:
-        """torch_eager and torch_compile: check loss and gradients, then time full steps."""
+                    rec: dict) -> dict[str, Any]:
+        """torch_eager and torch_compile: check loss and gradients; return the forms that
+        agree, as (timer, step) pairs for the caller to time alongside its own."""
         eng = ctx.engine
         self._set_tf32(cf.config.get().allow_tf32 if self.device == "cuda" else False)
         txs = [self.tensor(eng.to_host(x)) for x in xs]
         tys = [self.torch.from_numpy(eng.to_host(y).astype(np.int64)).to(self.device)
                for y in ys]
         tol = 1e-4 if self.device == "cpu" else 2e-2
+        out = {}
         for form, compiled in (("torch_eager", False), ("torch_compile", True)):
             if compiled and self.device == "cpu":
                 rec["forms"][form] = ("skipped on the CPU: it would time Inductor's C++ code "
                                       "against the reference engine")
                 continue
             try:
-                note = self._train_one(txs, tys, weights, lr, compiled, want_loss, want_grads,
-                                       tol, rec, form, ctx.budget)
+                note, step = self._train_one(txs, tys, weights, lr, compiled, want_loss,
+                                             want_grads, tol, rec, form)
                 rec["forms"][form] = note
+                if step is not None:
+                    out[form] = (self.timer, step)
             except Exception as exc:  # PyTorch's failure is reported, not convfuse's
                 rec["forms"][form] = f"error: {type(exc).__name__}: {exc}"
+        return out
 
     def _train_one(self, txs: list, tys: list, weights: list, lr: float, compiled: bool,
-                   want_loss: np.ndarray, want_grads: list, tol: float, rec: dict, form: str,
-                   budget: Budget) -> str:
+                   want_loss: np.ndarray, want_grads: list, tol: float, rec: dict,
+                   form: str) -> tuple[str, Any]:
         model = self._net(weights)
         forward = self.torch.compile(model) if compiled else model
         opt, opt_note = self._adam(model.parameters(), lr)
@@ -171,15 +177,16 @@ class TorchSide:
                                         self._host(p.grad).reshape(g.shape), g, tol))
         rec["checks"].extend(found)
         if not checks.all_ok(found):
-            return "check failed (not timed): " + checks.failures(found)
-        records.put_timing(rec, form, self._measure(step, len(txs), budget))
+            return "check failed (not timed): " + checks.failures(found), None
         mode = "torch.compile(model)" if compiled else "eager"
         bench = ", cudnn.benchmark=True" if self.device == "cuda" else ""
-        return f"{self.label}, {mode}{bench}, Adam {opt_note}"
+        return f"{self.label}, {mode}{bench}, Adam {opt_note}", step
 
     # -- optimizer ----------------------------------------------------------------------
     def adam(self, ctx: Any, ps: list, gs: list, lr: float, want_delta: np.ndarray,
-             rec: dict) -> None:
+             rec: dict) -> Any:
+        """torch.optim.Adam on the same tensors: its form (timer, step) once its first
+        update agrees with convfuse's, else None (with a note)."""
         eng = ctx.engine
         params = []
         for p, g in zip(ps, gs):
@@ -194,8 +201,6 @@ class TorchSide:
         rec["checks"].append(check)
         if not check["ok"]:
             rec["notes"].append("PyTorch's Adam update disagrees; its time is not reported")
-            return
-        records.put_timing(rec, "torch", self._measure(lambda i: opts[i][0].step(), len(opts),
-                                                       ctx.budget))
+            return None
         rec["torch"] = f"{self.label}, torch.optim.Adam {opts[0][1]}"
-        records.ratio(rec, "convfuse/pytorch", "fused", "torch")
+        return self.timer, lambda i: opts[i][0].step()

@@ -45,6 +45,8 @@ class FusedStep:
 
     def __init__(self, device: str, seed: int) -> None:
         self.net = unfused_net.build_fused(cf, device, seed)
+        if hasattr(self.net, "needs_input_grad"):  # the images need no gradient
+            self.net.needs_input_grad = False
         self.loss_fn = cf.CrossEntropyLoss()
         self.opt = cf.optim.Adam(self.net.parameters(), lr=LR)
 
@@ -85,23 +87,28 @@ def _measure(ctx: Context, batch: int, rec: dict) -> None:
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
 
-    records.put_timing(rec, "fused", ctx.time(lambda i: fused(xs[i], ys[i]), n_sets))
-    records.put_timing(rec, "unfused", ctx.time(lambda i: slow.step(xs[i], ys[i]), n_sets))
+    forms: dict[str, Any] = {"fused": lambda i: fused(xs[i], ys[i]),
+                             "unfused": lambda i: slow.step(xs[i], ys[i])}
     rec["forms"]["fused"] = rec["forms"]["unfused"] = "measured"
     if eng.is_gpu:  # pragma: gpu
-        _graph(ctx, xs, ys, rec, n_sets)
+        _graph(ctx, xs, ys, rec, n_sets, forms)
     else:
         rec["forms"]["graph"] = "skipped: CUDA graphs need a GPU"
-    if ctx.torch is not None:
-        try:
-            ctx.torch.train_forms(ctx, weights, xs, ys, LR, want_loss, want_grads, rec)
-        except Exception as exc:  # PyTorch's own failure is a note, not a convfuse error
-            rec["notes"].append(f"PyTorch: {type(exc).__name__}: {exc}")
-        finally:
+    try:
+        if ctx.torch is not None:
+            try:
+                forms.update(ctx.torch.train_forms(ctx, weights, xs, ys, LR, want_loss,
+                                                   want_grads, rec))
+            except Exception as exc:  # PyTorch's own failure is a note, not a convfuse error
+                rec["notes"].append(f"PyTorch: {type(exc).__name__}: {exc}")
+        else:
+            for form in ("torch_eager", "torch_compile"):
+                rec["forms"][form] = f"skipped: {ctx.torch_note}"
+        for name, st in ctx.time_many(forms, n_sets).items():
+            records.put_timing(rec, name, st)
+    finally:
+        if ctx.torch is not None:
             ctx.torch.release()
-    else:
-        for form in ("torch_eager", "torch_compile"):
-            rec["forms"][form] = f"skipped: {ctx.torch_note}"
     records.ratio(rec, "fused/unfused", "fused", "unfused")
     records.ratio(rec, "graph/fused", "graph", "fused")
     records.ratio(rec, "convfuse/pytorch", "fused", "torch_eager")
@@ -112,8 +119,9 @@ def _measure(ctx: Context, batch: int, rec: dict) -> None:
     records.put_floor(rec, roofline.total(work), floor, prec, FORMS)
 
 
-def _graph(ctx: Context, xs: list, ys: list, rec: dict, n_sets: int) -> None:  # pragma: gpu
-    """Check a replayed step against an eager one from the same state, then time replays."""
+def _graph(ctx: Context, xs: list, ys: list, rec: dict, n_sets: int,
+           forms: dict) -> None:  # pragma: gpu
+    """Check a replayed step against an eager one from the same state; add it to `forms`."""
     eng = ctx.engine
     eager = FusedStep(eng.device, ctx.seed)
     graphed = FusedStep(eng.device, ctx.seed)
@@ -126,7 +134,7 @@ def _graph(ctx: Context, xs: list, ys: list, rec: dict, n_sets: int) -> None:  #
     if not check["ok"]:
         rec["forms"]["graph"] = "check failed: " + checks.failures([check])
         return
-    records.put_timing(rec, "graph", ctx.time(lambda i: captured(xs[i], ys[i]), n_sets))
+    forms["graph"] = lambda i: captured(xs[i], ys[i])
     rec["forms"]["graph"] = "measured (input copy + one graph launch per step)"
 
 

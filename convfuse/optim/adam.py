@@ -13,13 +13,13 @@ float16/bfloat16 parameters.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 from ..nn.parameter import Parameter
+from . import _cpu
 from ._base import FlatOptimizer, real
 from ._flat import FlatGroup
 
@@ -76,30 +76,11 @@ class Adam(FlatOptimizer):
                 np.float64(h["weight_decay"]), np.int32(self._decoupled))
 
     def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
+        # blocked, in place and threaded, in this docstring's order (Note [blocked CPU
+        # update] in optim/_cpu.py)
         h = self.defaults
-        (b1, b2), eps, wd = h["betas"], h["eps"], h["weight_decay"]
-        ct = g.compute_dtype
-        one = ct.type(1)
-        p = g.data if g.data.dtype == ct else g.data.astype(ct)
-        d = g.grad.astype(ct)  # a copy: the gradient is left as the layers wrote it
-        if self._decoupled:
-            p *= 1.0 - lr * wd
-        elif wd != 0:
-            d += wd * p
-        m, v = g.state["exp_avg"], g.state["exp_avg_sq"]
-        w1 = ct.type(1.0 - b1)
-        if abs(w1) < 0.5:  # PyTorch's lerp picks its form by the weight
-            m += w1 * (d - m)
-        else:
-            m[...] = d - (d - m) * (one - w1)
-        v *= b2
-        v += ((1.0 - b2) * d) * d
-        neg_step_size = -(lr / (1.0 - b1**t))
-        bc2_sqrt = math.sqrt(1.0 - b2**t)
-        denom = np.sqrt(v) / bc2_sqrt + eps
-        p += neg_step_size * (m / denom)
-        if p is not g.data:
-            g.data[...] = p  # float16/bfloat16: rounded to nearest even, once
+        _cpu.adam(g.data, g.grad, g.state["exp_avg"], g.state["exp_avg_sq"], g.compute_dtype,
+                  t, lr, h["betas"], h["eps"], h["weight_decay"], self._decoupled)
 
 
 class AdamW(Adam):

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..nn.parameter import Parameter
+from . import _cpu
 from ._base import FlatOptimizer, real
 from ._flat import FlatGroup
 
@@ -72,23 +73,9 @@ class SGD(FlatOptimizer):
         return (np.float64(h["momentum"]), np.float64(h["weight_decay"]), np.int32(h["nesterov"]))
 
     def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
+        # blocked, in place and threaded, in this docstring's order (Note [blocked CPU
+        # update] in optim/_cpu.py)
         h = self.defaults
-        momentum, wd, nesterov = h["momentum"], h["weight_decay"], h["nesterov"]
-        ct = g.compute_dtype
-        # Python floats meet the arrays as weak scalars (NEP 50): each is rounded to the
-        # compute dtype once and the arithmetic stays in it, as in the kernel.
-        p = g.data if g.data.dtype == ct else g.data.astype(ct)
-        d = g.grad.astype(ct)  # a copy: the gradient is left as the layers wrote it
-        if wd != 0:
-            d += wd * p
-        if momentum != 0:
-            buf = g.state["momentum_buffer"]
-            if t == 1:
-                buf[...] = d
-            else:
-                buf *= momentum
-                buf += d
-            d = d + momentum * buf if nesterov else buf
-        p += -lr * d
-        if p is not g.data:
-            g.data[...] = p  # float16/bfloat16: rounded to nearest even, once
+        buf = g.state["momentum_buffer"] if h["momentum"] != 0 else None
+        _cpu.sgd(g.data, g.grad, buf, g.compute_dtype, t, lr, h["momentum"],
+                 h["weight_decay"], h["nesterov"])

@@ -22,6 +22,16 @@ are vectorised and accurate to a few float64 ulps (tests check against math.erf/
   rounding x^2 first would cost x^2 ulps (over 700 near the underflow).
 gelu uses erfc(-z / sqrt 2), equal to PyTorch's 1 + erf(z / sqrt 2) but without its
 cancellation for negative z.
+
+Note [edge values]
+Where PyTorch's CPU engine gives a NaN, an inf or a 0, so does this engine, silently:
+- relu's gradient is 0 where the saved output y <= 0 and dy elsewhere, so a NaN
+  pre-activation (which relu passes on as y = NaN) passes dy on, as torch's
+  threshold_backward does (the GPU kernel in kernels/activation.cu does the same);
+- silu and gelu at -inf are NaN (-inf * 0), at +inf +inf, and their gradients at +-inf
+  NaN, as in PyTorch; huge |z| overflows intermediate squares harmlessly. NumPy would warn
+  (invalid value, overflow); those warnings are suppressed inside the functions that
+  expect them (np.errstate is per thread, and the engine runs on several).
 """
 
 from __future__ import annotations
@@ -169,6 +179,27 @@ def _elu(z: np.ndarray) -> np.ndarray:
     return np.where(z > 0, z, acts.ELU_ALPHA * np.expm1(np.minimum(z, 0)))
 
 
+def _quiet(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    """Run fn without NumPy's RuntimeWarnings (Note [edge values])."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+            return fn(*args)
+
+    return wrapper
+
+
+@_quiet
+def _silu(z: np.ndarray) -> np.ndarray:
+    return z * _sigmoid(z)
+
+
+@_quiet
+def _gelu(z: np.ndarray) -> np.ndarray:
+    return z * _gelu_cdf(z)
+
+
 _FORWARD: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "identity": lambda z: z.copy(),
     "relu": lambda z: np.maximum(z, 0),
@@ -177,24 +208,37 @@ _FORWARD: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "elu": _elu,
     "relu6": lambda z: np.minimum(np.maximum(z, 0), acts.RELU6_CAP),
     "leaky_relu": lambda z: np.where(z > 0, z, z * acts.LEAKY_RELU_SLOPE),
-    "silu": lambda z: z * _sigmoid(z),
-    "gelu": lambda z: z * _gelu_cdf(z),
+    "silu": _silu,
+    "gelu": _gelu,
 }
 
 
+@_quiet
 def _silu_grad(dy: np.ndarray, z: np.ndarray) -> np.ndarray:
     s = _sigmoid(z)
     return dy * s * (1 + z * (1 - s))
 
 
+@_quiet
 def _gelu_grad(dy: np.ndarray, z: np.ndarray) -> np.ndarray:
     pdf = np.exp(-0.5 * z * z) * _INV_SQRT_2PI
     return dy * (_gelu_cdf(z) + z * pdf)
 
 
+def _relu_grad(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """dy where y is not <= 0 (so a NaN y passes dy on, as torch's threshold_backward),
+    else +0; placed with a bit mask, which runs branch-free (Note [edge values])."""
+    bits = np.dtype(f"u{dy.dtype.itemsize}")
+    mask = np.less_equal(y, 0).astype(bits)
+    mask -= 1  # True -> 0, False -> all ones
+    out = np.empty(dy.shape, dy.dtype)
+    np.bitwise_and(dy.view(bits), mask, out=out.view(bits))
+    return out
+
+
 # dz from (dy, saved), saved per Note [what backward saves]; elu: y + 1 = exp(z) for y <= 0.
 _BACKWARD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    "relu": lambda dy, y: np.where(y > 0, dy, 0),
+    "relu": _relu_grad,
     "sigmoid": lambda dy, y: dy * (1 - y) * y,
     "tanh": lambda dy, y: dy * (1 - y * y),
     "elu": lambda dy, y: np.where(y > 0, dy, dy * (y + acts.ELU_ALPHA)),

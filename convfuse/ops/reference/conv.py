@@ -18,12 +18,14 @@ Cross-correlation, as in PyTorch and cuDNN's CUDNN_CROSS_CORRELATION.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 
 from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
+from . import _threads
 from .activation import apply_activation, finish
 
 
@@ -64,15 +66,23 @@ def _grouped(a: np.ndarray, groups: int) -> np.ndarray:
 
 
 def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group])."""
+    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
+
+    Built per batch chunk on the engine's threads (Note [threads]): each chunk pads its
+    samples and copies them into its own N-slice of every offset's block.
+    """
     g, c = geom.groups, geom.in_channels
     xc = _channels_first(x, geom.channels_last)
-    if any(geom.padding):
-        xc = np.pad(xc, [(0, 0), (0, 0), *((p, p) for p in geom.padding)])
     slices = _offset_slices(geom)
     cols = np.empty((g, c // g, len(slices), geom.batch, *geom.output_spatial), cd)
-    for j, where in enumerate(slices):
-        cols[:, :, j] = _grouped(xc[(slice(None), slice(None), *where)], g)
+    pads = [(0, 0), (0, 0), *((p, p) for p in geom.padding)]
+
+    def run(lo: int, hi: int) -> None:
+        xs = np.pad(xc[lo:hi], pads) if any(geom.padding) else xc[lo:hi]
+        for j, where in enumerate(slices):
+            cols[:, :, j, lo:hi] = _grouped(xs[(slice(None), slice(None), *where)], g)
+
+    _threads.parallel_for(geom.batch, cols.size, run)
     return cols.reshape(g, (c // g) * len(slices), -1)
 
 
@@ -84,26 +94,46 @@ def _weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarra
 
 def _output_matrix(dz: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
     """An output-shaped array (y or dz, in the geometry's layout) as (G, K/G, N*prod(out))."""
-    dzm = _cast_copy(_grouped(_channels_first(dz, geom.channels_last), geom.groups), cd)
+    src = _channels_first(dz, geom.channels_last)  # (N, K, *out)
+    dzm = np.empty((geom.out_channels, geom.batch, *geom.output_spatial), cd)
+
+    def run(lo: int, hi: int) -> None:
+        dzm[:, lo:hi] = src[lo:hi].swapaxes(0, 1)
+
+    _threads.parallel_for(geom.batch, dzm.size, run)
     return dzm.reshape(geom.groups, geom.out_channels // geom.groups, -1)
 
 
-def _output_from_matrix(ym: np.ndarray, geom: ConvGeometry) -> np.ndarray:
-    """(G, K/G, N*prod(out)) back to a C-contiguous array in the geometry's layout."""
-    r = geom.rank
-    y = ym.reshape(geom.out_channels, geom.batch, *geom.output_spatial)  # (K, N, *out)
-    perm = (1, *range(2, 2 + r), 0) if geom.channels_last else (1, 0, *range(2, 2 + r))
-    return np.ascontiguousarray(y.transpose(perm))
+def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
+                   epilogue: Callable[[np.ndarray, int, int], np.ndarray] | None = None
+                   ) -> np.ndarray:
+    """(G, K/G, N*prod(out)) -> a new C-contiguous array in the geometry's layout and `dtype`.
+
+    One threaded pass per batch chunk: the chunk is transposed to (n, K, *out) while still
+    in the compute dtype, `epilogue(z, lo, hi)` (bias, residual, activation) turns it into
+    the chunk's final values, and the store rounds it to `dtype` once.
+    """
+    src = ym.reshape(geom.out_channels, geom.batch, *geom.output_spatial).swapaxes(0, 1)
+    out = np.empty(geom.output_shape, dtype)
+    out_cf = _channels_first(out, geom.channels_last)  # (N, K, *out) view
+
+    def run(lo: int, hi: int) -> None:
+        if epilogue is None:
+            out_cf[lo:hi] = src[lo:hi]
+        else:
+            out_cf[lo:hi] = epilogue(np.ascontiguousarray(src[lo:hi]), lo, hi)
+
+    _threads.parallel_for(geom.batch, out.size, run)
+    return out
 
 
-def _forward_cd(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    return _output_from_matrix(np.matmul(_weight_matrix(w, geom, cd), _columns(x, geom, cd)),
-                               geom)
+def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+    return np.matmul(_weight_matrix(w, geom, cd), _columns(x, geom, cd))
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     """y = conv(x, w): cross-correlation in the geometry's layout, in x's dtype."""
-    return finish(_forward_cd(x, w, geom, compute_dtype(x.dtype)), x.dtype)
+    return _finish_output(_forward_gemm(x, w, geom, compute_dtype(x.dtype)), geom, x.dtype)
 
 
 def conv_bias_act(
@@ -123,16 +153,28 @@ def conv_bias_act(
     """
     act = acts.normalize(activation)
     cd = compute_dtype(x.dtype)
-    z = _forward_cd(x, w, geom, cd)
+    bias = None
     if b is not None:
-        bias_shape = [1] * z.ndim
-        bias_shape[geom.channel_axis] = geom.out_channels
-        z += b.astype(cd).reshape(bias_shape)
-    if residual is not None:
-        z += cd.type(residual_scale) * residual.astype(cd)
-    y = finish(apply_activation(z, act), x.dtype)
-    keep_z = acts.saves(act) == "preactivation"
-    return y, (finish(z, x.dtype) if keep_z else None)
+        bias = b.astype(cd).reshape(geom.out_channels, *([1] * geom.rank))
+    res_cf = None if residual is None else _channels_first(residual, geom.channels_last)
+    scale = cd.type(residual_scale)
+    z_out = np.empty(geom.output_shape, x.dtype) if acts.saves(act) == "preactivation" else None
+    z_cf = None if z_out is None else _channels_first(z_out, geom.channels_last)
+
+    def epilogue(z: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        if bias is not None:
+            z += bias
+        if res_cf is not None:
+            r = res_cf[lo:hi].astype(cd, copy=False)
+            z += r if scale == 1 else scale * r  # 1 * r == r exactly: skip the pass
+        if z_cf is not None:
+            z_cf[lo:hi] = z
+        if act == "relu":  # the common case, in place: z is this chunk's own buffer
+            return np.maximum(z, 0, out=z)
+        return apply_activation(z, act)
+
+    y = _finish_output(_forward_gemm(x, w, geom, cd), geom, x.dtype, epilogue)
+    return y, z_out
 
 
 def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
@@ -146,13 +188,19 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     c = geom.in_channels
     dcols = dcols.reshape(g, c // g, len(slices), geom.batch, *geom.output_spatial)
     padded = _padded_shape(geom)
-    dxp = np.zeros((geom.batch, g, c // g, *padded[2:]), cd)
-    for j, where in enumerate(slices):
-        # slicing and transposing only, so this is a view and += scatters into dxp;
-        # offsets overlap, hence one offset at a time
-        target = dxp[(slice(None), slice(None), slice(None), *where)]
-        target = target.transpose(1, 2, 0, *range(3, 3 + geom.rank))
-        target += dcols[:, :, j]
+    dxp = np.empty((geom.batch, g, c // g, *padded[2:]), cd)
+
+    def run(lo: int, hi: int) -> None:
+        part = dxp[lo:hi]
+        part.fill(0)
+        for j, where in enumerate(slices):
+            # slicing and transposing only, so this is a view and += scatters into dxp;
+            # offsets overlap, hence one offset at a time
+            target = part[(slice(None), slice(None), slice(None), *where)]
+            target = target.transpose(1, 2, 0, *range(3, 3 + geom.rank))
+            target += dcols[:, :, j, lo:hi]
+
+    _threads.parallel_for(geom.batch, dxp.size, run)
     inner = tuple(slice(p, p + n)
                   for p, n in zip(geom.padding, geom.input_shape_cf[2:], strict=True))
     dx = dxp.reshape(padded)[(slice(None), slice(None), *inner)]

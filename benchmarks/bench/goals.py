@@ -1,0 +1,303 @@
+"""Issue #14's goals for the CPU engine, measured in one run against PyTorch's CPU engine.
+
+- mnist_step:  the model-zoo MNIST conv net (28x28, conv16-pool-conv32-pool-conv32-pool-
+               linear10), batch 128, one training step (zero_grad, forward, cross-entropy,
+               backward, Adam): convfuse / PyTorch <= 1.5;
+- resnet_block_step: a ResNet basic block without BatchNorm (two 3x3 64-channel convs,
+               the second with the residual, 56x56, batch 8, no bias), forward, backward
+               from a fixed upstream gradient (dx included: a block sits inside a network)
+               and Adam: convfuse / PyTorch <= 1.3;
+- adam_bandwidth: convfuse's Adam step on 10M float32 parameters moves 28 bytes per
+               parameter; achieved bandwidth / this machine's memcpy bandwidth (np.copyto
+               of 256 MiB, peaks.py) >= 0.40;
+- test_suite:  `pytest -q -x -p no:randomly tests` wall time <= 90 s, the time before
+               this work on a quiet machine (only with --suite: it takes that long).
+Both engines use the same thread count (PyTorch's torch.get_num_threads(), given to the
+reference engine's pool; BLAS keeps its own setting), and compared forms are timed
+interleaved. Each goal records target, measured value with its interval, and met/unstable.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import convfuse as cf
+
+try:  # a convfuse without the reference engine's thread pool (for before/after runs)
+    from convfuse.ops.reference import _threads
+except ImportError:  # pragma: no cover
+    _threads = None
+
+from . import checks, records, roofline
+from .records import Context
+
+ROOT = Path(__file__).resolve().parents[2]
+SUITE_BASELINE_S = 90.0
+ADAM_PARAMS = 10_000_000
+TARGETS = {  # name: (comparison, target, unit)
+    "mnist_step": ("<=", 1.5, "x PyTorch"),
+    "resnet_block_step": ("<=", 1.3, "x PyTorch"),
+    "adam_bandwidth": (">=", 0.40, "of memcpy bandwidth"),
+    "test_suite": ("<=", SUITE_BASELINE_S, "s"),
+}
+LR = 1e-3
+GRAD_TOL = 1e-4
+# The MNIST net's float32 conv outputs differ from PyTorch's in the last bits, which moves
+# near-tied max-pool winners; against a float64 PyTorch run both float32 engines show the
+# same ~4e-3 on the first layer's weight gradient, so this tolerance is not convfuse's.
+MNIST_GRAD_TOL = 5e-3
+
+
+def run(ctx: Context) -> list[dict[str, Any]]:
+    names = list(TARGETS)
+    if ctx.engine.is_gpu:  # pragma: gpu
+        return [records.skip(_new(n), "the goals are for the CPU engine") for n in names]
+    if ctx.torch is None:
+        return [records.skip(_new(n), f"CPU: {ctx.torch_note}") for n in names]
+    torch = ctx.torch.torch
+    threads = torch.get_num_threads()
+    if _threads is not None:
+        _threads.set_num_threads(threads)
+    try:
+        out = [
+            _guard(ctx, "mnist_step", threads, _mnist),
+            _guard(ctx, "resnet_block_step", threads, _block),
+            _guard(ctx, "adam_bandwidth", threads, _adam),
+        ]
+        suite = _new("test_suite", threads=threads)
+        if getattr(ctx, "suite", False):
+            out.append(records.guarded(ctx, suite, "goal test_suite", lambda: _suite(suite)))
+        else:
+            out.append(records.skip(suite, "CPU: the test-suite goal is measured only with "
+                                           "--suite (it takes about 90 s)"))
+        return out
+    finally:
+        if _threads is not None:
+            _threads.set_num_threads(None)
+
+
+def _new(name: str, **fields: Any) -> dict[str, Any]:
+    comparison, target, unit = TARGETS[name]
+    return records.new("goals", name, goal={"comparison": comparison, "target": target,
+                                            "unit": unit}, **fields)
+
+
+def _guard(ctx: Context, name: str, threads: int, fn: Any) -> dict[str, Any]:
+    rec = _new(name, threads=threads)
+    return records.guarded(ctx, rec, f"goal {name}", lambda: fn(ctx, rec))
+
+
+def _met(rec: dict, measured: float, low: float, high: float, unstable: bool) -> None:
+    """Fill in the verdict; `goal_ratio` is measured / target for <= goals and target /
+    measured for >= goals, so that <= 1 means met on the chart."""
+    g = rec["goal"]
+    le = g["comparison"] == "<="
+    g.update(measured=measured, low=low, high=high, unstable=unstable,
+             met=measured <= g["target"] if le else measured >= g["target"])
+    rec["ratios"]["goal_ratio"] = measured / g["target"] if le else g["target"] / measured
+    lo, hi = (low / g["target"], high / g["target"]) if le else (g["target"] / high,
+                                                                   g["target"] / low)
+    rec["ratio_intervals"]["goal_ratio"] = {"low": lo, "high": hi, "spread": (hi - lo)
+                                            / rec["ratios"]["goal_ratio"],
+                                            "unstable": unstable}
+
+
+def _versus_torch(ctx: Context, rec: dict, ours: Any, theirs: Any, n_sets: int) -> None:
+    forms = {"convfuse": ours, "torch": (ctx.torch.timer, theirs)}
+    for name, st in ctx.time_many(forms, n_sets).items():
+        records.put_timing(rec, name, st)
+    records.ratio(rec, "convfuse/pytorch", "convfuse", "torch")
+    iv = rec["ratio_intervals"]["convfuse/pytorch"]
+    _met(rec, rec["ratios"]["convfuse/pytorch"], iv["low"], iv["high"], iv["unstable"])
+
+
+def _compare_grads(rec: dict, what: str, ours: list, theirs: list,
+                   tol: float = GRAD_TOL) -> bool:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        rec["checks"].append(checks.compare(f"{what} {i}", np.asarray(a),
+                                            b.detach().numpy().reshape(np.shape(a)), tol))
+    if not checks.all_ok(rec["checks"]):
+        records.check_failed(rec, checks.failures(rec["checks"]))
+        return False
+    return True
+
+
+# -- MNIST model-zoo net ------------------------------------------------------------------
+
+def mnist_layers(seed: int) -> Any:
+    net = cf.Sequential(
+        cf.Conv2d(1, 16, 3, padding=1, activation="relu", seed=seed), cf.MaxPool2d(2),
+        cf.Conv2d(16, 32, 3, padding=1, activation="relu", seed=seed + 1), cf.MaxPool2d(2),
+        cf.Conv2d(32, 32, 3, padding=1, activation="relu", seed=seed + 2), cf.MaxPool2d(2),
+        cf.Flatten(), cf.Linear(288, 10, seed=seed + 3),
+    )
+    return net
+
+
+def _no_input_grad(net: Any, rec: dict) -> None:
+    """The net's input needs no gradient: say so when layers support it, note it when not
+    (a Sequential hands the flag to its first layer)."""
+    if hasattr(net, "needs_input_grad"):
+        net.needs_input_grad = False
+    else:
+        rec["notes"].append("this convfuse has no needs_input_grad: its first layer "
+                            "computes a dx that nothing uses")
+
+
+def _mnist(ctx: Context, rec: dict) -> None:
+    torch, nn = ctx.torch.torch, ctx.torch.torch.nn
+    batch = 128
+    rec["shape"] = f"N{batch} 1x28x28 -> conv16-pool-conv32-pool-conv32-pool-linear10"
+    net = mnist_layers(ctx.seed)
+    _no_input_grad(net, rec)
+    loss_fn = cf.CrossEntropyLoss()
+    opt = cf.optim.Adam(net.parameters(), lr=LR)
+    tnet = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(288, 10))
+    with torch.no_grad():
+        for tp, p in zip(tnet.parameters(), net.parameters(), strict=True):
+            tp.copy_(torch.from_numpy(p.data.copy()).reshape(tp.shape))
+    topt = torch.optim.Adam(tnet.parameters(), lr=LR)
+    tloss = nn.CrossEntropyLoss()
+    n_sets = 2
+    rng = np.random.default_rng(ctx.seed)
+    xs = [rng.random((batch, 1, 28, 28), dtype=np.float32) for _ in range(n_sets)]
+    ys = [rng.integers(0, 10, batch).astype(np.int32) for _ in range(n_sets)]
+    txs = [torch.from_numpy(x) for x in xs]
+    tys = [torch.from_numpy(y.astype(np.int64)) for y in ys]
+
+    def grads(i: int) -> Any:
+        opt.zero_grad()
+        loss = loss_fn(net(xs[i]), ys[i])
+        net.backward(loss_fn.backward())
+        return loss
+
+    def step(i: int) -> None:
+        grads(i)
+        opt.step()
+
+    def tgrads(i: int) -> Any:
+        topt.zero_grad(set_to_none=True)
+        loss = tloss(tnet(txs[i]), tys[i])
+        loss.backward()
+        return loss
+
+    def tstep(i: int) -> None:
+        tgrads(i)
+        topt.step()
+
+    loss, tl = grads(0), tgrads(0)
+    rec["checks"].append(checks.compare("loss vs PyTorch", np.asarray(loss),
+                                        tl.detach().numpy(), GRAD_TOL))
+    if _compare_grads(rec, "grad vs PyTorch", [p.grad.copy() for p in net.parameters()],
+                      [tp.grad for tp in tnet.parameters()], MNIST_GRAD_TOL):
+        _versus_torch(ctx, rec, step, tstep, n_sets)
+
+
+# -- ResNet basic block without BatchNorm ---------------------------------------------------
+
+def _block(ctx: Context, rec: dict) -> None:
+    torch, nn = ctx.torch.torch, ctx.torch.torch.nn
+    n, c, size = 8, 64, 56
+    rec["shape"] = f"N{n} {c}x{size}x{size}: relu(conv3x3(relu(conv3x3(x))) + x), no bias"
+    c1 = cf.Conv2d(c, c, 3, padding=1, bias=False, activation="relu", seed=ctx.seed)
+    c2 = cf.Conv2d(c, c, 3, padding=1, bias=False, activation="relu", seed=ctx.seed + 1)
+    params = c1.parameters() + c2.parameters()
+    opt = cf.optim.Adam(params, lr=LR)
+    t1, t2 = (nn.Conv2d(c, c, 3, padding=1, bias=False) for _ in range(2))
+    with torch.no_grad():
+        t1.weight.copy_(torch.from_numpy(c1.weight.data.copy()))
+        t2.weight.copy_(torch.from_numpy(c2.weight.data.copy()))
+    topt = torch.optim.Adam([t1.weight, t2.weight], lr=LR)
+    rng = np.random.default_rng(ctx.seed)
+    x = rng.standard_normal((n, c, size, size), dtype=np.float32)
+    dy = rng.standard_normal((n, c, size, size), dtype=np.float32)
+    tx = torch.from_numpy(x.copy()).requires_grad_(True)
+    tdy = torch.from_numpy(dy)
+    got: dict[str, Any] = {}
+
+    def grads(i: int) -> None:
+        opt.zero_grad()
+        c2(c1(x), residual=x)
+        d_mid, d_skip = c2.backward(dy)
+        got["dx"] = c1.backward(d_mid) + d_skip
+
+    def step(i: int) -> None:
+        grads(i)
+        opt.step()
+
+    def tgrads(i: int) -> None:
+        topt.zero_grad(set_to_none=True)
+        tx.grad = None
+        out = torch.relu(t2(torch.relu(t1(tx))) + tx)
+        out.backward(tdy)
+
+    def tstep(i: int) -> None:
+        tgrads(i)
+        topt.step()
+
+    grads(0)
+    tgrads(0)
+    if _compare_grads(rec, "dx, dw1, dw2 vs PyTorch",
+                      [got["dx"], c1.weight.grad.copy(), c2.weight.grad.copy()],
+                      [tx.grad, t1.weight.grad, t2.weight.grad]):
+        _versus_torch(ctx, rec, step, tstep, 1)
+
+
+# -- Adam against memcpy ------------------------------------------------------------------
+
+def _adam(ctx: Context, rec: dict) -> None:
+    n = ADAM_PARAMS
+    rng = np.random.default_rng(ctx.seed)
+    p = cf.Parameter(rng.random(n, dtype=np.float32), "p")
+    p.grad[...] = rng.random(n, dtype=np.float32) * 1e-2
+    opt = cf.optim.Adam([p], lr=LR)
+    work = roofline.adam(n)
+    rec["shape"] = f"{n:,} float32 parameters, {work.bytes / n:.0f} bytes each at the floor"
+    rec["checks"].append({"what": "parameters finite after a step", "ok": True,
+                          "rel_err": 0.0, "tol": 0.0})
+    opt.step()
+    if not np.isfinite(p.data).all():
+        rec["checks"][-1]["ok"] = False
+        records.check_failed(rec, "Adam produced non-finite parameters")
+        return
+    st = ctx.time_many({"convfuse": lambda i: opt.step()}, 1)["convfuse"]
+    records.put_timing(rec, "convfuse", st)
+    memcpy = ctx.peaks.bandwidth
+    rec["memcpy_Bps"] = memcpy
+    rec["memcpy_source"] = ctx.peaks.source
+    lo_t, hi_t = st.interval
+    achieved = work.bytes / st.median
+    rec["achieved_GBps"] = achieved / 1e9
+    records.put_floor(rec, work, work.bytes / memcpy, "fp32", ("convfuse",))
+    _met(rec, achieved / memcpy, work.bytes / hi_t / memcpy, work.bytes / lo_t / memcpy,
+         st.unstable)
+
+
+# -- the CPU test suite ---------------------------------------------------------------------
+
+def _suite(rec: dict) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "tests"]
+    rec["shape"] = " ".join(cmd[2:]) + f" (in {ROOT})"
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    ok = proc.returncode == 0
+    rec["checks"].append({"what": "test suite passed", "ok": ok, "rel_err": 0.0, "tol": 0.0,
+                          "tail": proc.stdout[-300:]})
+    if not ok:
+        records.check_failed(rec, proc.stdout[-500:])
+        return
+    rec["timings"]["suite"] = {"median_s": wall, "min_s": wall, "max_s": wall, "reps": 1,
+                               "samples_s": [wall], "spread": None, "unstable": None}
+    rec["notes"].append("one run: its spread is not measured")
+    _met(rec, wall, wall, wall, False)

@@ -1,0 +1,178 @@
+"""Edge values on the NumPy engine against PyTorch's CPU engine (issue #11, items 13-15).
+
+NaN and inf inputs, ties and all -inf windows: the reference engine must route gradients
+and produce values exactly as torch does, and NumPy's RuntimeWarnings must not escape.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from convfuse.ops import reference as ref
+from convfuse.pool_geometry import PoolGeometry
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+EDGE = [-np.inf, -1e300, -1e30, -100.0, -90.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 0.5, 20.0,
+        1e30, 1e300, np.inf, np.nan]
+
+
+def _edge(dtype):
+    with np.errstate(over="ignore"):
+        return np.array(EDGE, dtype)
+
+
+# --- item 13: relu's gradient at a NaN pre-activation -------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_relu_gradient_passes_dy_at_nan_like_torch(dtype):
+    z = _edge(dtype)
+    dy = np.linspace(1.0, 2.0, z.size).astype(dtype)
+    y = ref.activation_forward(z, "relu")  # what convfuse saves for relu
+    dz = ref.activation_backward(dy, y, "relu")
+    tz = torch.from_numpy(z).requires_grad_(True)
+    (want,) = torch.autograd.grad(F.relu(tz), tz, torch.from_numpy(dy))
+    np.testing.assert_array_equal(y, F.relu(torch.from_numpy(z)).numpy())
+    np.testing.assert_array_equal(dz, want.numpy())
+    assert dz[-1] == dy[-1]  # the NaN pre-activation passes dy on
+    # a NaN dy where y <= 0 still gives exactly +0, as torch's threshold_backward
+    dz2 = ref.activation_backward(np.full_like(dy, np.nan), y, "relu")
+    assert np.all(dz2[y <= 0] == 0) and not np.any(np.signbit(dz2[y <= 0]))
+
+
+# --- item 15: no RuntimeWarnings from silu and gelu at +-inf and huge values --------------
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_silu_gelu_edge_values_are_quiet_and_match_torch(act, dtype):
+    z = _edge(dtype)
+    dy = np.ones_like(z)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any RuntimeWarning fails the test
+        y = ref.activation_forward(z, act)
+        dz = ref.activation_backward(dy, z, act)
+    tz = torch.from_numpy(z).requires_grad_(True)
+    ty = getattr(F, act)(tz)
+    (tdz,) = torch.autograd.grad(ty.sum(), tz)
+    # NaN exactly where torch has NaN, infinities equal; finite values close (torch flushes
+    # some float32 subnormals that NumPy keeps, hence the absolute tolerance)
+    for got, want in ((y, ty.detach().numpy()), (dz, tdz.numpy())):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-37, equal_nan=True)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "sigmoid", "tanh", "elu"])
+def test_edge_values_quiet_inside_a_fused_layer_on_threads(act, monkeypatch):
+    from convfuse.geometry import ConvGeometry
+    from convfuse.ops.reference import _threads
+
+    monkeypatch.setattr(_threads, "MIN_ELEMENTS", 1)
+    _threads.set_num_threads(3)
+    try:
+        x = np.zeros((4, 1, 4, 4), np.float32)
+        x[:, 0, 0, 0] = [np.inf, -np.inf, 1e30, -1e30]
+        w = np.ones((2, 1, 1, 1), np.float32)
+        g = ConvGeometry.create(x.shape, w.shape)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y, z = ref.conv_bias_act(x, w, None, g, act)
+            saved = z if z is not None else y
+            ref.activation_backward(np.ones_like(y), saved, act)
+    finally:
+        _threads.set_num_threads(None)
+
+
+# --- item 14: max-pool routing against torch.nn.functional.max_pool{1,2,3}d -------------
+
+POOLS = {  # name: (kernel, stride, padding)
+    "k2": (2, 2, 0),
+    "k3_s2_p1": (3, 2, 1),
+    "k3_s1_p1": (3, 1, 1),
+    "k2_s3_p1": (2, 3, 1),
+    "k2_s1_p1": (2, 1, 1),
+}
+
+
+def _torch_pool_grad(x, dy, kernel, stride, padding):
+    rank = x.ndim - 2
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[rank]
+    tx = torch.from_numpy(x).requires_grad_(True)
+    ty = pool(tx, kernel, stride, padding)
+    (tdx,) = torch.autograd.grad(ty, tx, torch.from_numpy(dy))
+    return ty.detach().numpy(), tdx.numpy()
+
+
+def _nasty(shape, rng, dtype):
+    """Small integers (many ties), several NaNs per window, -inf regions, +inf."""
+    x = rng.integers(-2, 3, shape).astype(dtype)
+    pick = rng.random(shape)
+    x[pick < 0.15] = np.nan
+    x[(pick >= 0.15) & (pick < 0.35)] = -np.inf
+    x[(pick >= 0.35) & (pick < 0.38)] = np.inf
+    return x
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pool_routes_gradients_like_torch(name, rank, channels_last, dtype):
+    kernel, stride, padding = POOLS[name]
+    spatial = {1: (11,), 2: (7, 8), 3: (5, 6, 5)}[rank]
+    rng = np.random.default_rng(hash((name, rank, channels_last)) % 2**32)
+    shape_cf = (3, 2, *spatial)
+    x_cf = _nasty(shape_cf, rng, dtype)
+    pg_cf = PoolGeometry.create(shape_cf, kernel, stride, padding, "max")
+    dy_cf = rng.uniform(0.5, 1.5, pg_cf.output_shape).astype(dtype)
+    want_y, want_dx = _torch_pool_grad(x_cf, dy_cf, kernel, stride, padding)
+    if channels_last:
+        x, dy = np.ascontiguousarray(np.moveaxis(x_cf, 1, -1)), np.moveaxis(dy_cf, 1, -1)
+        dy = np.ascontiguousarray(dy)
+        pg = PoolGeometry.create(x.shape, kernel, stride, padding, "max", "NHWC")
+    else:
+        x, dy, pg = x_cf, dy_cf, pg_cf
+    y = ref.pool_forward(x, pg)
+    dx = ref.pool_backward(dy, x, y, pg)
+    if channels_last:
+        y, dx = np.moveaxis(y, -1, 1), np.moveaxis(dx, -1, 1)
+    np.testing.assert_array_equal(y, want_y)
+    if stride >= kernel:  # each element in one window at most: the very same numbers
+        np.testing.assert_array_equal(dx, want_dx)
+    else:  # shared elements sum several windows' dy, in another order than torch
+        np.testing.assert_array_equal(dx == 0, want_dx == 0)
+        np.testing.assert_allclose(dx, want_dx, rtol=4 * np.finfo(dtype).eps)
+    # nothing is lost into padding: every window's gradient lands on a real element
+    np.testing.assert_allclose(dx.sum(dtype=np.float64), dy.sum(dtype=np.float64),
+                               rtol=100 * np.finfo(dtype).eps)
+
+
+def test_max_pool_several_nans_route_to_the_last_one():
+    x = np.array([[[np.nan, 1.0, np.nan, 0.0]]])
+    pg = PoolGeometry.create(x.shape, 4, layout="NCW")
+    dx = ref.pool_backward(np.ones((1, 1, 1)), x, ref.pool_forward(x, pg), pg)
+    np.testing.assert_array_equal(dx, [[[0.0, 0.0, 1.0, 0.0]]])
+    np.testing.assert_array_equal(dx, _torch_pool_grad(x, np.ones((1, 1, 1)), 4, 4, 0)[1])
+
+
+def test_max_pool_all_minus_inf_window_at_padding_goes_to_first_real_element():
+    x = np.full((1, 1, 3, 3), -np.inf)
+    pg = PoolGeometry.create(x.shape, 3, 2, 1, "max")  # outputs 2x2, every window padded
+    dy = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    dx = ref.pool_backward(dy, x, ref.pool_forward(x, pg), pg)
+    want = np.zeros_like(x)
+    want[0, 0, 0, 0], want[0, 0, 0, 1], want[0, 0, 1, 0], want[0, 0, 1, 1] = 1, 2, 3, 4
+    np.testing.assert_array_equal(dx, want)
+    np.testing.assert_array_equal(dx, _torch_pool_grad(x, dy, 3, 2, 1)[1])
+    assert dx.sum() == dy.sum()
+
+
+def test_max_pool_nan_in_dy_stays_in_its_window():
+    # a losing position must get exactly 0, not 0 * NaN
+    x = np.array([[[1.0, 2.0, 3.0, 0.0]]])
+    pg = PoolGeometry.create(x.shape, 2, layout="NCW")
+    dx = ref.pool_backward(np.array([[[np.nan, 1.0]]]), x, ref.pool_forward(x, pg), pg)
+    np.testing.assert_array_equal(dx, [[[0.0, np.nan, 1.0, 0.0]]])

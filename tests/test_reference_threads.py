@@ -1,0 +1,215 @@
+"""The reference engine's thread pool and the blocked CPU optimizer passes.
+
+Chunking must never change a number: every threaded op is compared bitwise against the
+same op on one thread, and the blocked SGD/Adam against the whole-buffer NumPy form of
+PyTorch's rule, with blocks and thread counts small enough to split tiny buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import convfuse as cf
+from convfuse.geometry import ConvGeometry
+from convfuse.ops import reference as ref
+from convfuse.ops.reference import _threads
+from convfuse.optim import _cpu
+from convfuse.pool_geometry import PoolGeometry
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """Split every pass, however small, over `n` threads."""
+    monkeypatch.setattr(_threads, "MIN_ELEMENTS", 1)
+
+    def use(n):
+        _threads.set_num_threads(n)
+
+    yield use
+    _threads.set_num_threads(None)
+
+
+def test_chunks_cover_the_range_evenly():
+    assert _threads.chunks(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert _threads.chunks(2, 5) == [(0, 1), (1, 2)]
+    assert _threads.chunks(0, 2) == [(0, 0)]
+
+
+def test_num_threads_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("CONVFUSE_NUM_THREADS", "3")
+    assert _threads.num_threads() == 3
+    monkeypatch.delenv("CONVFUSE_NUM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert _threads.num_threads() == 1
+    _threads.set_num_threads(2)
+    try:
+        assert _threads.num_threads() == 2
+    finally:
+        _threads.set_num_threads(None)
+    with pytest.raises(ValueError, match="positive int"):
+        _threads.set_num_threads(0)
+
+
+def test_an_error_in_a_worker_reaches_the_caller_after_all_chunks_finish(threads):
+    threads(3)
+    done = []
+
+    def fn(lo, hi):
+        done.append((lo, hi))
+        if lo == 3:
+            raise RuntimeError("chunk failed")
+
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        _threads.parallel_for(9, 9, fn)
+    assert sorted(done) == [(0, 3), (3, 6), (6, 9)]
+
+
+def _conv_outputs(layout, act, groups):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 4, 7, 6) if layout == "NCHW" else (5, 7, 6, 4))
+    x = x.astype(np.float32)
+    w_shape = (6, 4 // groups, 3, 2) if layout == "NCHW" else (6, 3, 2, 4 // groups)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    b = rng.standard_normal(6).astype(np.float32)
+    g = ConvGeometry.create(x.shape, w.shape, (1, 2), 1, 1, groups, layout)
+    res = rng.standard_normal(g.output_shape).astype(np.float32)
+    y, z = ref.conv_bias_act(x, w, b, g, act, residual=res, residual_scale=0.5)
+    dy = rng.standard_normal(g.output_shape).astype(np.float32)
+    return [y, z, ref.conv_forward(x, w, g), ref.conv_backward_data(dy, w, g),
+            ref.conv_backward_filter(x, dy, g)]
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize(("act", "groups"), [("relu", 1), ("gelu", 2)])
+def test_threaded_conv_is_bitwise_the_single_thread_result(threads, layout, act, groups):
+    threads(1)
+    one = _conv_outputs(layout, act, groups)
+    threads(3)
+    many = _conv_outputs(layout, act, groups)
+    for a, b in zip(one, many):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg"])
+@pytest.mark.parametrize(("kernel", "stride", "padding"), [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
+def test_threaded_pooling_is_bitwise_the_single_thread_result(threads, mode, kernel, stride,
+                                                              padding):
+    rng = np.random.default_rng(1)
+    x = rng.integers(-3, 3, (7, 3, 9, 8)).astype(np.float32)
+    x[0, 0, 0, :3] = np.nan
+    pg = PoolGeometry.create(x.shape, kernel, stride, padding, mode)
+    dy = rng.standard_normal(pg.output_shape).astype(np.float32)
+    results = []
+    for n in (1, 3):
+        threads(n)
+        y = ref.pool_forward(x, pg)
+        results.append((y, ref.pool_backward(dy, x, y, pg)))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+# --- the blocked optimizer passes against the whole-buffer form --------------------------
+
+def _adam_whole(p, g, m, v, ct, t, lr, b1, b2, eps, wd, decoupled):
+    """The former whole-buffer implementation: PyTorch's order, NumPy temporaries."""
+    one = ct.type(1)
+    p = p if p.dtype == ct else p.astype(ct)
+    d = g.astype(ct)
+    if decoupled:
+        p *= 1.0 - lr * wd
+    elif wd != 0:
+        d += wd * p
+    w1 = ct.type(1.0 - b1)
+    if abs(w1) < 0.5:
+        m += w1 * (d - m)
+    else:
+        m[...] = d - (d - m) * (one - w1)
+    v *= b2
+    v += ((1.0 - b2) * d) * d
+    denom = np.sqrt(v) / math.sqrt(1.0 - b2**t) + eps
+    p += -(lr / (1.0 - b1**t)) * (m / denom)
+    return p
+
+
+def _sgd_whole(p, g, buf, ct, t, lr, momentum, wd, nesterov):
+    p = p if p.dtype == ct else p.astype(ct)
+    d = g.astype(ct)
+    if wd != 0:
+        d += wd * p
+    if momentum != 0:
+        if t == 1:
+            buf[...] = d
+        else:
+            buf *= momentum
+            buf += d
+        d = d + momentum * buf if nesterov else buf
+    p += -lr * d
+    return p
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize(("b1", "wd", "decoupled"),
+                         [(0.9, 0.0, False), (0.9, 0.1, False), (0.3, 0.1, True)])
+def test_blocked_adam_is_bitwise_the_whole_buffer_rule(threads, monkeypatch, dtype, b1, wd,
+                                                       decoupled):
+    monkeypatch.setattr(_cpu, "BLOCK_BYTES", 4096)  # 1024-element blocks: several per buffer
+    threads(3)
+    rng = np.random.default_rng(2)
+    n = 5000
+    ct = np.dtype(np.float64 if dtype == np.float64 else np.float32)
+    p0 = rng.standard_normal(n).astype(dtype)
+    g = rng.standard_normal(n).astype(dtype)
+    p, m, v = p0.copy(), np.zeros(n, ct), np.zeros(n, ct)
+    pw, mw, vw = p0.copy(), np.zeros(n, ct), np.zeros(n, ct)
+    for t in (1, 2, 3):
+        _cpu.adam(p, g, m, v, ct, t, 1e-2, (b1, 0.999), 1e-8, wd, decoupled)
+        pw[...] = _adam_whole(pw, g, mw, vw, ct, t, 1e-2, b1, 0.999, 1e-8, wd, decoupled)
+    np.testing.assert_array_equal(p, pw)
+    np.testing.assert_array_equal(m, mw)
+    np.testing.assert_array_equal(v, vw)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize(("momentum", "wd", "nesterov"),
+                         [(0.0, 0.0, False), (0.9, 0.01, False), (0.9, 0.0, True)])
+def test_blocked_sgd_is_bitwise_the_whole_buffer_rule(threads, monkeypatch, dtype, momentum,
+                                                      wd, nesterov):
+    monkeypatch.setattr(_cpu, "BLOCK_BYTES", 4096)
+    threads(2)
+    rng = np.random.default_rng(3)
+    n = 4099
+    ct = np.dtype(np.float32)
+    p0 = rng.standard_normal(n).astype(dtype)
+    g = rng.standard_normal(n).astype(dtype)
+    p, pw = p0.copy(), p0.copy()
+    buf = np.zeros(n, ct) if momentum else None
+    bufw = np.zeros(n, ct)
+    for t in (1, 2):
+        _cpu.sgd(p, g, buf, ct, t, 0.1, momentum, wd, nesterov)
+        pw[...] = _sgd_whole(pw, g, bufw, ct, t, 0.1, momentum, wd, nesterov)
+    np.testing.assert_array_equal(p, pw)
+
+
+def test_adam_leaves_the_gradient_untouched_and_matches_torch(threads):
+    torch = pytest.importorskip("torch")
+    threads(2)
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal(3000).astype(np.float32)
+    g = rng.standard_normal(3000).astype(np.float32)
+    param = cf.Parameter(w.copy(), "w")
+    opt = cf.optim.Adam([param], lr=1e-2, weight_decay=0.1)
+    tp = torch.nn.Parameter(torch.from_numpy(w.copy()))
+    topt = torch.optim.Adam([tp], lr=1e-2, weight_decay=0.1, foreach=False)
+    for _ in range(3):
+        param.grad[...] = g
+        tp.grad = torch.from_numpy(g.copy())
+        opt.step()
+        topt.step()
+        np.testing.assert_array_equal(param.grad, g)
+    np.testing.assert_allclose(param.data, tp.detach().numpy(), rtol=1e-6, atol=1e-7)
