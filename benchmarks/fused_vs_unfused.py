@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 if (HERE.parent / "convfuse" / "__init__.py").exists():
     # run from a checkout: measure that checkout's convfuse, not another installed one
     sys.path.insert(0, str(HERE.parent))
+import bench.resnet as resnet  # noqa: E402
 import bench.torch_convert as torch_convert  # noqa: E402
 from bench import (  # noqa: E402
     adam,
@@ -69,6 +70,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch columns")
     p.add_argument("--torch-convert", action="store_true",
                    help="also time a torch.nn conv net against convfuse.torch.convert of it")
+    p.add_argument("--resnet", action="store_true",
+                   help="also time ResNet-18 training steps: convfuse eager and captured "
+                        "against PyTorch eager (cudnn.benchmark, channels_last, AMP on GPUs)")
     p.add_argument("--heuristics", action="store_true",
                    help="choose convfuse's algorithms by heuristics instead of autotuning "
                         "(PyTorch always runs with cudnn.benchmark=True)")
@@ -164,7 +168,18 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "counts": report.counts(results),
         "results": results,
         "torch_convert": torch_convert.run(args.quick) if args.torch_convert else None,
+        "resnet": resnet.run(args.quick) if args.resnet else None,
+        "forward_paths": _forward_paths(),
     }
+
+
+def _forward_paths() -> list[dict]:
+    """How each conv plan ran conv + bias + activation (fused or unfused, and why)."""
+    from dataclasses import asdict
+
+    from convfuse.plan import forward_paths
+
+    return [{"plan": desc, **asdict(path)} for desc, path in forward_paths()]
 
 
 def render(payload: dict, args: argparse.Namespace) -> None:
@@ -182,6 +197,15 @@ def render(payload: dict, args: argparse.Namespace) -> None:
     report.print_report(payload["results"], payload["engine"], footer)
     if payload.get("torch_convert"):
         print(torch_convert.format_table(payload["torch_convert"]))
+    if payload.get("resnet"):
+        print(resnet.table(payload["resnet"]))
+    paths = payload.get("forward_paths") or []
+    if paths:
+        print("\nfused forward paths (convfuse.plan.forward_paths()):")
+        for row in paths:
+            times = "" if row.get("fused_ms") is None else (
+                f"  fused {row['fused_ms']:.3f} ms, unfused {row['unfused_ms']:.3f} ms")
+            print(f"  {row['path']:8s} ({row['reason']}) {row['plan']}{times}")
     title = f"convfuse: ratios of median times on {payload['label']}"
     if not on_gpu:
         caps = payload["method"].get("cpu_shape_caps") or {}
