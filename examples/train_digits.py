@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from convfuse.backend import gpu_unavailable_reason
 
 def build_model(device: str, seed: int = 0) -> cf.Sequential:
     """conv-relu-pool twice, then linear: (N, 1, 8, 8) -> (N, 10)."""
-    return cf.Sequential(
+    model = cf.Sequential(
         cf.Conv2d(1, 16, 3, padding=1, activation="relu", device=device, seed=seed),
         cf.MaxPool2d(2),
         cf.Conv2d(16, 32, 3, padding=1, activation="relu", device=device, seed=seed + 1),
@@ -31,6 +32,8 @@ def build_model(device: str, seed: int = 0) -> cf.Sequential:
         cf.Flatten(),
         cf.Linear(32 * 2 * 2, 10, device=device, seed=seed + 2),
     ).to(device)
+    model.needs_input_grad = False  # the images need no gradient: skip the first layer's dx
+    return model
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2):
@@ -116,9 +119,10 @@ def save_plot(history: dict[str, list[float]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> float:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=12)
+def make_parser(doc: str, epochs: int, plot: str) -> argparse.ArgumentParser:
+    """The command line both digits examples share."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -126,27 +130,31 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--graph", action="store_true",
                         help="replay the training step as a CUDA graph (GPU only)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=Path("digits_training.png"))
+    parser.add_argument("--plot", type=Path, default=Path(plot))
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be >= 1")
-
-    device = pick_device(args.device)
-    use_graph = args.graph and device == "cuda"
-    if args.graph and not use_graph:
+    args.device = pick_device(args.device)
+    args.use_graph = args.graph and args.device == "cuda"
+    if args.graph and not args.use_graph:
         print("notice: --graph needs a GPU; running the step eagerly.", flush=True)
-    xp = cf.backend.xp_for(device)
+    return args
 
-    x_train, x_test, y_train, y_test = load_digits(args.seed)
-    model = build_model(device, args.seed)
+
+def fit(model: Any, optimizer: Any, data: tuple, args: argparse.Namespace,
+        schedule: Callable[[int], float] | None = None) -> dict[str, list[float]]:
+    """Train for args.epochs; the model is in train mode for steps and eval mode for the
+    test pass (BatchNorm). `schedule(epoch)`, when given, sets the learning rate per epoch:
+    setting .lr fills the optimizer's device scalar, so a captured step sees it too."""
+    x_train, x_test, y_train, y_test = data
+    xp = cf.backend.xp_for(args.device)
     loss_fn = cf.CrossEntropyLoss()
-    optimizer = cf.optim.Adam(model.parameters(), lr=args.lr)
     loss_mean, correct_mean = cf.metrics.Mean(), cf.metrics.Mean()
     step = make_step(model, loss_fn, optimizer, loss_mean, correct_mean)
-    print(f"convfuse {cf.__version__} on {device}: {len(x_train)} train / {len(x_test)} test "
-          f"images, batch {args.batch_size}, {args.epochs} epochs"
-          + (", CUDA graph" if use_graph else ""), flush=True)
-
     rng = np.random.default_rng(args.seed)
     batches = len(x_train) // args.batch_size  # full batches only: a graph has static shapes
     history: dict[str, list[float]] = {"loss": [], "train_acc": [], "test_acc": []}
@@ -156,10 +164,13 @@ def main(argv: list[str] | None = None) -> float:
         order = rng.permutation(len(x_train))
         loss_mean.reset()
         correct_mean.reset()
+        model.train()
+        if schedule is not None:
+            optimizer.lr = schedule(epoch)
         for b in range(batches):
             idx = order[b * args.batch_size:(b + 1) * args.batch_size]
             xb, yb = xp.asarray(x_train[idx]), xp.asarray(y_train[idx])
-            if use_graph:
+            if args.use_graph:
                 if captured is None:
                     captured = cf.graph.capture(step, xb, yb)  # its warm-up is this batch's step
                 else:
@@ -169,15 +180,26 @@ def main(argv: list[str] | None = None) -> float:
             progress(epoch, args.epochs, b + 1, batches)
         history["loss"].append(loss_mean.compute())
         history["train_acc"].append(correct_mean.compute())
+        model.eval()
         history["test_acc"].append(evaluate(model, x_test, y_test, xp, 256))
         print(f"epoch {epoch:>2}: loss {history['loss'][-1]:.4f}  "
               f"train acc {history['train_acc'][-1]:.4f}  "
               f"test acc {history['test_acc'][-1]:.4f}", flush=True)
-
     elapsed = time.perf_counter() - start
     save_plot(history, args.plot)
     print(f"trained in {elapsed:.1f} s; curves saved to {args.plot}", flush=True)
-    accuracy = history["test_acc"][-1]
+    return history
+
+
+def main(argv: list[str] | None = None) -> float:
+    args = parse(make_parser(__doc__, epochs=12, plot="digits_training.png"), argv)
+    data = load_digits(args.seed)
+    model = build_model(args.device, args.seed)
+    optimizer = cf.optim.Adam(model.parameters(), lr=args.lr)
+    print(f"convfuse {cf.__version__} on {args.device}: {len(data[0])} train / "
+          f"{len(data[1])} test images, batch {args.batch_size}, {args.epochs} epochs"
+          + (", CUDA graph" if args.use_graph else ""), flush=True)
+    accuracy = fit(model, optimizer, data, args)["test_acc"][-1]
     print(f"test accuracy: {accuracy:.4f}", flush=True)
     return accuracy
 
