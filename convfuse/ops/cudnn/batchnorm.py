@@ -83,6 +83,8 @@ def _ptr(a: Any) -> int:
 
 def _scale_shift(cp: Any, weight: Any, bias: Any, g: BatchNormGeometry,
                  cd: Any) -> tuple[Any, Any]:  # pragma: gpu
+    if weight is not None and bias is not None:  # affine: no cached buffer is needed
+        return weight, bias
     ones, zeros = _ones_zeros(cp, cd, g.channels)
     return (weight if weight is not None else ones), (bias if bias is not None else zeros)
 
@@ -109,7 +111,7 @@ def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> No
             f"({type(err).__name__}: {err}) for {plan.describe()}; running plain batch "
             "normalization plus convfuse's add and ReLU kernels instead. The fused calls are "
             "retried after a back-off, as memory may come back.",
-            FusedFallbackWarning, stacklevel=5)
+            FusedFallbackWarning, stacklevel=6)  # one frame more: _allocate
 
 
 def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]]) -> list[Workspace] | None:
