@@ -382,3 +382,22 @@ def test_affine_defaults_refused_inside_capture(bn_gpu, monkeypatch, rng):
     gpu.calls.clear()  # warmed up: the capture records only the calls
     ops.batchnorm_forward_training(dev["x"], None, None, None, None, LAYOUT, EPS, FACTOR, "relu")
     assert [n for n in gpu.names() if n != "alloc"] == [FWD_EX]
+
+
+def test_torch_allocator_out_of_memory_is_cupys(monkeypatch):
+    """Under convfuse.torch, CuPy allocates from PyTorch's caching allocator; its
+    torch.OutOfMemoryError (a RuntimeError) must arrive as CuPy's OutOfMemoryError (a
+    MemoryError), the exception the fused-call and workspace fallbacks above catch."""
+    import cupy
+
+    from convfuse.torch import _arrays
+
+    def no_memory(n, dtype=None, device=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
+
+    monkeypatch.setattr(torch, "empty", no_memory)
+    alloc = _arrays._torch_allocator(torch.device("cuda", 0))
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
+        alloc(4096)
+    assert isinstance(info.value, MemoryError)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
