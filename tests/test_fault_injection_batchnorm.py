@@ -277,7 +277,7 @@ def test_training_step_fault(bn_gpu, rng, residual, case, setup, outcome):
             np.testing.assert_array_equal(gpu.get(dev["rm"]), before[0])
             np.testing.assert_array_equal(gpu.get(dev["rv"]), before[1])
         plan = get_batchnorm_plan(gpu.g, "float16", "relu", residual)
-        assert plan.fused_refusal is None  # an error is no refusal: fused stays on
+        assert plan.fused_refusal is None and not plan.fell_back  # an error is no refusal
         return
     gpu.calls.clear()
     out, warned, saved = _step(gpu, dev, residual)
@@ -314,7 +314,7 @@ def test_out_of_memory_backs_off_then_retries(bn_gpu, rng):
     _, warned, saved = _step(gpu, dev, True)
     assert warned == [FusedFallbackWarning] and not saved.engine_state.fused
     plan = get_batchnorm_plan(gpu.g, "float16", "relu", True)
-    assert plan.fused_refusal is None and not plan.tries_fused
+    assert plan.fused_refusal is None and not plan.tries_fused and plan.fell_back
     gpu.oom_sizes = set()  # memory came back
     paths = [_step(gpu, dev, True)[2].engine_state.fused for _ in range(12)]
     assert paths[:8] == [False] * 8 and all(paths[8:])  # 8 calls of back-off, then fused

@@ -248,5 +248,12 @@ def test_batchnorm_case_checks_which_path_ran():
             CudnnError(3000, "cudnnBatchNormalizationForwardTrainingEx", "refused"))
         _check_path(NS(engine_state=EngineState(False)), fusable, "float16", "relu", True,
                     "refused")
+        plan = get_batchnorm_plan(fusable, "float16", "relu", False)
+        assert plan.fused_out_of_memory()  # a memory back-off, then its countdown runs out
+        while plan.fused_off():
+            pass
+        assert plan.tries_fused and plan.fell_back  # the plain run was still legitimate
+        _check_path(NS(engine_state=EngineState(False)), fusable, "float16", "relu", False,
+                    "backed off")
     finally:
         clear_plan_cache()

@@ -237,6 +237,12 @@ class BatchNormPlan:
         return first
 
     @property
+    def fell_back(self) -> bool:
+        """Whether this plan ever ran plain instead of the fused calls it was documented to
+        take (a refusal or an out-of-memory; it warned then, once)."""
+        return self._fused_warned
+
+    @property
     def fused_refusal(self) -> CudnnError | None:
         return self._fused_refusal
 
