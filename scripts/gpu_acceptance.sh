@@ -11,7 +11,9 @@
 #                into a fresh venv, CUDA toolkit hidden, compiles every kernel with NVRTC
 #   selfcheck    convfuse selfcheck --json OUTDIR/selfcheck.json
 #   pytest-gpu   pytest tests/gpu -p fusion_strict (scripts/fusion_strict.py: a fallback from
-#                the fused call where cuDNN documents it fails the test), JUnit XML
+#                a fused call where cuDNN documents it, conv + bias + activation or
+#                BatchNorm + add + ReLU, fails the test), JUnit XML; every tests/gpu/test_*.py
+#                file (ops, layers, BatchNorm, models, torch bridge, edge values, robustness)
 #   benchmark    benchmarks/fused_vs_unfused.py, full run: JSON + PNG
 #   syncs        scripts/count_syncs.py: device-to-host copies and syncs per training step,
 #                eager and captured (nsys where present, else a capture probe); target zero
@@ -46,12 +48,12 @@ MAX_BYTES=$((16 * 1024 * 1024))
 
 # name|time share in seconds|command (run from the checkout, with OUT set)
 PARTS=(
-  "fresh-wheel|180|$PY -m pytest -q -p no:cacheprovider tests/test_fresh_wheel.py"
+  "fresh-wheel|150|$PY -m pytest -q -p no:cacheprovider tests/test_fresh_wheel.py"
   "selfcheck|180|$PY -m convfuse selfcheck --json \"\$OUT/selfcheck.json\""
-  "pytest-gpu|360|PYTHONPATH=scripts:\${PYTHONPATH:-} $PY -m pytest -q -p no:cacheprovider -p fusion_strict tests/gpu --deselect tests/gpu/test_selfcheck_gpu.py::test_command_line_exits_zero_and_writes_json --junitxml \"\$OUT/pytest-gpu.xml\""
-  "benchmark|210|PYTHONPATH=. $PY benchmarks/fused_vs_unfused.py --quiet --out \"\$OUT/benchmark.json\" --plot \"\$OUT/benchmark.png\""
+  "pytest-gpu|420|PYTHONPATH=scripts:\${PYTHONPATH:-} $PY -m pytest -q -p no:cacheprovider -p fusion_strict tests/gpu --durations=25 --deselect tests/gpu/test_selfcheck_gpu.py::test_command_line_exits_zero_and_writes_json --junitxml \"\$OUT/pytest-gpu.xml\""
+  "benchmark|180|PYTHONPATH=. $PY benchmarks/fused_vs_unfused.py --quiet --out \"\$OUT/benchmark.json\" --plot \"\$OUT/benchmark.png\""
   "syncs|90|$PY scripts/count_syncs.py --out \"\$OUT/syncs.json\""
-  "sanitizer|150|compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 200 $PY scripts/count_syncs.py --worker --steps 1"
+  "sanitizer|120|compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 200 $PY scripts/count_syncs.py --worker --steps 1"
 )
 
 gpu_reason=$("$PY" -c 'from convfuse.backend import gpu_unavailable_reason as r; print(r() or "")' 2>&1)
@@ -66,6 +68,8 @@ if [ "$DRY" = 1 ] || [ -n "$gpu_reason" ]; then
     printf '  %-12s %4ss  %s\n' "$name" "$share" "$cmd"
   done
   echo "  (sanitizer runs only if compute-sanitizer is on PATH; syncs uses nsys if on PATH)"
+  echo "pytest-gpu collects these files:"
+  for f in tests/gpu/test_*.py; do echo "  $f"; done
   echo "Then: $PY scripts/acceptance_summary.py \"\$OUT\" STATUS > summary.md"
   exit 0
 fi

@@ -46,6 +46,16 @@ def test_dry_run_names_every_part_and_file_and_runs_nothing(tmp_path):
                    "--junitxml", "benchmarks/fused_vs_unfused.py", "--plot",
                    "scripts/count_syncs.py", "compute-sanitizer --tool memcheck"):
         assert needle in text, needle
+    # every GPU test file is collected by the pytest-gpu part, this round's included
+    listed = text.split("pytest-gpu collects these files:")[1]
+    for path in sorted((REPO / "tests" / "gpu").glob("test_*.py")):
+        assert f"tests/gpu/{path.name}" in listed, path.name
+    for name in ("test_batchnorm_gpu.py", "test_models_gpu.py", "test_torch_gpu.py",
+                 "test_torch_batchnorm_gpu.py", "test_edge_values_gpu.py", "test_robust_gpu.py"):
+        assert f"tests/gpu/{name}" in listed, name
+    shares = [int(line.split()[1].rstrip("s")) for line in text.splitlines()
+              if line.startswith("  ") and line.split()[0] in PARTS]
+    assert len(shares) == len(PARTS) and sum(shares) <= 1140 < 20 * 60  # one H100, 20 minutes
 
 
 def test_without_outdir_it_says_how_to_call_it():
@@ -78,6 +88,37 @@ def test_fusion_strict_knows_where_fusion_is_documented(x, w, layout, groups, dt
     try:
         geom = ConvGeometry.create(x, w, groups=groups, layout=layout)
         assert fusion_strict.documented(_message(geom, dtype, act)) is documented
+    finally:
+        clear_plan_cache()
+
+
+@pytest.mark.parametrize(("shape", "layout", "dtype", "act", "documented"), [
+    ((2, 3, 3, 8), "NHWC", "float16", "relu", True),
+    ((2, 4, 8), "NHWC", "float16", "relu", True),  # 1-D, lifted to 4-D
+    ((2, 3, 3, 6), "NHWC", "float16", "relu", False),  # C % 4 != 0
+    ((2, 8, 3, 3), "NCHW", "float16", "relu", False),
+    ((2, 3, 3, 8), "NHWC", "float32", "relu", False),
+    ((2, 3, 3, 8), "NHWC", "bfloat16", "relu", False),
+    ((2, 3, 3, 8), "NHWC", "float16", "identity", False),
+    ((4, 8), "NHWC", "float16", "relu", False),  # (N, C): no channels-last
+])
+def test_fusion_strict_knows_where_batchnorm_fusion_is_documented(shape, layout, dtype, act,
+                                                                  documented):
+    """The plugin's reading of a BatchNorm fallback message agrees with the plan's own
+    rule (plan.batchnorm.fused_documented) on the message the engine really writes."""
+    from convfuse.ops.cudnn import batchnorm as engine
+    from convfuse.plan import FusedFallbackWarning
+    from convfuse.plan.batchnorm import BatchNormGeometry, fused_documented, get_batchnorm_plan
+
+    try:
+        geom = BatchNormGeometry.create(shape, layout)
+        plan = get_batchnorm_plan(geom, dtype, act, True)
+        assert (fused_documented(geom, dtype) and act == "relu") is documented
+        err = CudnnError(3000, "cudnnBatchNormalizationForwardTrainingEx",
+                         cudnn().getErrorString(3000))
+        with pytest.warns(FusedFallbackWarning) as record:
+            engine._warn_fallback(plan, err, "batchNormalizationForwardTrainingEx")
+        assert fusion_strict.documented(str(record[0].message)) is documented
     finally:
         clear_plan_cache()
 

@@ -83,21 +83,26 @@ def test_output_dims_grid_has_both_outcomes():
 
 
 def test_gpu_cases_cover_every_op_layer_and_training_piece():
+    from convfuse.selfcheck.gpu_batchnorm import BATCHNORM_CASES
     from convfuse.selfcheck.gpu_checks import OP_CASES
     from convfuse.selfcheck.gpu_training import TRAINING_CASES
 
-    names = [n for n, _ in (*OP_CASES, *TRAINING_CASES)]
+    names = [n for n, _ in (*OP_CASES, *TRAINING_CASES, *BATCHNORM_CASES)]
     assert len(names) == len(set(names))
     for act in reference_checks.activations.ACTIVATIONS:
         assert f"conv_bias_act {act}" in names
     for expected in ("conv_backward_data", "conv_backward_filter", "conv_backward_bias",
                      "activation kernels", "pooling", "conv layers", "Linear layer",
                      "plan autotune", "fused SGD", "fused Adam", "fused AdamW", "pooling layers",
-                     "captured training step"):
+                     "captured training step", "batchnorm train/eval, fused/plain",
+                     "tiny ResNet training step"):
         assert expected in names
     fixed = {n: getattr(fn, "dtypes", None) for n, fn in TRAINING_CASES}
     assert fixed["plan autotune"] == ("float32",) == fixed["captured training step"]
     assert fixed["conv layers"] is None  # every dtype the GPU supports
+    bn = {n: getattr(fn, "dtypes", None) for n, fn in BATCHNORM_CASES}
+    assert bn == {"batchnorm train/eval, fused/plain": None,
+                  "tiny ResNet training step": ("float32",)}
 
 
 def test_gpu_inputs_are_rounded_to_their_dtype_before_the_reference_sees_them():
@@ -121,6 +126,7 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
     from convfuse.nn import module
     from convfuse.selfcheck import gpu_checks, gpu_suite
     from convfuse.selfcheck.gpu_arrays import TF32_TOLERANCE
+    from convfuse.selfcheck.gpu_batchnorm import BATCHNORM_CASES
     from convfuse.selfcheck.gpu_training import TRAINING_CASES
 
     backend.cupy_module()  # cache the real answer first: is_cupy() must not see the stand-in
@@ -139,11 +145,16 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
 
     monkeypatch.setattr(graph, "capture", capture)
     # Autotuning is a cuDNN plan's business; the reference engine builds no plan to count.
-    cases = (*gpu_checks.OP_CASES, *(c for c in TRAINING_CASES if c[0] != "plan autotune"))
+    cases = (*gpu_checks.OP_CASES, *(c for c in TRAINING_CASES if c[0] != "plan autotune"),
+             *BATCHNORM_CASES)
     results = gpu_suite.run_gpu_checks(cases, tf32=gpu_suite.tf32_cases())
     assert {r.dtype for r in results} == {"float64", "float32", "float16", "bfloat16"}
     bad = [(r.name, r.dtype, r.detail) for r in results if r.status != PASS]
     assert bad == []
+    ran = {(r.name, r.dtype) for r in results}
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
+        assert ("batchnorm train/eval, fused/plain", dtype) in ran
+    assert {d for n, d in ran if n == "tiny ResNet training step"} == {"float32"}
     assert convfuse.config.get().allow_tf32 is True  # restored after the checks
     # The float32 convolution cases ran again with TF32 allowed, at the TF32 tolerance.
     tf32 = [r for r in results if r.name.endswith("(TF32 default)")]
@@ -204,3 +215,45 @@ def test_forward_path_report_lists_the_unfused_plans():
     assert "dtype=float32 activation=identity residual=False (timed, fused 2.000 ms vs " \
            "unfused 1.500 ms)" in report.detail
     assert "dtype=float16 activation=identity residual=False (refused)" in report.detail
+
+
+def test_batchnorm_case_checks_which_path_ran():
+    """gpu_batchnorm._check_path: a documented fused configuration that ran plain without a
+    recorded refusal fails, as does a fused run outside the documented configuration; a
+    recorded refusal (or memory back-off) makes the plain run legitimate."""
+    from types import SimpleNamespace as NS
+
+    from convfuse.errors import CudnnError
+    from convfuse.ops.cudnn.batchnorm import EngineState
+    from convfuse.plan import clear_plan_cache
+    from convfuse.plan.batchnorm import BatchNormGeometry, get_batchnorm_plan
+    from convfuse.selfcheck.gpu_batchnorm import _check_path
+
+    clear_plan_cache()
+    try:
+        fusable = BatchNormGeometry.create((4, 3, 3, 8), "NHWC")
+        plain = BatchNormGeometry.create((4, 8, 3, 3), "NCHW")
+        _check_path(NS(engine_state=None), fusable, "float16", "relu", True, "dry run")
+        _check_path(NS(engine_state=EngineState(True)), fusable, "float16", "relu", True, "ok")
+        _check_path(NS(engine_state=EngineState(False)), plain, "float16", "relu", True, "ok")
+        with pytest.raises(CheckFailed, match="ran the plain calls"):
+            _check_path(NS(engine_state=EngineState(False)), fusable, "float16", "relu", True,
+                        "lost")
+        with pytest.raises(CheckFailed, match="outside the documented"):
+            _check_path(NS(engine_state=EngineState(True)), plain, "float16", "relu", True, "x")
+        with pytest.raises(CheckFailed, match="outside the documented"):  # float32: no fusion
+            _check_path(NS(engine_state=EngineState(True)), fusable, "float32", "relu", True,
+                        "x")
+        get_batchnorm_plan(fusable, "float16", "relu", True).refuse_fused(
+            CudnnError(3000, "cudnnBatchNormalizationForwardTrainingEx", "refused"))
+        _check_path(NS(engine_state=EngineState(False)), fusable, "float16", "relu", True,
+                    "refused")
+        plan = get_batchnorm_plan(fusable, "float16", "relu", False)
+        assert plan.fused_out_of_memory()  # a memory back-off, then its countdown runs out
+        while plan.fused_off():
+            pass
+        assert plan.tries_fused and plan.fell_back  # the plain run was still legitimate
+        _check_path(NS(engine_state=EngineState(False)), fusable, "float16", "relu", False,
+                    "backed off")
+    finally:
+        clear_plan_cache()

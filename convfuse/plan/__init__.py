@@ -1,5 +1,6 @@
-"""Convolution and pooling plans: cuDNN descriptors, algorithm choice and workspace,
-cached by a hashable key (DESIGN.md "Plans").
+"""Convolution, pooling and batch-normalization plans: cuDNN descriptors, algorithm choice
+and workspace, cached by a hashable key (DESIGN.md "Plans"). Each kind has its own cache
+(and its own *_cache_info); `clear_plan_cache` empties all three.
 
 `get_plan(geom, dtype, activation, residual)` reads the flags in force
 (`convfuse.config.get()`) into its key, so changing a flag such as allow_tf32 gives a new
@@ -17,6 +18,7 @@ from .algorithms import (
     WorkspaceFallbackWarning,
     WorkspaceUnavailableError,
 )
+from .batchnorm import batchnorm_plan_cache_info, clear_batchnorm_plan_cache
 from .cache import CacheInfo, PlanCache
 from .conv import BiasGradFallbackWarning, ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
 from .pool import PoolPlan, PoolPlanKey
@@ -47,7 +49,8 @@ def forward_paths() -> list[tuple[str, ForwardPath]]:
 
 
 def plan_cache_info() -> CacheInfo:
-    """(hits, misses, size) of the convolution plan cache."""
+    """(hits, misses, size) of the convolution plan cache only; pool_plan_cache_info and
+    batchnorm_plan_cache_info report the other two (clear_plan_cache resets all three)."""
     return _conv_plans.info()
 
 
@@ -56,15 +59,18 @@ def pool_plan_cache_info() -> CacheInfo:
 
 
 def clear_plan_cache() -> None:
-    """Empty the convolution and pooling plan caches and reset their counts."""
+    """Empty the convolution, pooling and batch-normalization plan caches and reset their
+    counts. Plans remember cuDNN's refusals and memory back-offs, so this also lets the
+    fused calls be tried again."""
     _conv_plans.clear()
     _pool_plans.clear()
+    clear_batchnorm_plan_cache()
 
 
 __all__ = [
     "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
-    "FusedFallbackWarning",
-    "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey", "WorkspaceFallbackWarning",
-    "WorkspaceUnavailableError", "clear_plan_cache", "forward_paths", "get_plan",
-    "get_pool_plan", "plan_cache_info", "pool_plan_cache_info",
+    "FusedFallbackWarning", "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey",
+    "WorkspaceFallbackWarning", "WorkspaceUnavailableError", "batchnorm_plan_cache_info",
+    "clear_plan_cache", "forward_paths", "get_plan", "get_pool_plan", "plan_cache_info",
+    "pool_plan_cache_info",
 ]

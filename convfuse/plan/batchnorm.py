@@ -21,6 +21,11 @@ Note [BatchNorm in cuDNN]
   refuses a fused call it was documented to take (any NOT_SUPPORTED status, at the size
   query or at the call), the plan remembers, warns once (FusedFallbackWarning) and runs
   the plain path from then on (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
+  An out-of-memory for the fused calls' workspace or reserve space is not for good: the
+  plan runs plain for a while and tries again (Note [transient out-of-memory] in
+  plan/choice.py, the same back-off as the conv plans), warning once per plan in all.
+- Capture (Note [no plan work inside a capture]): the fused sizes are asked on the first
+  fused call, which must come before a CUDA graph capture (its warm-up step does it).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from ..dtypes import canonical
 from ..errors import CudnnError
 from . import descriptors as d
 from .cache import CacheInfo, PlanCache
+from .capture import refuse_in_capture
+from .choice import next_backoff
 from .conv import FusedFallbackWarning, current_device
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -182,6 +189,9 @@ class BatchNormPlan:
         self._lock = threading.Lock()
         self._sizes: BatchNormSizes | None = None
         self._fused_refusal: CudnnError | None = None
+        self._fused_warned = False  # one FusedFallbackWarning per plan, whatever the cause
+        self._fused_backoff = 0  # Note [transient out-of-memory]
+        self._fused_skip = 0
 
     def describe(self) -> str:
         k = self.key
@@ -190,26 +200,66 @@ class BatchNormPlan:
 
     @property
     def tries_fused(self) -> bool:
-        """Whether the next training call goes to the fused Ex calls."""
-        return self.fused_ops is not None and self._fused_refusal is None
+        """Whether fused Ex calls are on for this plan: documented, never refused, and not
+        backing off after an out-of-memory (a pure read; `fused_off` counts the back-off)."""
+        return (self.fused_ops is not None and self._fused_refusal is None
+                and not self._fused_skip)
+
+    def fused_off(self) -> bool:
+        """Whether this training forward takes the plain path; counts down a memory
+        back-off (Note [transient out-of-memory])."""
+        if self.fused_ops is None or self._fused_refusal is not None:
+            return True
+        if not self._fused_skip:
+            return False
+        with self._lock:
+            if self._fused_skip:
+                self._fused_skip -= 1
+                return True
+            return False
+
+    def fused_out_of_memory(self) -> bool:
+        """The fused calls' workspace or reserve space could not be allocated: run plain
+        for a while; True when the caller should warn (the plan's first fallback)."""
+        with self._lock:
+            self._fused_backoff = next_backoff(self._fused_backoff)
+            self._fused_skip = self._fused_backoff
+            return self._warn_once()
+
+    def fused_ran(self) -> None:
+        if self._fused_backoff:
+            with self._lock:
+                self._fused_backoff = 0
+
+    def _warn_once(self) -> bool:
+        first = not self._fused_warned
+        self._fused_warned = True
+        return first
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether this plan ever ran plain instead of the fused calls it was documented to
+        take (a refusal or an out-of-memory; it warned then, once)."""
+        return self._fused_warned
 
     @property
     def fused_refusal(self) -> CudnnError | None:
         return self._fused_refusal
 
     def refuse_fused(self, err: CudnnError) -> bool:
-        """Record cuDNN's refusal of the fused ops; True for the first record (one warning)."""
+        """Record cuDNN's refusal of the fused ops (for good); True when the caller should
+        warn (the plan's first fallback, refusal or out-of-memory)."""
         with self._lock:
-            first = self._fused_refusal is None
-            if first:
+            if self._fused_refusal is None:
                 self._fused_refusal = err
-            return first
+            return self._warn_once()
 
     def sizes(self, handle: Any) -> BatchNormSizes:  # pragma: gpu
         """Workspace and reserve-space bytes of the fused calls, asked once (needs a handle;
-        a NULL handle gets BAD_PARAM)."""
+        a NULL handle gets BAD_PARAM), never first inside a CUDA graph capture."""
         with self._lock:
             if self._sizes is None:
+                refuse_in_capture(f"the fused batch-normalization sizes of {self.describe()}")
                 lib, x, bn, act = self.lib, self.x_desc, self.bn_desc_training, self.act_desc
                 mode, ops = self.training_mode, self.fused_ops
                 z = x if ops == lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION else None

@@ -1,6 +1,7 @@
-"""The GPU part of the selfcheck: every case of gpu_checks.py and gpu_training.py for every
-dtype the device supports with TF32 off; the float32 convolution cases again with TF32 at
-its default (on, as in PyTorch); and a report of which forward path each plan took."""
+"""The GPU part of the selfcheck: every case of gpu_checks.py, gpu_training.py and
+gpu_batchnorm.py for every dtype the device supports with TF32 off; the float32 convolution
+cases again with TF32 at its default (on, as in PyTorch); and a report of which forward path
+each plan took."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from .. import config
 from .gpu_arrays import supported_dtypes
+from .gpu_batchnorm import BATCHNORM_CASES
 from .gpu_checks import OP_CASES
 from .gpu_training import TRAINING_CASES
 from .report import PASS, CheckResult
@@ -41,7 +43,7 @@ def run_gpu_checks(cases: Cases | None = None,
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", FusedFallbackWarning)
         with config.flags(allow_tf32=False):
-            for name, fn in cases or (*OP_CASES, *TRAINING_CASES):
+            for name, fn in cases or (*OP_CASES, *TRAINING_CASES, *BATCHNORM_CASES):
                 for dtype in supported_dtypes(cp):
                     fixed = getattr(fn, "dtypes", None)
                     if fixed is not None and dtype not in fixed:

@@ -108,13 +108,21 @@ def _torch_allocator(device: torch.device) -> Any:
     Each block is a uint8 tensor taken on PyTorch's current stream; the CuPy memory object
     owns it, so the block returns to PyTorch's cache when the last CuPy array (or the
     tensor wrapping it through DLPack) goes away.
+
+    PyTorch's out-of-memory (torch.OutOfMemoryError, a RuntimeError) is re-raised as CuPy's
+    OutOfMemoryError (a MemoryError), the exception convfuse's documented fallbacks catch:
+    a workspace that cannot be allocated moves down the algorithm ranking, a fused call
+    falls back (Note [transient out-of-memory]), instead of failing the op.
     """
     import cupy
 
     def alloc(nbytes: int) -> Any:
         if nbytes == 0:
             return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(0, 0, None, device.index), 0)
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as err:
+            raise cupy.cuda.memory.OutOfMemoryError(nbytes, 0, 0) from err
         mem = cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device.index)
         return cupy.cuda.MemoryPointer(mem, 0)
 

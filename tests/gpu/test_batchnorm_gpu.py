@@ -202,3 +202,58 @@ def test_momentum_none_refuses_graph_capture(rng):
     x = cp.asarray(rng.standard_normal((2, 4, 3, 3)).astype(np.float32))
     with pytest.raises(CaptureError):
         cf.graph.capture(lambda a: bn(a), x)
+
+
+def test_affine_false_fused_config_matches_reference(monkeypatch, rng, spy):
+    """weight=bias=None pass the cached ones and zeros (from CuPy's default pool) to the
+    fused calls; no parameter gradient comes back."""
+    k = Case(rng, (4, 5, 6, 8), "NHWC", "float16")
+    R, D = k.ref, k.dev
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedFallbackWarning)
+        with poison_outputs(monkeypatch):
+            y, saved = ops.batchnorm_forward_training(D["x"], None, None, D["rm"], D["rv"],
+                                                      "NHWC", 1e-5, 0.1, "relu", D["r"])
+            dx, dw, db, dr = ops.batchnorm_backward(D["dy"], D["x"], None, None, saved, "NHWC",
+                                                    1e-5, "relu", True)
+    assert saved.engine_state.fused and dw is None and db is None
+    assert spy == ["batchNormalizationForwardTrainingEx", "batchNormalizationBackwardEx"]
+    y_ref, s_ref = ops.batchnorm_forward_training(R["x"], None, None, R["rm"], R["rv"], "NHWC",
+                                                  1e-5, 0.1, "relu", R["r"])
+    ref = ops.batchnorm_backward(R["dy"], R["x"], None, None, s_ref, "NHWC", 1e-5, "relu", True)
+    assert_close(y, y_ref, "float16", "y")
+    assert_close(dx, ref[0], "float16", "dx")
+    assert_close(dr, ref[3], "float16", "dresidual")
+    assert_close(D["rm"], R["rm"], "float64", "running_mean", 1e-4)
+
+
+def test_captured_fused_step_replays_with_reference_numbers(rng, spy):
+    """The fused forward's reserve space and workspaces are allocated inside the capture
+    (its private pool) and the sizes were asked by the eager warm-up: replays with new
+    inputs give the reference's y, dx and dresidual."""
+    bn = cf.BatchNorm2d(8, activation="relu", layout="NHWC", dtype="float16", device="cuda")
+
+    def step(x, r, dy):
+        y = bn(x, residual=r)
+        dx, dres = bn.backward(dy)
+        return y, dx, dres
+
+    shape = (4, 5, 6, 8)
+    first = [rng.standard_normal(shape).astype(np.float16) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusedFallbackWarning)
+        captured = cf.graph.capture(step, *(cp.asarray(a) for a in first))
+        assert spy.count("batchNormalizationForwardTrainingEx") == 2  # warm-up + capture
+        for _ in range(2):
+            x, r, dy = (rng.standard_normal(shape).astype(np.float16) for _ in range(3))
+            y, dx, dres = captured(cp.asarray(x), cp.asarray(r), cp.asarray(dy))
+            captured.synchronize()
+            x64, r64, dy64 = (a.astype(np.float64) for a in (x, r, dy))
+            w64, b64 = np.ones(8), np.zeros(8)
+            y_ref, s_ref = ops.batchnorm_forward_training(x64, w64, b64, None, None, "NHWC",
+                                                          1e-5, 0.1, "relu", r64)
+            ref = ops.batchnorm_backward(dy64, x64, w64, b64, s_ref, "NHWC", 1e-5, "relu", True)
+            assert_close(y, y_ref, "float16", "replayed y")
+            assert_close(dx, ref[0], "float16", "replayed dx")
+            assert_close(dres, ref[3], "float16", "replayed dresidual")
+    assert spy.count("batchNormalizationForwardTrainingEx") == 2  # replays call no binding

@@ -40,10 +40,10 @@ def test_every_case_ran_for_every_supported_dtype(report):
     gpu = [c for c in report.checks if c.group == "gpu"]
     for name, _ in OP_CASES:
         assert sorted(c.dtype for c in gpu if c.name == name) == sorted(dtypes), name
-    for name in ("plan autotune", "captured training step"):
+    for name in ("plan autotune", "captured training step", "tiny ResNet training step"):
         assert [c.dtype for c in gpu if c.name == name] == ["float32"]
     for name in ("conv layers", "Linear layer", "pooling layers", "fused SGD", "fused Adam",
-                 "fused AdamW"):
+                 "fused AdamW", "batchnorm train/eval, fused/plain"):
         assert len([c for c in gpu if c.name == name]) == len(dtypes)
     assert all(c.error is not None and c.error <= c.tolerance for c in gpu)
 

@@ -147,7 +147,7 @@ def test_fused_forward_then_exact_plain_backward_half_nhwc(monkeypatch):
     fused = calls[0]["out"][4].fused  # the engine's EngineState of the forward
     xa, g = calls[0]["args"][0], calls[0]["args"][5]
     plan = get_batchnorm_plan(g, xa.dtype, "relu", True)
-    assert fused != (plan.fused_refusal is not None)  # fused, or cuDNN refused (recorded)
+    assert fused != plan.fell_back  # fused, or cuDNN refused / memory ran short (recorded)
     assert calls[1]["args"][4].engine_state is None  # the saved state crossed as tensors
     torch.testing.assert_close(y.double().cpu(), want[0][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(xx.grad.double().cpu(), want[0][1], rtol=5e-2, atol=5e-2)

@@ -75,6 +75,9 @@ def test_runs_on_a_non_default_torch_stream(monkeypatch, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     layer = ct.Conv2d(16, 32, 3, padding=1, activation="gelu").cuda().to(memory_format=fmt)
     stream = torch.cuda.Stream()
+    # The weights were written on the default stream (.cuda(), and the channels_last
+    # conversion is a kernel): the side stream must wait for them, as the caller would.
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         # A long producer on the side stream: a race with another stream would read a
         # half-written x.

@@ -19,6 +19,9 @@ addTensor(residual), the ReLU kernel; in backward the ReLU kernel's backward and
 BatchNormalizationBackward. A backward refused after a fused forward still has what the
 plain backward needs (the output y, the saved mean and inverse std), so it falls back
 within the same step. Any other error is raised with the plan's shapes.
+An out-of-memory for the fused calls' workspace or reserve space (CuPy's pool) takes the
+same plain path for this call (backward: within the step) and backs off before trying the
+fused calls again (Note [transient out-of-memory]); the plan's one warning covers it.
 
 Evaluation-mode backward (rare: frozen statistics) is computed with CuPy arithmetic,
 since cuDNN has no backward for inference; it is correct but not a tuned path.
@@ -35,6 +38,7 @@ from ... import activations
 from ...dtypes import compute_dtype
 from ...errors import CudnnError
 from ...plan.batchnorm import BatchNormGeometry, BatchNormPlan, get_batchnorm_plan
+from ...plan.capture import refuse_in_capture
 from ...plan.conv import FusedFallbackWarning
 from .. import elementwise
 from .conv import refused
@@ -54,12 +58,20 @@ class EngineState:
 
 def _ones_zeros(cp: Any, dtype: Any, channels: int) -> tuple[Any, Any]:  # pragma: gpu
     """cuDNN needs scale and bias pointers, so affine=False passes cached ones and zeros.
-    Taken with the raw allocator, as conv.zero_bias explains (they outlive any pool)."""
+
+    They outlive the call that creates them, so, like fused.zero_bias, they come from
+    CuPy's default pool, never the current allocator (a capture's private pool would free
+    them under the cache) nor the raw allocator (a cudaMalloc per cached pair, a
+    cudaFree that synchronises the device if ever released), and never inside a capture
+    (the fill would be recorded, not run).
+    """
     key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
     with _affine_lock:
         pair = _affine_defaults.get(key)
         if pair is None:
-            with cp.cuda.using_allocator():
+            refuse_in_capture(f"the cached batch-normalization ones and zeros ({channels} x "
+                              f"{cp.dtype(dtype).name})")
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
                 pair = _affine_defaults[key] = (cp.ones((channels,), dtype),
                                                 cp.zeros((channels,), dtype))
         return pair
@@ -71,6 +83,8 @@ def _ptr(a: Any) -> int:
 
 def _scale_shift(cp: Any, weight: Any, bias: Any, g: BatchNormGeometry,
                  cd: Any) -> tuple[Any, Any]:  # pragma: gpu
+    if weight is not None and bias is not None:  # affine: no cached buffer is needed
+        return weight, bias
     ones, zeros = _ones_zeros(cp, cd, g.channels)
     return (weight if weight is not None else ones), (bias if bias is not None else zeros)
 
@@ -80,6 +94,7 @@ def _where(plan: BatchNormPlan, what: str) -> str:
 
 
 def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None:
+    # stacklevel 5: _warn_fallback < _fused_forward/_training_backward < engine < ops < caller
     if plan.refuse_fused(refusal):
         warnings.warn(
             f"cuDNN refused the fused batch normalization ({stage}) with "
@@ -87,6 +102,31 @@ def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None
             "batch normalization plus convfuse's add and ReLU kernels instead. This path "
             "launches extra kernels; the plan remembers the refusal and does not try again.",
             FusedFallbackWarning, stacklevel=5)
+
+
+def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> None:
+    if plan.fused_out_of_memory():
+        warnings.warn(
+            f"the fused batch normalization's {stage} could not be allocated now "
+            f"({type(err).__name__}: {err}) for {plan.describe()}; running plain batch "
+            "normalization plus convfuse's add and ReLU kernels instead. The fused calls are "
+            "retried after a back-off, as memory may come back.",
+            FusedFallbackWarning, stacklevel=6)  # one frame more: _allocate
+
+
+def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]]) -> list[Workspace] | None:
+    """Workspace objects for `sizes` ((what, bytes)), or None after an out-of-memory
+    (recorded and warned once per plan)."""
+    import cupy as cp
+
+    out = []
+    for what, nbytes in sizes:
+        try:
+            out.append(Workspace(nbytes))
+        except cp.cuda.memory.OutOfMemoryError as err:
+            _warn_out_of_memory(plan, err, what)
+            return None
+    return out
 
 
 def _finish_forward(plan: BatchNormPlan, handle: Any, y: Any, residual: Any,
@@ -123,7 +163,7 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
     y = cp.empty(g.shape, dtype=x.dtype)
     mean = cp.empty((g.channels,), dtype=cd)
     invstd = cp.empty((g.channels,), dtype=cd)
-    if plan.tries_fused:
+    if not plan.fused_off():
         reserve = _fused_forward(plan, handle, x, scale, shift, running_mean, running_var, eps,
                                  factor, residual, y, mean, invstd)
         if reserve is not None:
@@ -140,12 +180,18 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
 def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: Any,
                    running_mean: Any, running_var: Any, eps: float, factor: float,
                    residual: Any, y: Any, mean: Any, invstd: Any) -> Any:  # pragma: gpu
-    """One ForwardTrainingEx; its reserve space, or None once cuDNN refused (warned)."""
+    """One ForwardTrainingEx; its reserve space, or None when the plain path must run
+    (cuDNN refused, or memory is short; recorded and warned once per plan). A refusal
+    returns before cuDNN writes anything, so y and the running statistics are untouched."""
     lib = plan.lib
     stage = "getBatchNormalization*Size"
     try:
         sizes = plan.sizes(handle)
-        ws, reserve = Workspace(sizes.forward_workspace), Workspace(sizes.reserve)
+        got = _allocate(plan, [("forward workspace", sizes.forward_workspace),
+                               ("reserve space", sizes.reserve)])
+        if got is None:
+            return None
+        ws, reserve = got
         stage = "batchNormalizationForwardTrainingEx"
         z_desc = plan.x_desc if residual is not None else None
         lib.batchNormalizationForwardTrainingEx(
@@ -154,12 +200,13 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: 
             scale.data.ptr, shift.data.ptr, factor, _ptr(running_mean), _ptr(running_var), eps,
             mean.data.ptr, invstd.data.ptr, plan.act_desc, ws.ptr, ws.size, reserve.ptr,
             reserve.size)
-        return reserve
     except CudnnError as err:
         if not refused(err, lib):
             raise err.with_context(_where(plan, stage)) from None
         _warn_fallback(plan, err.with_context(_where(plan, stage)), stage)
         return None
+    plan.fused_ran()
+    return reserve
 
 
 def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
@@ -218,21 +265,26 @@ def _training_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
     state = saved.engine_state
     if state is not None and state.fused and plan.fused_refusal is None:
         dres = cp.empty(g.shape, dtype=x.dtype) if residual else None
+        stage = "getBatchNormalizationBackwardExWorkspaceSize"
         try:
-            ws = Workspace(plan.sizes(handle).backward_workspace)
-            lib.batchNormalizationBackwardEx(
-                handle, plan.training_mode, plan.fused_ops, 1.0, 0.0, 1.0, pbeta, plan.x_desc,
-                x.data.ptr, plan.x_desc, saved.saved.data.ptr, plan.x_desc, dy.data.ptr,
-                plan.x_desc if residual else None, _ptr(dres), plan.x_desc, dx.data.ptr,
-                plan.bn_desc_training, scale.data.ptr, shift.data.ptr, dw.data.ptr, db.data.ptr,
-                eps, saved.mean.data.ptr, saved.invstd.data.ptr, plan.act_desc, ws.ptr, ws.size,
-                state.reserve.ptr, state.reserve.size)
-            return dx, dres
+            got = _allocate(plan, [("backward workspace",
+                                    plan.sizes(handle).backward_workspace)])
+            if got is not None:
+                ws, = got
+                stage = "batchNormalizationBackwardEx"
+                lib.batchNormalizationBackwardEx(
+                    handle, plan.training_mode, plan.fused_ops, 1.0, 0.0, 1.0, pbeta,
+                    plan.x_desc, x.data.ptr, plan.x_desc, saved.saved.data.ptr, plan.x_desc,
+                    dy.data.ptr, plan.x_desc if residual else None, _ptr(dres), plan.x_desc,
+                    dx.data.ptr, plan.bn_desc_training, scale.data.ptr, shift.data.ptr,
+                    dw.data.ptr, db.data.ptr, eps, saved.mean.data.ptr, saved.invstd.data.ptr,
+                    plan.act_desc, ws.ptr, ws.size, state.reserve.ptr, state.reserve.size)
+                return dx, dres
         except CudnnError as err:
-            where = _where(plan, "batchNormalizationBackwardEx")
+            where = _where(plan, stage)
             if not refused(err, lib):
                 raise err.with_context(where) from None
-            _warn_fallback(plan, err.with_context(where), "batchNormalizationBackwardEx")
+            _warn_fallback(plan, err.with_context(where), stage)
     dz = _activation_backward(dy, saved.saved, act)
     with context(lambda: _where(plan, "batchNormalizationBackward")):
         lib.batchNormalizationBackward(
