@@ -30,9 +30,11 @@ Where PyTorch's CPU engine gives a NaN, an inf or a 0, so does this engine, sile
   threshold_backward does (the GPU kernel in kernels/activation.cu does the same);
 - relu6 and elu do the same at a NaN y: relu6's gradient is 0 where y <= 0 or y >= 6 (so
   exactly 0 at z = 0, z = 6 and z = +-inf) and dy elsewhere; elu's is dy * (y + 1) where
-  y <= 0 and dy elsewhere. That is PyTorch's rule in its scalar CPU code, its CUDA kernels
-  and its float32 CPU engine; its float64 CPU engine (vectorised differently) gives 0 for
-  relu6 and NaN for elu there, and convfuse does not copy that dtype split;
+  y <= 0 and dy elsewhere. That is the rule PyTorch writes in its scalar CPU loop and its
+  CUDA kernels (hardtanh_backward, elu_backward). Its CPU SIMD loop gives 0 (relu6) and NaN
+  (elu) at a NaN instead, so torch's CPU answer there depends on whether the element falls
+  in a whole vector or the scalar tail; convfuse does not copy that position dependence.
+  Forward keeps -0.0, as torch does;
 - silu and gelu at -inf are NaN (-inf * 0), at +inf +inf, and their gradients at +-inf
   NaN, as in PyTorch; huge |z| overflows intermediate squares harmlessly. NumPy would warn
   (invalid value, overflow); those warnings are suppressed inside the functions that
