@@ -36,7 +36,7 @@ def normalize(activation: str | None) -> str:
     if key in _ALIASES:
         return _ALIASES[key]
     if key in ACTIVATIONS:
-        return key  # type: ignore[return-value]
+        return key
     raise ValueError(
         f"unknown activation {activation!r}: expected None or one of {', '.join(ACTIVATIONS)}"
     )

@@ -367,3 +367,97 @@ def test_half_conversions_are_the_ptx_instructions():
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     f16 = ptx.split(".entry act_forward_f16")[1].split(".entry")[0]
     assert "cvt.f32.f16" in f16 and "cvt.rn.f16.f32" in f16
+
+
+_ACT_HOST = r"""
+#include <cmath>
+#define __device__
+#define __forceinline__ inline
+static inline float m_exp(float x) { return std::exp(x); }
+static inline double m_exp(double x) { return std::exp(x); }
+using std::expm1; using std::tanh; using std::fabs; using std::erfc;
+BODY
+template <typename C>
+static void run(int act, int backward, const C* dy, const C* s, C* out, long n) {
+#define ONE(A) for (long i = 0; i < n; ++i) \
+        out[i] = backward ? act_backward<A, C>(dy[i], s[i]) : act_forward<A, C>(s[i]);
+    ACT_SWITCH(act, ONE)
+}
+extern "C" void run_f32(int act, int bwd, const float* dy, const float* s, float* o, long n) {
+    run<float>(act, bwd, dy, s, o, n);
+}
+extern "C" void run_f64(int act, int bwd, const double* dy, const double* s, double* o,
+                        long n) {
+    run<double>(act, bwd, dy, s, o, n);
+}
+"""
+
+
+@functools.cache
+def _host_activation_lib(tmp: str):
+    """activation.cu's act_forward / act_backward compiled for the host (g++), so their
+    per-element rules run here exactly as written for the GPU."""
+    import ctypes
+    import shutil
+    import subprocess
+    from importlib import resources
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = (resources.files(kernels.__name__) / "activation.cu").read_text()
+    defines = "\n".join(re.findall(r"^#define ACT_\w+ \d+$", src, re.M))
+    body = re.search(r"(// Explicit overloads so float math.*?\n}\n)\n__device__ __forceinline__"
+                     r" long long global_thread", src, re.S).group(1)
+    path = Path(tmp)
+    (path / "act.cpp").write_text(_ACT_HOST.replace("BODY", defines + "\n" + body))
+    lib_path = path / "libact.so"
+    # -fno-fast-math semantics (the default): NaN comparisons must stay IEEE, as on the GPU
+    proc = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib_path),
+                           str(path / "act.cpp")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return ctypes.CDLL(str(lib_path))
+
+
+def _run_host(lib, act, backward, dy, s):
+    import ctypes
+
+    out = np.empty_like(s)
+    fn = lib.run_f32 if s.dtype == np.float32 else lib.run_f64
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    fn(ctypes.c_int(elementwise.ACTIVATION_CODES[act]), ctypes.c_int(int(backward)), ptr(dy),
+       ptr(s), ptr(out), ctypes.c_long(s.size))
+    return out
+
+
+KERNEL_EDGE = [-np.inf, -1e30, -20.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 0.5, 3.0, 6.0,
+               6.0000005, 7.0, 1e30, np.inf, np.nan]
+
+
+@pytest.mark.parametrize("act", list(activations.ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernel_activation_rules_match_the_reference_on_the_host(act, dtype, tmp_path_factory):
+    """The kernels' per-element forward and backward agree with the NumPy engine at NaN,
+    +-inf, -0 and the kinks (0 and 6): the same NaNs, infinities and zeros, the same
+    values to within the two engines' rounding (the kernels use libm's erfc/expm1/tanh)."""
+    from convfuse.ops import reference as ref
+
+    lib = _host_activation_lib(str(tmp_path_factory.mktemp("act")))
+    z = np.array(KERNEL_EDGE, dtype)
+    y_ref = ref.activation_forward(z, act)
+    y = _run_host(lib, act, False, z, z)
+    saves = activations.saves(act)
+    saved = z if saves == "preactivation" else y_ref
+    dy = np.linspace(1.0, 2.0, z.size).astype(dtype)
+    dz_ref = ref.activation_backward(dy, None if saves == "none" else saved, act)
+    dz = _run_host(lib, act, True, dy, saved)
+    tol = 8 * np.finfo(dtype).eps
+    for got, want in ((y, y_ref), (dz, dz_ref)):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(got == 0, want == 0)
+        if act in ("relu6", "elu", "identity"):  # -0.0 stays -0.0, as in torch
+            np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=0, equal_nan=True)
+    if act in ("relu", "relu6", "elu"):  # Note [edge values]: a NaN y passes dy on
+        assert dz[-1] == dy[-1]

@@ -66,7 +66,7 @@ def nvrtc() -> ModuleType:
     try:
         from cupy_backends.cuda.libs import nvrtc as mod
     except ImportError:
-        from cupy.cuda import nvrtc as mod  # type: ignore[no-redef]
+        from cupy.cuda import nvrtc as mod
     return mod
 
 

@@ -111,9 +111,9 @@ __device__ __forceinline__ C act_backward(C dy, C s) {
     } else if (ACT == ACT_TANH) {
         return dy * (C(1) - s * s);
     } else if (ACT == ACT_ELU) {
-        return s > C(0) ? dy : dy * (s + C(1));  // y = exp(z) - 1 where z <= 0
+        return s <= C(0) ? dy * (s + C(1)) : dy;  // y = exp(z) - 1 where z <= 0; NaN y: dy
     } else if (ACT == ACT_RELU6) {
-        return (s > C(0) && s < C(6)) ? dy : C(0);  // y in (0, 6) exactly when z is
+        return (s <= C(0) || s >= C(6)) ? C(0) : dy;  // y in (0, 6) iff z is; NaN y: dy
     } else if (ACT == ACT_LEAKY_RELU) {
         return s > C(0) ? dy : C(0.01) * dy;
     } else if (ACT == ACT_SILU) {

@@ -23,7 +23,7 @@ from ..errors import DeviceMismatchError
 from ..nn.adaptive_pool import AdaptiveAvgPool2d
 from ..nn.batchnorm import BatchNorm2d
 from ..nn.container import Flatten, Sequential
-from ..nn.conv import Conv2d
+from ..nn.conv import Conv2d, _ConvNd
 from ..nn.fold import clone, fold_conv_bn, fold_layer, foldable
 from ..nn.linear import Linear
 from ..nn.module import Layer
@@ -83,6 +83,10 @@ class ResNet(Layer):
     (kaiming normal, fan_out, for convs; BatchNorm weight 1, bias 0; PyTorch's Linear).
     """
 
+    # _fold() swaps the stem for the fused conv and an Identity.
+    conv1: _ConvNd
+    bn1: BatchNorm2d | Identity
+
     def __init__(self, block_counts: Sequence[int], widths: Sequence[int] = (64, 128, 256, 512),
                  num_classes: int = 1000, in_channels: int = 3, stem: str = "imagenet",
                  layout: str = "NCHW", dtype: Any = "float32", device: str | None = None,
@@ -100,7 +104,7 @@ class ResNet(Layer):
         self.device = resolve_device(device)
         self.layout, self.stem, self.num_classes = layout, stem, num_classes
         rng = np.random.default_rng(seed)
-        kw = {"layout": layout, "dtype": self.dtype, "device": self.device}
+        kw: dict[str, Any] = {"layout": layout, "dtype": self.dtype, "device": self.device}
         if stem == "imagenet":
             self.conv1 = _conv(in_channels, widths[0], 7, 2, 3, layout, dtype, self.device, rng)
         else:
@@ -132,7 +136,7 @@ class ResNet(Layer):
         self.conv1.needs_input_grad = False
         self._ctx = None
 
-    @property  # type: ignore[override]
+    @property
     def needs_input_grad(self) -> bool:
         return self.conv1.needs_input_grad
 
@@ -179,7 +183,7 @@ class ResNet(Layer):
         """The evaluation ResNet with stem conv + bn1 and every block folded
         (convfuse.nn.fold_batchnorm); bn1 becomes an Identity."""
         new = clone(self)
-        if foldable(self.conv1, self.bn1):
+        if isinstance(self.bn1, BatchNorm2d) and foldable(self.conv1, self.bn1):
             new.conv1 = fold_conv_bn(self.conv1, self.bn1)
             new.bn1 = Identity()
         for name in self._stages:

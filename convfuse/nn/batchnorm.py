@@ -36,12 +36,19 @@ from ..errors import CaptureError
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
+from .parameter import Parameter
 
 
 class _BatchNorm(Layer):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
 
     _ndims: tuple[int, ...] = ()
+    weight: Parameter | None
+    bias: Parameter | None
+    # Buffers (register_buffer), arrays on the layer's device or None without running stats.
+    running_mean: Any
+    running_var: Any
+    num_batches_tracked: Any
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
@@ -91,7 +98,7 @@ class _BatchNorm(Layer):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.affine:
+        if self.weight is not None and self.bias is not None:  # affine
             self.weight.data[...] = 1
             self.bias.data[...] = 0
 

@@ -18,7 +18,7 @@ The input model is never modified; the result shares no array with it.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,8 @@ from .conv import _ConvNd
 from .module import Layer
 from .parameter import Parameter
 from .simple import Activation, ReLU
+
+L = TypeVar("L", bound=Layer)
 
 
 def fold_batchnorm(model: Layer) -> Layer:
@@ -113,7 +115,7 @@ def fold_conv_bn(conv: _ConvNd, bn: _BatchNorm) -> _ConvNd:
     mean = bn.running_mean.astype(acc)
     scale = 1.0 / xp.sqrt(var + bn.eps)
     shift = xp.zeros_like(mean)
-    if bn.weight is not None:
+    if bn.weight is not None and bn.bias is not None:  # affine
         scale = scale * bn.weight.data.astype(acc)
         shift = bn.bias.data.astype(acc)
     w = conv.weight.data.astype(acc)
@@ -130,7 +132,7 @@ def fold_conv_bn(conv: _ConvNd, bn: _BatchNorm) -> _ConvNd:
     return new
 
 
-def clone(layer: Layer) -> Layer:
+def clone(layer: L) -> L:
     """A deep copy sharing nothing with `layer`, without the forward contexts it may hold
     (those are the last step's activations, not state, and may be large)."""
     memo: dict[int, Any] = {}

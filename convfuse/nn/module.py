@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from ..errors import (
 )
 from ..ops._checks import overlaps
 from .parameter import Parameter
+
+# The methods that return self give back the caller's own class (typing.Self is 3.11+).
+_L = TypeVar("_L", bound="Layer")
 
 #: The errors a layer re-raises under its own name (`Conv2d: ...`), same type, same text.
 USER_ERRORS = (TypeError, ValueError, ConvfuseError)
@@ -199,7 +202,7 @@ class Layer:
     def buffers(self, recurse: bool = True) -> list[Any]:
         return [b for _, b in self.named_buffers(recurse=recurse)]
 
-    def apply(self, fn: Callable[[Layer], None]) -> Layer:
+    def apply(self: _L, fn: Callable[[Layer], None]) -> _L:
         """Call fn on every child (recursively), then on self, as PyTorch; returns self."""
         for child in self.children():
             child.apply(fn)
@@ -207,7 +210,7 @@ class Layer:
         return self
 
     # -- modes and devices -------------------------------------------------------------------
-    def train(self, mode: bool = True) -> Layer:
+    def train(self: _L, mode: bool = True) -> _L:
         """Set training mode on self and every descendant; returns self."""
         if not isinstance(mode, (bool, np.bool_)):
             raise TypeError(f"{type(self).__name__}.train: mode must be a bool, got {mode!r}")
@@ -215,14 +218,14 @@ class Layer:
             mod.training = bool(mode)
         return self
 
-    def eval(self) -> Layer:
+    def eval(self: _L) -> _L:
         return self.train(False)
 
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.zero_grad()
 
-    def to(self, device: str) -> Layer:
+    def to(self: _L, device: str) -> _L:
         """Move parameters (with their gradients) and buffers of self and every descendant to
         'cuda' or 'cpu'; returns self. Build optimizers after moving, as in PyTorch."""
         try:
@@ -242,10 +245,10 @@ class Layer:
         self.device = target
         self._ctx = None
 
-    def cuda(self) -> Layer:
+    def cuda(self: _L) -> _L:
         return self.to("cuda")
 
-    def cpu(self) -> Layer:
+    def cpu(self: _L) -> _L:
         return self.to("cpu")
 
     # -- state_dict hooks: a layer whose storage layout differs from PyTorch's overrides these

@@ -7,7 +7,7 @@ the kernel, as PyTorch) and clears the per-shape geometry cache, so the next cal
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,6 +19,8 @@ from ..geometry import IntOrTuple, parse_layout
 from ..pool_geometry import PoolGeometry
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, renamed
+
+_P = TypeVar("_P", bound="_Pool2d")
 
 
 class _Pool2d(Layer):
@@ -76,7 +78,7 @@ class _Pool2d(Layer):
     padding = property(lambda self: self._padding, lambda self, v: self._assign("padding", v))
     layout = property(lambda self: self._layout, lambda self, v: self._assign("layout", v))
 
-    def to(self, device: str) -> _Pool2d:
+    def to(self: _P, device: str) -> _P:
         super().to(device)
         return self
 

@@ -9,7 +9,7 @@ shortcut's output to the body's last layer, whose activation is the block's. Bac
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 from .. import activations
 from ..backend import device_of
@@ -21,7 +21,7 @@ from .fold import fold_chain, fold_layer
 from .module import Layer
 
 
-def fused_tail(layer: Layer, owner: str) -> Layer:
+def fused_tail(layer: Layer, owner: str) -> _ConvNd | _BatchNorm:
     """The layer that will receive `residual=` when `layer` is called with one: `layer`
     itself for a Conv or BatchNorm, the last layer of a (nested) Sequential. TypeError,
     naming `owner`, for anything that cannot take a residual."""
@@ -41,7 +41,7 @@ def fused_tail(layer: Layer, owner: str) -> Layer:
     return tail
 
 
-def takes_residual(layer: Layer) -> bool:
+def takes_residual(layer: Layer) -> TypeGuard[_ConvNd | _BatchNorm]:
     """Conv and BatchNorm layers add a residual and activate in their own pass."""
     return isinstance(layer, (_ConvNd, _BatchNorm))
 
@@ -73,7 +73,7 @@ class ResidualBase(Layer):
     def _shortcut(self) -> Layer | None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    @property  # type: ignore[override]
+    @property
     def needs_input_grad(self) -> bool:
         return self.__dict__.get("_needs_input_grad", True)
 
@@ -182,10 +182,11 @@ class Residual(ResidualBase):
                 f"activation {tail.activation!r} before the add; build it with "
                 "activation=None and give the block's activation to Residual(activation=...)"
             )
-        if getattr(tail, "residual_scale", 1.0) != 1.0:
+        scale = getattr(tail, "residual_scale", 1.0)  # a BatchNorm has none
+        if scale != 1.0:
             raise ValueError(f"Residual: the body's last layer has residual_scale "
-                             f"{tail.residual_scale}; the block adds the shortcut with scale 1")
-        devices = {getattr(m, "device", None) for m in (body, shortcut) if m is not None}
+                             f"{scale}; the block adds the shortcut with scale 1")
+        devices: set[Any] = {getattr(m, "device", None) for m in (body, shortcut) if m is not None}
         devices.discard(None)
         if len(devices) > 1:
             raise DeviceMismatchError(

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import kernels
 from ..activations import normalize
-from ..backend import array_module, cupy_module
+from ..backend import array_module
 from ..dtypes import canonical, compute_dtype
 from ..errors import DeviceMismatchError
 from ..geometry import ConvGeometry
@@ -250,7 +250,9 @@ def activation_backward_bias(
 
 @functools.cache
 def _sm_count(device_id: int) -> int:  # pragma: gpu
-    runtime = cupy_module().cuda.runtime
+    import cupy
+
+    runtime = cupy.cuda.runtime
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
@@ -292,7 +294,8 @@ def _launch_bias_act(y: Any, bias: Any, res: Any, scale: float, code: int,
 
 def _launch_bias(dy: Any, saved: Any, code: int, geom: ConvGeometry, dz_out: Any, db_out: Any,
                  beta: float) -> None:  # pragma: gpu
-    cp = cupy_module()
+    import cupy as cp
+
     device = _device_of_all(dy, saved, dz_out, db_out)
     with device:
         plan = plan_bias_grad(geom.output_shape, geom.channels_last, _sm_count(device.id))

@@ -313,8 +313,9 @@ class ConvPlan:
                 perfs = algos.heuristic_perfs(lib, handle, self, direction)
         except CudnnError as err:
             raise err.with_context(f"choosing the {slot} algorithm for {self.describe()}") from None
-        rules = dict(deterministic=key.deterministic, workspace_limit=key.workspace_limit,
-                     fma_only=key.math_type == "CUDNN_FMA_MATH")
+        rules: dict[str, Any] = dict(deterministic=key.deterministic,
+                                     workspace_limit=key.workspace_limit,
+                                     fma_only=key.math_type == "CUDNN_FMA_MATH")
         cands = algos.usable_candidates(perfs, lib, **rules)
         if not cands:
             raise algos.NoAlgorithmError(

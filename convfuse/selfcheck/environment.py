@@ -37,7 +37,8 @@ def runtime_version() -> int:
 
 
 def gpu_description() -> str:  # pragma: gpu
-    cp = cupy_module()
+    import cupy as cp
+
     count = cp.cuda.runtime.getDeviceCount()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)

@@ -36,11 +36,12 @@ def conv_bias_act_case(act: str, dtype: str) -> Outcome:  # pragma: gpu
                                    (geom.out_channels,), geom.output_shape)
         bias = b if i % 2 == 0 else None
         residual = res if i % 2 == 1 else None
-        y, z = ops.conv_bias_act(*dev(cp, x, w, bias), geom, act,
-                                 residual=None if residual is None else cp.asarray(residual),
-                                 residual_scale=0.5)
-        y_ref, z_ref = ops.conv_bias_act(*f64(x, w, bias), geom, act,
-                                         residual=f64(residual)[0], residual_scale=0.5)
+        # Unpacked by name: a starred list could reach residual= as far as mypy can tell.
+        xd, wd, bd, rd = dev(cp, x, w, bias, residual)
+        y, z = ops.conv_bias_act(xd, wd, bd, geom, act, residual=rd, residual_scale=0.5)
+        x64, w64, b64, r64 = f64(x, w, bias, residual)
+        y_ref, z_ref = ops.conv_bias_act(x64, w64, b64, geom, act, residual=r64,
+                                         residual_scale=0.5)
         worst.compare(host(y), y_ref, f"{act} y, {geom.describe()}")
         if z_ref is not None:
             worst.compare(host(z), z_ref, f"{act} z, {geom.describe()}")
@@ -130,7 +131,7 @@ def pooling_case(dtype: str) -> Outcome:  # pragma: gpu
         worst.compare(host(y), y_ref, f"pool_forward {pgeom.describe()}")
         (dy,) = host_inputs(rng, dtype, y_ref.shape)
         dx = ops.pool_backward(cp.asarray(dy), cp.asarray(x), y, pgeom)
-        worst.compare(host(dx), ops.pool_backward(*f64(dy, x), y_ref, pgeom),
+        worst.compare(host(dx), ops.pool_backward(f64(dy)[0], f64(x)[0], y_ref, pgeom),
                       f"pool_backward {pgeom.describe()}")
     return worst.outcome(f"{worst.count} results, max and average, both layouts")
 

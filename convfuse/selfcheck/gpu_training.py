@@ -92,7 +92,7 @@ def pool_layers_case(dtype: str) -> Outcome:  # pragma: gpu
         (dy,) = host_inputs(rng, dtype, y_ref.shape)
         dx = layer.backward(cp.asarray(dy))
         worst.compare(host(y), y_ref, f"{cls} y")
-        worst.compare(host(dx), ops.pool_backward(*f64(dy, x), y_ref, pgeom), f"{cls} dx")
+        worst.compare(host(dx), ops.pool_backward(f64(dy)[0], f64(x)[0], y_ref, pgeom), f"{cls} dx")
     return worst.outcome("MaxPool2d (NCHW) and AvgPool2d (NHWC), kernel 3, stride 2, pad 1")
 
 
@@ -107,6 +107,7 @@ def linear_layer_case(dtype: str) -> Outcome:  # pragma: gpu
     worst = Worst(tolerance(dtype))
     layer = convfuse.Linear(12, 5, activation="gelu", dtype=dtype, device="cpu",
                             seed=0).to("cuda")
+    assert layer.bias is not None  # built with the default bias=True
     x, dy = host_inputs(rng, dtype, (4, 12), (4, 5))
     x64, dy64 = f64(x, dy)
     w64, b64 = host(layer.weight.data), host(layer.bias.data)

@@ -213,6 +213,7 @@ def conv_layer_on_cpu() -> Outcome:
     rng = np.random.default_rng(5)
     layer = convfuse.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, dtype="float64",
                             device="cpu", seed=0)
+    assert layer.bias is not None  # built with the default bias=True
     geom = ConvGeometry.create((2, 4, 6, 5), layer.weight.shape, 2, 1, 1, 2, "NCHW")
     x = rng.standard_normal(geom.input_shape)
     w, b = layer.weight.data.copy(), layer.bias.data.copy()

@@ -67,7 +67,8 @@ def _layout(cl: bool) -> str:
     return "NHWC" if cl else "NCHW"
 
 
-def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     yt = logical(to_tensor(y), cl)
     mean, invstd = to_tensor(saved.mean), to_tensor(saved.invstd)
     # Outputs may not alias each other: y is handed to the backward by the autograd
@@ -102,11 +103,12 @@ def batchnorm_training(
     with engine_context(x.device):
         y, saved = ops.batchnorm_forward_training(
             to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
-            *(None if s is None else to_array(s) for s in stats), _layout(cl), eps, factor,
+            None if stats[0] is None else to_array(stats[0]),
+            None if stats[1] is None else to_array(stats[1]), _layout(cl), eps, factor,
             activation, None if residual is None else to_array(physical(residual, cl)))
         out = _result(y, saved, cl, x)
     for target, s in zip((running_mean, running_var), stats):
-        if target is not None and s is not target:
+        if target is not None and s is not None and s is not target:
             target.copy_(s)
     return out
 
@@ -162,10 +164,9 @@ def batchnorm_backward(
     cl = is_channels_last(x)
     cd = _compute_dtype(x)
     xp = physical(x, cl)
-    affine = weight is not None
-    # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad.
-    dw = torch.empty(weight.shape, dtype=cd, device=x.device) if affine else None
-    db = torch.empty(weight.shape, dtype=cd, device=x.device) if affine else None
+    # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad (affine only).
+    dw = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
+    db = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
     with engine_context(x.device):
         state = ops.BatchNormSaved(
             to_array(mean), to_array(invstd),
@@ -177,8 +178,8 @@ def batchnorm_backward(
         empty = dy.new_empty(0)
         return (
             logical(to_tensor(dx), cl) if dx is not None else empty,
-            dw.to(weight.dtype) if affine else empty.clone(),
-            db.to(weight.dtype) if affine else empty.clone(),
+            dw.to(weight.dtype) if dw is not None and weight is not None else empty.clone(),
+            db.to(weight.dtype) if db is not None and weight is not None else empty.clone(),
             logical(to_tensor(dres), cl) if dres is not None else empty.clone(),
         )
 

@@ -123,9 +123,9 @@ def conv_bias_act_backward(
             dz, _ = ops.activation_backward_bias(dya, sa, act, geom, db_out=db_a)
         else:
             dz = ops.activation_backward(dya, sa, act)
-        if need_dw:
+        if dw_t is not None:  # need_dw
             ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
-        if need_dx:
+        if dx_t is not None:  # need_dx
             ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)

@@ -30,6 +30,10 @@ class _BatchNormNd(nn.Module):
 
     _version = 2  # torch.nn's: version 2 added num_batches_tracked
     _ndims: tuple[int, ...] = ()
+    # Buffers (None without running stats); nn.Module's __getattr__ would type them Tensor | Module.
+    running_mean: Any
+    running_var: Any
+    num_batches_tracked: Any
 
     def __init__(
         self,

@@ -139,7 +139,7 @@ def convert(model: nn.Module) -> nn.Module:
 
 def _convert_children(parent: nn.Module) -> None:
     names = [n for n, m in parent._modules.items() if m is not None]
-    children = [parent._modules[n] for n in names]
+    children = [m for m in parent._modules.values() if m is not None]  # names' order
     i = 0
     while i < len(children):
         match = _match(children, i) if isinstance(parent, nn.Sequential) else None

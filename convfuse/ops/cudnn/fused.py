@@ -173,7 +173,12 @@ def _time_forward_paths(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, res
     if fused_ms is None:  # the fused call fell back: the plan recorded why
         _unfused_forward(*args)
         return
-    unfused_ms = elapsed(lambda *a: _unfused_forward(*a) or True)
+    def unfused(*a: Any) -> bool:
+        _unfused_forward(*a)
+        return True  # the unfused path has no refusal to fall back from
+
+    unfused_ms = elapsed(unfused)
+    assert unfused_ms is not None  # elapsed gives None only for a refused first run
     path = "fused" if fused_ms <= unfused_ms else "unfused"
     plan.set_forward_path(ForwardPath(path, "timed", fused_ms, unfused_ms))
     if path == "fused":  # y last held the unfused result; equal up to rounding, but keep

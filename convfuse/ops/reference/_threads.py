@@ -90,8 +90,8 @@ def parallel_for(n: int, elements: int, fn: Callable[[int, int], None]) -> None:
     except BaseException as exc:  # wait for the others before raising
         first_error = exc
     for f in futures:
-        exc = f.exception()
-        if exc is not None and first_error is None:
-            first_error = exc
+        err = f.exception()
+        if err is not None and first_error is None:
+            first_error = err
     if first_error is not None:
         raise first_error

@@ -28,6 +28,13 @@ Where PyTorch's CPU engine gives a NaN, an inf or a 0, so does this engine, sile
 - relu's gradient is 0 where the saved output y <= 0 and dy elsewhere, so a NaN
   pre-activation (which relu passes on as y = NaN) passes dy on, as torch's
   threshold_backward does (the GPU kernel in kernels/activation.cu does the same);
+- relu6 and elu do the same at a NaN y: relu6's gradient is 0 where y <= 0 or y >= 6 (so
+  exactly 0 at z = 0, z = 6 and z = +-inf) and dy elsewhere; elu's is dy * (y + 1) where
+  y <= 0 and dy elsewhere. That is the rule PyTorch writes in its scalar CPU loop and its
+  CUDA kernels (hardtanh_backward, elu_backward). Its CPU SIMD loop gives 0 (relu6) and NaN
+  (elu) at a NaN instead, so torch's CPU answer there depends on whether the element falls
+  in a whole vector or the scalar tail; convfuse does not copy that position dependence.
+  Forward keeps -0.0, as torch does;
 - silu and gelu at -inf are NaN (-inf * 0), at +inf +inf, and their gradients at +-inf
   NaN, as in PyTorch; huge |z| overflows intermediate squares harmlessly. NumPy would warn
   (invalid value, overflow); those warnings are suppressed inside the functions that
@@ -176,7 +183,9 @@ def _gelu_cdf(z: np.ndarray) -> np.ndarray:
 
 
 def _elu(z: np.ndarray) -> np.ndarray:
-    return np.where(z > 0, z, acts.ELU_ALPHA * np.expm1(np.minimum(z, 0)))
+    # minimum(0, z), not minimum(z, 0): NumPy returns the second of two equal arguments,
+    # so -0.0 stays -0.0 as in torch (elu and relu6 below; tests check the sign).
+    return np.where(z > 0, z, acts.ELU_ALPHA * np.expm1(np.minimum(0, z)))
 
 
 def _quiet(fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
@@ -206,7 +215,7 @@ _FORWARD: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "sigmoid": _sigmoid,
     "tanh": np.tanh,
     "elu": _elu,
-    "relu6": lambda z: np.minimum(np.maximum(z, 0), acts.RELU6_CAP),
+    "relu6": lambda z: np.minimum(np.maximum(0, z), acts.RELU6_CAP),
     "leaky_relu": lambda z: np.where(z > 0, z, z * acts.LEAKY_RELU_SLOPE),
     "silu": _silu,
     "gelu": _gelu,
@@ -241,8 +250,9 @@ _BACKWARD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relu": _relu_grad,
     "sigmoid": lambda dy, y: dy * (1 - y) * y,
     "tanh": lambda dy, y: dy * (1 - y * y),
-    "elu": lambda dy, y: np.where(y > 0, dy, dy * (y + acts.ELU_ALPHA)),
-    "relu6": lambda dy, y: np.where((y > 0) & (y < acts.RELU6_CAP), dy, 0),
+    # Both test for the zero-gradient side, so a NaN y passes dy on (Note [edge values]).
+    "elu": lambda dy, y: np.where(y <= 0, dy * (y + acts.ELU_ALPHA), dy),
+    "relu6": lambda dy, y: np.where((y <= 0) | (y >= acts.RELU6_CAP), 0, dy),
     "leaky_relu": lambda dy, y: np.where(y > 0, dy, dy * acts.LEAKY_RELU_SLOPE),
     "silu": _silu_grad,
     "gelu": _gelu_grad,
