@@ -13,12 +13,27 @@ data in the order the GEMM wants and results back in the caller's layout):
   added into the strided positions of a zero padded dx, which is then cropped;
 - backward filter: dw[g] = dz[g] @ cols[g]^T.
 Cross-correlation, as in PyTorch and cuDNN's CUDNN_CROSS_CORRELATION.
+
+Note [kept columns]
+The filter gradient needs the forward's columns again. `convfuse.functional` asks for them
+with `keep_columns()` around the forward and hands them back with `given_columns()` around
+the filter gradient, which uses them only for the very array (`is`) and geometry they were
+built from; otherwise it builds its own, so every op stays stateless. Kept columns are x
+as the forward read it: dw is the gradient of the forward that ran. They cost
+prod(kernel) times x's size, so all kept columns alive together are capped at
+KEEP_COLUMNS_BYTES (a layer keeps its context until backward, also in inference): past the
+cap the backward rebuilds them, as it always did.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,25 +80,125 @@ def _grouped(a: np.ndarray, groups: int) -> np.ndarray:
     return a.transpose(1, 2, 0, *range(3, a.ndim))
 
 
+def _valid_range(offset: int, dilation: int, stride: int, pad: int, size: int, out: int
+                 ) -> tuple[int, int, int]:
+    """Along one axis, at one kernel offset: the outputs [lo, hi) whose input position
+    offset * dilation + stride * o - pad falls inside the input, and that first position."""
+    first = offset * dilation - pad
+    lo = min(out, max(0, -(first // stride)))  # ceil(-first / stride), clipped to [0, out]
+    hi = max(lo, min(out, (size - 1 - first) // stride + 1))
+    return lo, hi, first + stride * lo
+
+
 def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
     """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
 
-    Built per batch chunk on the engine's threads (Note [threads]): each chunk pads its
-    samples and copies them into its own N-slice of every offset's block.
+    Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
+    each offset's block gets the input positions it reads copied in, and only the outputs
+    that read padding are zeroed.
     """
     g, c = geom.groups, geom.in_channels
     xc = _channels_first(x, geom.channels_last)
-    slices = _offset_slices(geom)
-    cols = np.empty((g, c // g, len(slices), geom.batch, *geom.output_spatial), cd)
-    pads = [(0, 0), (0, 0), *((p, p) for p in geom.padding)]
+    offsets = list(itertools.product(*(range(k) for k in geom.kernel_size)))
+    cols = np.empty((g, c // g, len(offsets), geom.batch, *geom.output_spatial), cd)
+    plans = []
+    for offset in offsets:
+        ranges = [_valid_range(*a) for a in zip(offset, geom.dilation, geom.stride,
+                                                 geom.padding, geom.input_shape_cf[2:],
+                                                 geom.output_spatial, strict=True)]
+        dst = tuple(slice(lo, hi) for lo, hi, _ in ranges)
+        src = tuple(slice(first, first + s * (hi - lo - 1) + 1, s) if hi > lo else slice(0, 0)
+                    for (lo, hi, first), s in zip(ranges, geom.stride, strict=True))
+        # the parts of the output grid that read padding: a slab per axis and side
+        zero = []
+        for axis, (lo, hi, _) in enumerate(ranges):
+            for part in (slice(0, lo), slice(hi, None)):
+                if part.stop != part.start:
+                    zero.append((*dst[:axis], part))
+        plans.append((dst, src, zero))
 
     def run(lo: int, hi: int) -> None:
-        xs = np.pad(xc[lo:hi], pads) if any(geom.padding) else xc[lo:hi]
-        for j, where in enumerate(slices):
-            cols[:, :, j, lo:hi] = _grouped(xs[(slice(None), slice(None), *where)], g)
+        for j, (dst, src, zero) in enumerate(plans):
+            block = cols[:, :, j, lo:hi]  # (G, C/G, n, *out)
+            for where in zero:
+                block[(slice(None),) * 3 + where] = 0
+            block[(slice(None),) * 3 + dst] = _grouped(xc[(slice(lo, hi), slice(None), *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(slices), -1)
+    return cols.reshape(g, (c // g) * len(offsets), -1)
+
+
+KEEP_COLUMNS_BYTES = 256 << 20
+_local = threading.local()
+_kept_lock = threading.Lock()
+_kept_bytes = 0
+
+
+@dataclass
+class KeptColumns:
+    """Columns built by a forward, for the filter gradient (Note [kept columns])."""
+
+    x: Any
+    geom: ConvGeometry | None = None
+    cols: np.ndarray | None = None
+
+
+def kept_bytes() -> int:
+    """Bytes of kept columns alive now."""
+    return _kept_bytes
+
+
+def _release(nbytes: int) -> None:
+    global _kept_bytes
+    with _kept_lock:
+        _kept_bytes -= nbytes
+
+
+def _reserve(nbytes: int) -> bool:
+    global _kept_bytes
+    with _kept_lock:
+        if _kept_bytes + nbytes > KEEP_COLUMNS_BYTES:
+            return False
+        _kept_bytes += nbytes
+        return True
+
+
+@contextmanager
+def keep_columns(x: Any) -> Iterator[KeptColumns]:
+    """Within the block, a forward on `x` leaves its columns in the yielded box (when the
+    cap allows; else box.cols stays None)."""
+    box = KeptColumns(x)
+    _local.keep = box
+    try:
+        yield box
+    finally:
+        _local.keep = None
+
+
+@contextmanager
+def given_columns(kept: KeptColumns | None) -> Iterator[None]:
+    """Within the block, a filter gradient on kept.x and kept.geom uses kept.cols."""
+    _local.given = kept
+    try:
+        yield
+    finally:
+        _local.given = None
+
+
+def _keep(x: np.ndarray, geom: ConvGeometry, cols: np.ndarray) -> None:
+    box = getattr(_local, "keep", None)
+    if box is None or box.x is not x or box.cols is not None or not _reserve(cols.nbytes):
+        return
+    weakref.finalize(cols, _release, cols.nbytes)
+    box.geom, box.cols = geom, cols
+
+
+def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray | None:
+    kept = getattr(_local, "given", None)
+    if (kept is None or kept.x is not x or kept.cols is None or kept.geom != geom
+            or kept.cols.dtype != cd):
+        return None
+    return kept.cols
 
 
 def _weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
@@ -128,7 +243,9 @@ def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
 
 
 def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    return np.matmul(_weight_matrix(w, geom, cd), _columns(x, geom, cd))
+    cols = _columns(x, geom, cd)
+    _keep(x, geom, cols)
+    return np.matmul(_weight_matrix(w, geom, cd), cols)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -213,7 +330,9 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
                          out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
-    cols = _columns(x, geom, cd)
+    cols = _given(x, geom, cd)
+    if cols is None:
+        cols = _columns(x, geom, cd)
     dw = np.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
