@@ -245,7 +245,7 @@ def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
 def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
     cols = _columns(x, geom, cd)
     _keep(x, geom, cols)
-    return np.matmul(_weight_matrix(w, geom, cd), cols)
+    return _threads.matmul(_weight_matrix(w, geom, cd), cols)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -294,13 +294,47 @@ def conv_bias_act(
     return y, z_out
 
 
+def _transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
+    """For stride 1, dx is a plain convolution of dz with the flipped, transposed filter,
+    padded by dilation * (kernel - 1) - padding; that geometry, or None when it is not one
+    (a stride, or padding past dilation * (kernel - 1))."""
+    if any(s != 1 for s in geom.stride) or any(
+            not 0 <= p <= d * (k - 1)
+            for p, d, k in zip(geom.padding, geom.dilation, geom.kernel_size, strict=True)):
+        return None
+    c, kg = geom.in_channels, geom.out_channels // geom.groups
+    w_shape = (c, *geom.kernel_size, kg) if geom.channels_last else (c, kg, *geom.kernel_size)
+    pad = tuple(d * (k - 1) - p
+                for p, d, k in zip(geom.padding, geom.dilation, geom.kernel_size, strict=True))
+    return ConvGeometry.create(geom.output_shape, w_shape, 1, pad, geom.dilation, geom.groups,
+                               geom.layout)
+
+
+def _flipped_weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+    """w[g] transposed to (C/G, K/G) and flipped in space, as (G, C/G, K/G*prod(kernel))."""
+    g, rank = geom.groups, geom.rank
+    wc = _channels_first(w, geom.channels_last)  # (K, C/G, *k)
+    wc = wc.reshape(g, geom.out_channels // g, geom.in_channels // g, *geom.kernel_size)
+    wc = wc.swapaxes(1, 2)[(Ellipsis, *[slice(None, None, -1)] * rank)]
+    return _cast_copy(wc, cd).reshape(g, geom.in_channels // g, -1)
+
+
 def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
                        out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
-    """dx = conv^T(dz, w), shaped like the input; `out`/`beta` as cuDNN's beta."""
+    """dx = conv^T(dz, w), shaped like the input; `out`/`beta` as cuDNN's beta.
+
+    With stride 1 it is a convolution of dz (one im2col, one GEMM, one output pass);
+    otherwise dcols = w^T dz is scattered back by col2im.
+    """
     g = geom.groups
     cd = compute_dtype(dz.dtype)
+    tgeom = _transposed_geometry(geom)
+    if tgeom is not None:
+        dxm = _threads.matmul(_flipped_weight_matrix(w, geom, cd), _columns(dz, tgeom, cd))
+        dtype = dz.dtype if out is None else cd
+        return finish(_finish_output(dxm, tgeom, dtype), dz.dtype, out, beta)
     wm = _weight_matrix(w, geom, cd)
-    dcols = np.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
+    dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
     slices = _offset_slices(geom)
     c = geom.in_channels
     dcols = dcols.reshape(g, c // g, len(slices), geom.batch, *geom.output_spatial)
@@ -333,7 +367,7 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
     cols = _given(x, geom, cd)
     if cols is None:
         cols = _columns(x, geom, cd)
-    dw = np.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
+    dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
         dw = np.moveaxis(dw, 1, -1)
