@@ -101,7 +101,8 @@ def parallel_for(n: int, elements: int, fn: Callable[[int, int], None]) -> None:
     caller's thread runs the first chunk; an exception in any chunk is re-raised here after
     every chunk has finished, so no thread is still writing when the caller sees it.
     """
-    threads = min(num_threads(), n, max(1, elements // MIN_ELEMENTS))
+    most = min(n, elements // MIN_ELEMENTS)
+    threads = min(num_threads(), most) if most > 1 else 1  # small passes skip the env read
     if threads <= 1:
         fn(0, n)
         return

@@ -27,6 +27,7 @@ cap the backward rebuilds them, as it always did.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -90,19 +91,11 @@ def _valid_range(offset: int, dilation: int, stride: int, pad: int, size: int, o
     return lo, hi, first + stride * lo
 
 
-def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
-
-    Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
-    each offset's block gets the input positions it reads copied in, and only the outputs
-    that read padding are zeroed.
-    """
-    g, c = geom.groups, geom.in_channels
-    xc = _channels_first(x, geom.channels_last)
-    offsets = list(itertools.product(*(range(k) for k in geom.kernel_size)))
-    cols = np.empty((g, c // g, len(offsets), geom.batch, *geom.output_spatial), cd)
+@functools.lru_cache(maxsize=512)
+def _column_plan(geom: ConvGeometry) -> tuple[tuple[Any, Any, list[Any]], ...]:
+    """Per kernel offset: (output region, input slices, zeroed slabs) for `_columns`."""
     plans = []
-    for offset in offsets:
+    for offset in itertools.product(*(range(k) for k in geom.kernel_size)):
         ranges = [_valid_range(*a) for a in zip(offset, geom.dilation, geom.stride,
                                                  geom.padding, geom.input_shape_cf[2:],
                                                  geom.output_spatial, strict=True)]
@@ -114,18 +107,33 @@ def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
         for axis, (lo, hi, _) in enumerate(ranges):
             for part in (slice(0, lo), slice(hi, None)):
                 if part.stop != part.start:
-                    zero.append((*dst[:axis], part))
-        plans.append((dst, src, zero))
+                    zero.append((slice(None),) * 3 + (*dst[:axis], part))
+        plans.append(((slice(None),) * 3 + dst, (slice(None), *src), zero))
+    return tuple(plans)
+
+
+def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
+
+    Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
+    each offset's block gets the input positions it reads copied in, and only the outputs
+    that read padding are zeroed.
+    """
+    g, c = geom.groups, geom.in_channels
+    xc = _channels_first(x, geom.channels_last)
+    plans = _column_plan(geom)
+    cols = np.empty((g, c // g, len(plans), geom.batch, *geom.output_spatial), cd)
 
     def run(lo: int, hi: int) -> None:
+        rows = slice(lo, hi)
         for j, (dst, src, zero) in enumerate(plans):
-            block = cols[:, :, j, lo:hi]  # (G, C/G, n, *out)
+            block = cols[:, :, j, rows]  # (G, C/G, n, *out)
             for where in zero:
-                block[(slice(None),) * 3 + where] = 0
-            block[(slice(None),) * 3 + dst] = _grouped(xc[(slice(lo, hi), slice(None), *src)], g)
+                block[where] = 0
+            block[dst] = _grouped(xc[(rows, *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(offsets), -1)
+    return cols.reshape(g, (c // g) * len(plans), -1)
 
 
 KEEP_COLUMNS_BYTES = 256 << 20
@@ -294,6 +302,7 @@ def conv_bias_act(
     return y, z_out
 
 
+@functools.lru_cache(maxsize=512)
 def _transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
     """For stride 1, dx is a plain convolution of dz with the flipped, transposed filter,
     padded by dilation * (kernel - 1) - padding; that geometry, or None when it is not one
