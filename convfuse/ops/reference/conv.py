@@ -175,22 +175,23 @@ def _reserve(nbytes: int) -> bool:
 def keep_columns(x: Any) -> Iterator[KeptColumns]:
     """Within the block, a forward on `x` leaves its columns in the yielded box (when the
     cap allows; else box.cols stays None)."""
-    box = KeptColumns(x)
+    box, outer = KeptColumns(x), getattr(_local, "keep", None)
     _local.keep = box
     try:
         yield box
     finally:
-        _local.keep = None
+        _local.keep = outer
 
 
 @contextmanager
 def given_columns(kept: KeptColumns | None) -> Iterator[None]:
     """Within the block, a filter gradient on kept.x and kept.geom uses kept.cols."""
+    outer = getattr(_local, "given", None)
     _local.given = kept
     try:
         yield
     finally:
-        _local.given = None
+        _local.given = outer
 
 
 def _keep(x: np.ndarray, geom: ConvGeometry, cols: np.ndarray) -> None:
