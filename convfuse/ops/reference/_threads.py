@@ -17,9 +17,12 @@ BLAS's own
 threads: on a shared machine OpenBLAS's threads spin-wait for each other, and a GEMM
 whose partner thread was descheduled took 2-8x its quiet time here (16 ms quiet, 45-140
 ms under load 4 on 2 cores), while two pool threads each running a one-thread GEMM stayed
-within 10% of 40 ms under the same load. BLAS is held to one thread (threadpoolctl, when
-installed; without it `matmul` leaves the GEMM to BLAS) only while such a split runs,
-and restored after.
+within 10% of 40 ms under the same load. Small GEMMs run as one call, also on one BLAS
+thread: after a threaded GEMM OpenBLAS's threads spin for a while, and the next pass on the
+pool (or PyTorch's next op, in a benchmark) ran 2-3x slower beside them (MNIST step here:
+150 ms with small GEMMs on BLAS's threads, 75-85 ms without). BLAS is held to one thread
+(threadpoolctl, when installed; without it `matmul` leaves every GEMM to BLAS) only
+during the engine's GEMMs, and restored after.
 """
 
 from __future__ import annotations
@@ -160,8 +163,11 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """np.matmul(a, b) for (..., M, K) @ (..., K, N); large ones in fixed blocks of output
     columns (or rows, when M > N) over the pool (Note [GEMMs on the pool])."""
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if m * n * k < MIN_GEMM_FLOPS or not _blas_controllers():
+    if not _blas_controllers():
         return np.matmul(a, b)
+    if m * n * k < MIN_GEMM_FLOPS:
+        with _single_threaded_blas():  # leaves no BLAS thread spinning after it
+            return np.matmul(a, b)
     out = np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n),
                    np.result_type(a, b))
     blocks = gemm_blocks(max(m, n))
