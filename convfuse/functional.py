@@ -5,7 +5,9 @@ returns (or records) a `ConvContext` holding exactly what the backward needs:
 - x, for the filter gradient;
 - the weight, for the data gradient;
 - one activation-sized tensor, the output or the pre-activation, per
-  convfuse.activations Note [what backward saves].
+  convfuse.activations Note [what backward saves];
+- on the CPU, the forward's im2col columns while the engine's cap allows (reference/conv.py
+  Note [kept columns]): the filter gradient then reads x as the forward read it.
 
 Contracts of both functions:
 - Arrays that are not C-contiguous are copied once into contiguous ones (one extra read
