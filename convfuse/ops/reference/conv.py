@@ -112,7 +112,8 @@ def _column_plan(geom: ConvGeometry) -> tuple[tuple[Any, Any, list[Any]], ...]:
     return tuple(plans)
 
 
-def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
+             ) -> np.ndarray:
     """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
 
     Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
@@ -122,7 +123,8 @@ def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
     g, c = geom.groups, geom.in_channels
     xc = _channels_first(x, geom.channels_last)
     plans = _column_plan(geom)
-    cols = np.empty((g, c // g, len(plans), geom.batch, *geom.output_spatial), cd)
+    shape = (g, c // g, len(plans), geom.batch, *geom.output_spatial)
+    cols = np.empty(shape, cd) if tag is None else _threads.scratch(tag, shape, cd)
 
     def run(lo: int, hi: int) -> None:
         rows = slice(lo, hi)
@@ -254,7 +256,7 @@ def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
 def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
     cols = _columns(x, geom, cd)
     _keep(x, geom, cols)
-    return _threads.matmul(_weight_matrix(w, geom, cd), cols)
+    return _threads.matmul(_weight_matrix(w, geom, cd), cols, out_tag="conv_y")
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -340,7 +342,8 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     cd = compute_dtype(dz.dtype)
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
-        dxm = _threads.matmul(_flipped_weight_matrix(w, geom, cd), _columns(dz, tgeom, cd))
+        dcols = _columns(dz, tgeom, cd, tag="conv_dz_cols")
+        dxm = _threads.matmul(_flipped_weight_matrix(w, geom, cd), dcols, out_tag="conv_dx")
         dtype = dz.dtype if out is None else cd
         return finish(_finish_output(dxm, tgeom, dtype), dz.dtype, out, beta)
     wm = _weight_matrix(w, geom, cd)
@@ -376,7 +379,7 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
     cd = compute_dtype(x.dtype)
     cols = _given(x, geom, cd)
     if cols is None:
-        cols = _columns(x, geom, cd)
+        cols = _columns(x, geom, cd, tag="conv_x_cols")
     dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
