@@ -5,7 +5,9 @@ returns (or records) a `ConvContext` holding exactly what the backward needs:
 - x, for the filter gradient;
 - the weight, for the data gradient;
 - one activation-sized tensor, the output or the pre-activation, per
-  convfuse.activations Note [what backward saves].
+  convfuse.activations Note [what backward saves];
+- on the CPU, the forward's im2col columns while the engine's cap allows (reference/conv.py
+  Note [kept columns]): the filter gradient then reads x as the forward read it.
 
 Contracts of both functions:
 - Arrays that are not C-contiguous are copied once into contiguous ones (one extra read
@@ -35,6 +37,7 @@ from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, IntOrTuple
 from .ops._checks import check_scalar, overlaps
+from .ops.reference import conv as reference_conv
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class ConvContext:
     has_bias: bool
     has_residual: bool
     residual_scale: float
+    # the forward's im2col columns on the CPU, for the filter gradient (reference/conv.py
+    # Note [kept columns]); None when not kept
+    columns: Any = None
 
 
 class ConvGrads(NamedTuple):
@@ -119,14 +125,23 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
         check_conv(geom, x.dtype, device_of(x))
     elif not isinstance(geom, ConvGeometry):
         raise TypeError(f"{op}: geom must be a ConvGeometry or None, got {type(geom).__name__}")
-    y, z = ops.conv_bias_act(
-        x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
-    )
+    kept = None
+    if isinstance(x, np.ndarray):
+        with reference_conv.keep_columns(x) as kept:
+            y, z = ops.conv_bias_act(
+                x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
+            )
+    else:  # pragma: gpu
+        y, z = ops.conv_bias_act(
+            x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
+        )
     kind = activations.saves(act)
     saved = {"none": None, "output": y, "preactivation": z}[kind]
     if isinstance(saved, np.ndarray):
         saved.flags.writeable = False  # an in-place write would corrupt the gradients
-    ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale)
+    columns = kept if kept is not None and kept.cols is not None else None
+    ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
+                      columns)
     return y, ctx
 
 
@@ -199,7 +214,11 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
         )
     else:
         dz = ops.activation_backward(dy, ctx.saved, ctx.activation)
-    dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
+    if ctx.columns is not None:
+        with reference_conv.given_columns(ctx.columns):
+            dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
+    else:
+        dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
     dx = ops.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
     dres = None
     if ctx.has_residual:

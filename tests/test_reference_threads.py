@@ -24,6 +24,8 @@ from convfuse.pool_geometry import PoolGeometry
 def threads(monkeypatch):
     """Split every pass, however small, over `n` threads."""
     monkeypatch.setattr(_threads, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(_threads, "MIN_GEMM_FLOPS", 1)
+    monkeypatch.setattr(_threads, "GEMM_ALIGN", 8)
 
     def use(n):
         _threads.set_num_threads(n)
@@ -67,14 +69,14 @@ def test_an_error_in_a_worker_reaches_the_caller_after_all_chunks_finish(threads
     assert sorted(done) == [(0, 3), (3, 6), (6, 9)]
 
 
-def _conv_outputs(layout, act, groups):
+def _conv_outputs(layout, act, groups, stride=(1, 2)):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 4, 7, 6) if layout == "NCHW" else (5, 7, 6, 4))
     x = x.astype(np.float32)
     w_shape = (6, 4 // groups, 3, 2) if layout == "NCHW" else (6, 3, 2, 4 // groups)
     w = rng.standard_normal(w_shape).astype(np.float32)
     b = rng.standard_normal(6).astype(np.float32)
-    g = ConvGeometry.create(x.shape, w.shape, (1, 2), 1, 1, groups, layout)
+    g = ConvGeometry.create(x.shape, w.shape, stride, 1, 1, groups, layout)
     res = rng.standard_normal(g.output_shape).astype(np.float32)
     y, z = ref.conv_bias_act(x, w, b, g, act, residual=res, residual_scale=0.5)
     dy = rng.standard_normal(g.output_shape).astype(np.float32)
@@ -82,18 +84,39 @@ def _conv_outputs(layout, act, groups):
             ref.conv_backward_filter(x, dy, g)]
 
 
+@pytest.mark.parametrize("stride", [(1, 2), 1])  # col2im, and dx as a convolution of dz
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize(("act", "groups"), [("relu", 1), ("gelu", 2)])
-def test_threaded_conv_is_bitwise_the_single_thread_result(threads, layout, act, groups):
+def test_threaded_conv_is_bitwise_the_single_thread_result(threads, layout, act, groups,
+                                                           stride):
     threads(1)
-    one = _conv_outputs(layout, act, groups)
+    one = _conv_outputs(layout, act, groups, stride)
     threads(3)
-    many = _conv_outputs(layout, act, groups)
+    many = _conv_outputs(layout, act, groups, stride)
     for a, b in zip(one, many):
         if a is None:
             assert b is None
         else:
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(5, 40, 70), (70, 40, 5)])  # split n, split m
+@pytest.mark.parametrize("transposed", [False, True])
+def test_pool_matmul_is_bitwise_the_same_for_any_thread_count(threads, m, k, n, transposed):
+    pytest.importorskip("threadpoolctl")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((2, m, k)).astype(np.float32)
+    b = rng.standard_normal((2, n, k)).astype(np.float32).transpose(0, 2, 1)
+    if not transposed:
+        b = np.ascontiguousarray(b)
+    before = [lib.get_num_threads() for lib in _threads._blas_controllers()]
+    assert len(_threads.gemm_blocks(max(m, n))) > 3
+    threads(1)
+    one = _threads.matmul(a, b)
+    threads(3)
+    np.testing.assert_array_equal(_threads.matmul(a, b), one)
+    np.testing.assert_allclose(one, np.matmul(a, b), rtol=1e-5, atol=1e-5)
+    assert [lib.get_num_threads() for lib in _threads._blas_controllers()] == before
 
 
 @pytest.mark.parametrize("mode", ["max", "avg"])

@@ -7,16 +7,42 @@ same for any thread count.
 
 The thread count is `CONVFUSE_NUM_THREADS`, else `OMP_NUM_THREADS` (which BLAS also reads),
 else the number of usable cores; `set_num_threads` overrides all three.
+
+Note [GEMMs on the pool]
+`matmul` splits a large GEMM's output into about 16 column (or row) blocks, a multiple of
+64 wide, fixed by the shape alone; the pool's threads take contiguous runs of blocks, each
+block one single-threaded BLAS call. So the numbers do not depend on the thread count (nor
+on BLAS's own thread setting, which changes OpenBLAS's results in the last bits). Why not
+BLAS's own
+threads: on a shared machine OpenBLAS's threads spin-wait for each other, and a GEMM
+whose partner thread was descheduled took 2-8x its quiet time here (16 ms quiet, 45-140
+ms under load 4 on 2 cores), while two pool threads each running a one-thread GEMM stayed
+within 10% of 40 ms under the same load. Small GEMMs run as one call, also on one BLAS
+thread: after a threaded GEMM OpenBLAS's threads spin for a while, and the next pass on the
+pool (or PyTorch's next op, in a benchmark) ran 2-3x slower beside them (MNIST step here:
+150 ms with small GEMMs on BLAS's threads, 75-85 ms without). BLAS is held to one thread
+(threadpoolctl, when installed; without it `matmul` leaves every GEMM to BLAS) only
+during the engine's GEMMs, and restored after.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
 
 # Below this many elements per pass the cost of a hand-off (~20 us) outweighs the split.
 MIN_ELEMENTS = 1 << 16
+
+# A GEMM below this many multiply-adds runs as one call (splitting costs ~50 us).
+MIN_GEMM_FLOPS = 1 << 24
+GEMM_BLOCKS = 16  # blocks per split GEMM: enough to balance 2-8 threads
+GEMM_ALIGN = 64  # block widths are multiples of BLAS kernels' tile sizes
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
@@ -78,10 +104,121 @@ def parallel_for(n: int, elements: int, fn: Callable[[int, int], None]) -> None:
     caller's thread runs the first chunk; an exception in any chunk is re-raised here after
     every chunk has finished, so no thread is still writing when the caller sees it.
     """
-    threads = min(num_threads(), n, max(1, elements // MIN_ELEMENTS))
+    most = min(n, elements // MIN_ELEMENTS)
+    threads = min(num_threads(), most) if most > 1 else 1  # small passes skip the env read
     if threads <= 1:
         fn(0, n)
         return
+    _run_chunks(n, threads, fn)
+
+
+# Note [scratch buffers]
+# A fresh array of tens of MiB comes from mmap, and its first touch page-faults: filling
+# 58 MiB took 11.6 ms fresh against 4.8 ms reused here, and a ResNet block step allocates
+# four such transients. The engine's transients (im2col of dz, GEMM results copied out
+# right after) are therefore reused per calling thread and tag; what a call returns or a
+# context keeps is never a scratch buffer. Held: at most one buffer per tag and thread,
+# each between SCRATCH_MIN_BYTES and SCRATCH_MAX_BYTES.
+SCRATCH_MIN_BYTES = 1 << 20
+SCRATCH_MAX_BYTES = 128 << 20
+_scratch_local = threading.local()
+
+_blas_lock = threading.Lock()
+_blas_depth = 0
+_blas_saved: list[tuple[Any, int]] = []
+_blas_libs: list[Any] | None = None
+
+
+def _blas_controllers() -> list[Any]:
+    global _blas_libs
+    if _blas_libs is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+        except ImportError:
+            _blas_libs = []
+        else:
+            _blas_libs = [lib for lib in ThreadpoolController().lib_controllers
+                          if lib.user_api == "blas"]
+    return _blas_libs
+
+
+@contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """BLAS on one thread within the block (nested and concurrent blocks share it)."""
+    global _blas_depth, _blas_saved
+    libs = _blas_controllers()
+    with _blas_lock:
+        if _blas_depth == 0:
+            _blas_saved = [(lib, lib.get_num_threads()) for lib in libs]
+            for lib, _ in _blas_saved:
+                lib.set_num_threads(1)
+        _blas_depth += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_depth -= 1
+            if _blas_depth == 0:
+                for lib, n in _blas_saved:
+                    lib.set_num_threads(n)
+
+
+def gemm_blocks(n: int) -> list[tuple[int, int]]:
+    """The fixed split of a GEMM's n output columns (or rows): about GEMM_BLOCKS blocks, each
+    a multiple of GEMM_ALIGN wide, whatever the thread count (Note [GEMMs on the pool])."""
+    width = max(GEMM_ALIGN, -(-n // (GEMM_BLOCKS * GEMM_ALIGN)) * GEMM_ALIGN)
+    return [(lo, min(n, lo + width)) for lo in range(0, n, width)]
+
+
+def scratch(tag: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array for a transient result of the calling thread, reused across
+    calls (Note [scratch buffers]); tags name the use, so two live ones never share."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if not SCRATCH_MIN_BYTES <= nbytes <= SCRATCH_MAX_BYTES:
+        return np.empty(shape, dtype)
+    cache = getattr(_scratch_local, "cache", None)
+    if cache is None:
+        cache = _scratch_local.cache = {}
+    buf = cache.get(tag)
+    if buf is None or buf.nbytes < nbytes:
+        buf = cache[tag] = np.empty(nbytes, np.uint8)
+    return buf[:nbytes].view(dtype).reshape(shape)
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarray:
+    """np.matmul(a, b) for (..., M, K) @ (..., K, N); large ones in fixed blocks of output
+    columns (or rows, when M > N) over the pool (Note [GEMMs on the pool])."""
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if not _blas_controllers():
+        return np.matmul(a, b)
+    if m * n * k < MIN_GEMM_FLOPS:
+        with _single_threaded_blas():  # leaves no BLAS thread spinning after it
+            if out_tag is None:
+                return np.matmul(a, b)
+            shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
+            return np.matmul(a, b, out=scratch(out_tag, shape, np.result_type(a, b)))
+    shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
+    out = (np.empty(shape, np.result_type(a, b)) if out_tag is None
+           else scratch(out_tag, shape, np.result_type(a, b)))
+    blocks = gemm_blocks(max(m, n))
+
+    def run(first: int, last: int) -> None:
+        for lo, hi in blocks[first:last]:
+            if n >= m:
+                np.matmul(a, b[..., lo:hi], out=out[..., lo:hi])
+            else:
+                np.matmul(a[..., lo:hi, :], b, out=out[..., lo:hi, :])
+
+    with _single_threaded_blas():
+        threads = min(num_threads(), len(blocks))
+        if threads <= 1:
+            run(0, len(blocks))
+        else:
+            _run_chunks(len(blocks), threads, run)
+    return out
+
+
+def _run_chunks(n: int, threads: int, fn: Callable[[int, int], None]) -> None:
     ranges = chunks(n, threads)
     futures = [_executor(threads - 1).submit(fn, lo, hi) for lo, hi in ranges[1:]]
     first_error: BaseException | None = None

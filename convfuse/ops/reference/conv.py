@@ -13,12 +13,28 @@ data in the order the GEMM wants and results back in the caller's layout):
   added into the strided positions of a zero padded dx, which is then cropped;
 - backward filter: dw[g] = dz[g] @ cols[g]^T.
 Cross-correlation, as in PyTorch and cuDNN's CUDNN_CROSS_CORRELATION.
+
+Note [kept columns]
+The filter gradient needs the forward's columns again. `convfuse.functional` asks for them
+with `keep_columns()` around the forward and hands them back with `given_columns()` around
+the filter gradient, which uses them only for the very array (`is`) and geometry they were
+built from; otherwise it builds its own, so every op stays stateless. Kept columns are x
+as the forward read it: dw is the gradient of the forward that ran. They cost
+prod(kernel) times x's size, so all kept columns alive together are capped at
+KEEP_COLUMNS_BYTES (a layer keeps its context until backward, also in inference): past the
+cap the backward rebuilds them, as it always did.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,25 +81,135 @@ def _grouped(a: np.ndarray, groups: int) -> np.ndarray:
     return a.transpose(1, 2, 0, *range(3, a.ndim))
 
 
-def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+def _valid_range(offset: int, dilation: int, stride: int, pad: int, size: int, out: int
+                 ) -> tuple[int, int, int]:
+    """Along one axis, at one kernel offset: the outputs [lo, hi) whose input position
+    offset * dilation + stride * o - pad falls inside the input, and that first position."""
+    first = offset * dilation - pad
+    lo = min(out, max(0, -(first // stride)))  # ceil(-first / stride), clipped to [0, out]
+    hi = max(lo, min(out, (size - 1 - first) // stride + 1))
+    return lo, hi, first + stride * lo
+
+
+@functools.lru_cache(maxsize=512)
+def _column_plan(geom: ConvGeometry) -> tuple[tuple[Any, Any, list[Any]], ...]:
+    """Per kernel offset: (output region, input slices, zeroed slabs) for `_columns`."""
+    plans = []
+    for offset in itertools.product(*(range(k) for k in geom.kernel_size)):
+        ranges = [_valid_range(*a) for a in zip(offset, geom.dilation, geom.stride,
+                                                 geom.padding, geom.input_shape_cf[2:],
+                                                 geom.output_spatial, strict=True)]
+        dst = tuple(slice(lo, hi) for lo, hi, _ in ranges)
+        src = tuple(slice(first, first + s * (hi - lo - 1) + 1, s) if hi > lo else slice(0, 0)
+                    for (lo, hi, first), s in zip(ranges, geom.stride, strict=True))
+        # the parts of the output grid that read padding: a slab per axis and side
+        zero = []
+        for axis, (lo, hi, _) in enumerate(ranges):
+            for part in (slice(0, lo), slice(hi, None)):
+                if part.stop != part.start:
+                    zero.append((slice(None),) * 3 + (*dst[:axis], part))
+        plans.append(((slice(None),) * 3 + dst, (slice(None), *src), zero))
+    return tuple(plans)
+
+
+def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
+             ) -> np.ndarray:
     """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
 
-    Built per batch chunk on the engine's threads (Note [threads]): each chunk pads its
-    samples and copies them into its own N-slice of every offset's block.
+    Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
+    each offset's block gets the input positions it reads copied in, and only the outputs
+    that read padding are zeroed.
     """
     g, c = geom.groups, geom.in_channels
     xc = _channels_first(x, geom.channels_last)
-    slices = _offset_slices(geom)
-    cols = np.empty((g, c // g, len(slices), geom.batch, *geom.output_spatial), cd)
-    pads = [(0, 0), (0, 0), *((p, p) for p in geom.padding)]
+    plans = _column_plan(geom)
+    shape = (g, c // g, len(plans), geom.batch, *geom.output_spatial)
+    cols = np.empty(shape, cd) if tag is None else _threads.scratch(tag, shape, cd)
 
     def run(lo: int, hi: int) -> None:
-        xs = np.pad(xc[lo:hi], pads) if any(geom.padding) else xc[lo:hi]
-        for j, where in enumerate(slices):
-            cols[:, :, j, lo:hi] = _grouped(xs[(slice(None), slice(None), *where)], g)
+        rows = slice(lo, hi)
+        for j, (dst, src, zero) in enumerate(plans):
+            block = cols[:, :, j, rows]  # (G, C/G, n, *out)
+            for where in zero:
+                block[where] = 0
+            block[dst] = _grouped(xc[(rows, *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(slices), -1)
+    return cols.reshape(g, (c // g) * len(plans), -1)
+
+
+KEEP_COLUMNS_BYTES = 256 << 20
+_local = threading.local()
+_kept_lock = threading.Lock()
+_kept_bytes = 0
+
+
+@dataclass
+class KeptColumns:
+    """Columns built by a forward, for the filter gradient (Note [kept columns])."""
+
+    x: Any
+    geom: ConvGeometry | None = None
+    cols: np.ndarray | None = None
+
+
+def kept_bytes() -> int:
+    """Bytes of kept columns alive now."""
+    return _kept_bytes
+
+
+def _release(nbytes: int) -> None:
+    global _kept_bytes
+    with _kept_lock:
+        _kept_bytes -= nbytes
+
+
+def _reserve(nbytes: int) -> bool:
+    global _kept_bytes
+    with _kept_lock:
+        if _kept_bytes + nbytes > KEEP_COLUMNS_BYTES:
+            return False
+        _kept_bytes += nbytes
+        return True
+
+
+@contextmanager
+def keep_columns(x: Any) -> Iterator[KeptColumns]:
+    """Within the block, a forward on `x` leaves its columns in the yielded box (when the
+    cap allows; else box.cols stays None)."""
+    box, outer = KeptColumns(x), getattr(_local, "keep", None)
+    _local.keep = box
+    try:
+        yield box
+    finally:
+        _local.keep = outer
+
+
+@contextmanager
+def given_columns(kept: KeptColumns | None) -> Iterator[None]:
+    """Within the block, a filter gradient on kept.x and kept.geom uses kept.cols."""
+    outer = getattr(_local, "given", None)
+    _local.given = kept
+    try:
+        yield
+    finally:
+        _local.given = outer
+
+
+def _keep(x: np.ndarray, geom: ConvGeometry, cols: np.ndarray) -> None:
+    box = getattr(_local, "keep", None)
+    if box is None or box.x is not x or box.cols is not None or not _reserve(cols.nbytes):
+        return
+    weakref.finalize(cols, _release, cols.nbytes)
+    box.geom, box.cols = geom, cols
+
+
+def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray | None:
+    kept = getattr(_local, "given", None)
+    if (kept is None or kept.x is not x or kept.cols is None or kept.geom != geom
+            or kept.cols.dtype != cd):
+        return None
+    return kept.cols
 
 
 def _weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
@@ -128,7 +254,9 @@ def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
 
 
 def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    return np.matmul(_weight_matrix(w, geom, cd), _columns(x, geom, cd))
+    cols = _columns(x, geom, cd)
+    _keep(x, geom, cols)
+    return _threads.matmul(_weight_matrix(w, geom, cd), cols, out_tag="conv_y")
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -177,13 +305,49 @@ def conv_bias_act(
     return y, z_out
 
 
+@functools.lru_cache(maxsize=512)
+def _transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
+    """For stride 1, dx is a plain convolution of dz with the flipped, transposed filter,
+    padded by dilation * (kernel - 1) - padding; that geometry, or None when it is not one
+    (a stride, or padding past dilation * (kernel - 1))."""
+    if any(s != 1 for s in geom.stride) or any(
+            not 0 <= p <= d * (k - 1)
+            for p, d, k in zip(geom.padding, geom.dilation, geom.kernel_size, strict=True)):
+        return None
+    c, kg = geom.in_channels, geom.out_channels // geom.groups
+    w_shape = (c, *geom.kernel_size, kg) if geom.channels_last else (c, kg, *geom.kernel_size)
+    pad = tuple(d * (k - 1) - p
+                for p, d, k in zip(geom.padding, geom.dilation, geom.kernel_size, strict=True))
+    return ConvGeometry.create(geom.output_shape, w_shape, 1, pad, geom.dilation, geom.groups,
+                               geom.layout)
+
+
+def _flipped_weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+    """w[g] transposed to (C/G, K/G) and flipped in space, as (G, C/G, K/G*prod(kernel))."""
+    g, rank = geom.groups, geom.rank
+    wc = _channels_first(w, geom.channels_last)  # (K, C/G, *k)
+    wc = wc.reshape(g, geom.out_channels // g, geom.in_channels // g, *geom.kernel_size)
+    wc = wc.swapaxes(1, 2)[(Ellipsis, *[slice(None, None, -1)] * rank)]
+    return _cast_copy(wc, cd).reshape(g, geom.in_channels // g, -1)
+
+
 def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
                        out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
-    """dx = conv^T(dz, w), shaped like the input; `out`/`beta` as cuDNN's beta."""
+    """dx = conv^T(dz, w), shaped like the input; `out`/`beta` as cuDNN's beta.
+
+    With stride 1 it is a convolution of dz (one im2col, one GEMM, one output pass);
+    otherwise dcols = w^T dz is scattered back by col2im.
+    """
     g = geom.groups
     cd = compute_dtype(dz.dtype)
+    tgeom = _transposed_geometry(geom)
+    if tgeom is not None:
+        dcols = _columns(dz, tgeom, cd, tag="conv_dz_cols")
+        dxm = _threads.matmul(_flipped_weight_matrix(w, geom, cd), dcols, out_tag="conv_dx")
+        dtype = dz.dtype if out is None else cd
+        return finish(_finish_output(dxm, tgeom, dtype), dz.dtype, out, beta)
     wm = _weight_matrix(w, geom, cd)
-    dcols = np.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
+    dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
     slices = _offset_slices(geom)
     c = geom.in_channels
     dcols = dcols.reshape(g, c // g, len(slices), geom.batch, *geom.output_spatial)
@@ -213,8 +377,10 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
                          out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
-    cols = _columns(x, geom, cd)
-    dw = np.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
+    cols = _given(x, geom, cd)
+    if cols is None:
+        cols = _columns(x, geom, cd, tag="conv_x_cols")
+    dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
         dw = np.moveaxis(dw, 1, -1)
