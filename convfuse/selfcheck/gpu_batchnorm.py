@@ -73,8 +73,8 @@ def batchnorm_case(dtype: str) -> Outcome:  # pragma: gpu
     for shape, layout, act, residual in BN_CONFIGS:
         geom = BatchNormGeometry.create(shape, layout)
         c = geom.channels
-        x, res, dy = host_inputs(rng, dtype, shape, shape, shape)
-        res = res if residual else None
+        x, res_in, dy = host_inputs(rng, dtype, shape, shape, shape)
+        res = res_in if residual else None
         w = rng.uniform(0.5, 1.5, c).astype(cd)
         b, rm = (rng.standard_normal(c) * 0.2).astype(cd), rng.standard_normal(c).astype(cd)
         rv = rng.uniform(0.5, 2.0, c).astype(cd)

@@ -327,7 +327,8 @@ def _flipped_weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> n
     g, rank = geom.groups, geom.rank
     wc = _channels_first(w, geom.channels_last)  # (K, C/G, *k)
     wc = wc.reshape(g, geom.out_channels // g, geom.in_channels // g, *geom.kernel_size)
-    wc = wc.swapaxes(1, 2)[(Ellipsis, *[slice(None, None, -1)] * rank)]
+    flip: tuple[Any, ...] = (Ellipsis, *[slice(None, None, -1)] * rank)
+    wc = wc.swapaxes(1, 2)[flip]
     return _cast_copy(wc, cd).reshape(g, geom.in_channels // g, -1)
 
 
