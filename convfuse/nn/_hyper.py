@@ -87,3 +87,21 @@ def dtype_hint(layer_dtype: Any, got: Any) -> str:
 def read_only(layer: str, name: str, why: str) -> AttributeError:
     return AttributeError(f"{layer}: {name} is fixed at construction ({why}); build a new "
                           "layer (and load its state_dict) to change it")
+
+
+def activation_property(doc: str = "The activation's canonical name; assignable (validated).",
+                        ) -> property:
+    """A layer's `activation` attribute: validated on assignment, errors named by the layer."""
+    from ..errors import renamed
+    from .module import USER_ERRORS
+
+    def get(self: Any) -> str:
+        return self.__dict__["_activation"]
+
+    def set_(self: Any, value: Any) -> None:
+        try:
+            self.__dict__["_activation"] = activation(value)
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    return property(get, set_, doc=doc)

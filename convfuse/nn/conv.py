@@ -134,16 +134,7 @@ class _ConvNd(Layer):
     dilation = property(lambda self: self._dilation,
                         lambda self, v: self._assign(dilation=v), doc="Validated on assignment.")
 
-    @property
-    def activation(self) -> str:
-        return self.__dict__["_activation"]
-
-    @activation.setter
-    def activation(self, value: Any) -> None:
-        try:
-            self.__dict__["_activation"] = _hyper.activation(value)
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
+    activation = _hyper.activation_property()
 
     @property
     def residual_scale(self) -> float:

@@ -64,16 +64,7 @@ class Linear(Layer):
         b = rng.uniform(-bound, bound, self._out)
         self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
 
-    @property
-    def activation(self) -> str:
-        return self.__dict__["_activation"]
-
-    @activation.setter
-    def activation(self, value: Any) -> None:
-        try:
-            self.__dict__["_activation"] = _hyper.activation(value)
-        except USER_ERRORS as exc:
-            raise renamed(exc, "Linear") from None
+    activation = _hyper.activation_property()
 
     def _fixed(name: str, attr: str) -> property:  # type: ignore[misc]
         def setter(self: Linear, value: Any) -> None:

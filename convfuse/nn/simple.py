@@ -51,17 +51,7 @@ class Activation(_Stateless):
         super().__init__()
         self.activation = activation
 
-    @property
-    def activation(self) -> str:
-        """The activation's canonical name; assignable (validated)."""
-        return self.__dict__["_activation"]
-
-    @activation.setter
-    def activation(self, value: Any) -> None:
-        try:
-            self.__dict__["_activation"] = _hyper.activation(value)
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
+    activation = _hyper.activation_property()
 
     def __call__(self, x: Any) -> Any:
         """A non-C-contiguous x is copied once (the caller's array is never modified)."""

@@ -31,7 +31,6 @@ Note [BatchNorm in cuDNN]
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,7 @@ from ..errors import CudnnError
 from . import descriptors as d
 from .cache import CacheInfo, PlanCache
 from .capture import refuse_in_capture
-from .choice import next_backoff
+from .choice import FusedFallbackState
 from .conv import FusedFallbackWarning, current_device
 
 LAYOUTS = ("NCHW", "NHWC")
@@ -165,7 +164,7 @@ class BatchNormSizes:
     reserve: int
 
 
-class BatchNormPlan:
+class BatchNormPlan(FusedFallbackState):
     """Descriptors for x (also y, z, dy, dx, dz), the derived BN tensors per mode, and the
     RELU activation of the fused calls; the fused ops' sizes once a handle asked for them."""
 
@@ -186,12 +185,8 @@ class BatchNormPlan:
             self.act_desc = d.activation_descriptor(lib, "relu")
         except CudnnError as err:
             raise err.with_context(f"building a plan for {self.describe()}") from None
-        self._lock = threading.Lock()
+        self._init_fused_state()
         self._sizes: BatchNormSizes | None = None
-        self._fused_refusal: CudnnError | None = None
-        self._fused_warned = False  # one FusedFallbackWarning per plan, whatever the cause
-        self._fused_backoff = 0  # Note [transient out-of-memory]
-        self._fused_skip = 0
 
     def describe(self) -> str:
         k = self.key
@@ -210,49 +205,7 @@ class BatchNormPlan:
         back-off (Note [transient out-of-memory])."""
         if self.fused_ops is None or self._fused_refusal is not None:
             return True
-        if not self._fused_skip:
-            return False
-        with self._lock:
-            if self._fused_skip:
-                self._fused_skip -= 1
-                return True
-            return False
-
-    def fused_out_of_memory(self) -> bool:
-        """The fused calls' workspace or reserve space could not be allocated: run plain
-        for a while; True when the caller should warn (the plan's first fallback)."""
-        with self._lock:
-            self._fused_backoff = next_backoff(self._fused_backoff)
-            self._fused_skip = self._fused_backoff
-            return self._warn_once()
-
-    def fused_ran(self) -> None:
-        if self._fused_backoff:
-            with self._lock:
-                self._fused_backoff = 0
-
-    def _warn_once(self) -> bool:
-        first = not self._fused_warned
-        self._fused_warned = True
-        return first
-
-    @property
-    def fell_back(self) -> bool:
-        """Whether this plan ever ran plain instead of the fused calls it was documented to
-        take (a refusal or an out-of-memory; it warned then, once)."""
-        return self._fused_warned
-
-    @property
-    def fused_refusal(self) -> CudnnError | None:
-        return self._fused_refusal
-
-    def refuse_fused(self, err: CudnnError) -> bool:
-        """Record cuDNN's refusal of the fused ops (for good); True when the caller should
-        warn (the plan's first fallback, refusal or out-of-memory)."""
-        with self._lock:
-            if self._fused_refusal is None:
-                self._fused_refusal = err
-            return self._warn_once()
+        return self._backing_off()
 
     def sizes(self, handle: Any) -> BatchNormSizes:  # pragma: gpu
         """Workspace and reserve-space bytes of the fused calls, asked once (needs a handle;

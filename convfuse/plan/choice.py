@@ -3,6 +3,7 @@ back-off, and the forward path (fused or unfused) with the reason for it."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from .algorithms import Candidate
@@ -60,3 +61,63 @@ class ForwardPath:
     fused_ms: float | None = None
     unfused_ms: float | None = None
 
+
+
+class FusedFallbackState:
+    """What a plan remembers about its fused call(s) falling back, shared by the conv and
+    BatchNorm plans: a refusal (for good), a memory back-off (Note [transient
+    out-of-memory]) and one FusedFallbackWarning per plan, whatever the cause. Thread-safe:
+    of the threads that hit a fallback together, exactly one is told to warn."""
+
+    def _init_fused_state(self) -> None:
+        self._lock = threading.Lock()
+        self._fused_refusal: Exception | None = None
+        self._fused_warned = False
+        self._fused_skip = 0  # calls left on the plain path after a fused out-of-memory
+        self._fused_backoff = 0
+
+    @property
+    def fused_refusal(self) -> Exception | None:
+        """Why the fused call is off for good (cuDNN's refusal, or no usable algorithm)."""
+        return self._fused_refusal
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether this plan ever ran plain instead of fused (it warned then, once)."""
+        return self._fused_warned
+
+    def refuse_fused(self, err: Exception) -> bool:
+        """Record that the fused call cannot run this plan; True when the caller should warn
+        (the plan's first fallback)."""
+        with self._lock:
+            if self._fused_refusal is None:
+                self._fused_refusal = err
+            return self._warn_once()
+
+    def fused_out_of_memory(self) -> bool:
+        """The fused call's workspace (or reserve space) could not be allocated: run plain
+        for a while; True when the caller should warn."""
+        with self._lock:
+            self._fused_backoff = next_backoff(self._fused_backoff)
+            self._fused_skip = self._fused_backoff
+            return self._warn_once()
+
+    def fused_ran(self) -> None:
+        if self._fused_backoff:
+            with self._lock:
+                self._fused_backoff = 0
+
+    def _backing_off(self) -> bool:
+        """Counts down a memory back-off: True while this call should stay plain."""
+        if not self._fused_skip:
+            return False
+        with self._lock:
+            if self._fused_skip:
+                self._fused_skip -= 1
+                return True
+            return False
+
+    def _warn_once(self) -> bool:
+        first = not self._fused_warned
+        self._fused_warned = True
+        return first

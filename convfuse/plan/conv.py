@@ -6,7 +6,6 @@ chosen on first execution, per direction, because that needs a handle and memory
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,14 @@ from ..geometry import ConvGeometry
 from . import algorithms as algos
 from . import descriptors as d
 from .capture import refuse_in_capture, stream_is_capturing
-from .choice import OOM_RETRY_CAP, OOM_RETRY_FIRST, Chosen, ForwardPath, next_backoff
+from .choice import (
+    OOM_RETRY_CAP,
+    OOM_RETRY_FIRST,
+    Chosen,
+    ForwardPath,
+    FusedFallbackState,
+    next_backoff,
+)
 
 # Re-exported: tests and the engine reach them through this module.
 __all__ = ["OOM_RETRY_CAP", "OOM_RETRY_FIRST", "BiasGradFallbackWarning", "ConvPlan",
@@ -92,7 +98,7 @@ def pool_alloc(nbytes: int) -> Any:  # pragma: gpu
     return cupy.cuda.alloc(nbytes)
 
 
-class ConvPlan:
+class ConvPlan(FusedFallbackState):
     """Descriptors for x, w, y (also z), bias, the convolution and the fused activation."""
 
     def __init__(self, key: PlanKey) -> None:
@@ -117,13 +123,9 @@ class ConvPlan:
                 f"internal error: cuDNN computes output dims {list(got)} but convfuse "
                 f"computes {list(want)} for {self.describe()}"
             )
-        self._lock = threading.Lock()
+        self._init_fused_state()
         self._chosen: dict[str, Chosen] = {}
         self._math_descs: dict[int, Any] = {getattr(lib, key.math_type): self.conv_desc}
-        self._fused_refusal: Exception | None = None
-        self._fused_warned = False
-        self._fused_skip = 0  # calls left on the unfused path after a fused out-of-memory
-        self._fused_backoff = 0
         self._forward_path: ForwardPath | None = None
         self._bias_grad_refusal: CudnnError | None = None
 
@@ -220,46 +222,13 @@ class ConvPlan:
 
     # ---- the fused call's state: Note [unfused fallback] in ops/cudnn/fused.py ----
 
-    @property
-    def fused_refusal(self) -> Exception | None:
-        """Why the fused call is off for good (cuDNN's refusal, or no algorithm the fused
-        call may use fits the flags), or None."""
-        return self._fused_refusal
-
-    def refuse_fused(self, err: Exception) -> bool:
-        """Record that the fused call cannot run this plan; True when the caller should warn
-        (the plan's first fallback), so of the threads that hit it together one warns."""
-        with self._lock:
-            if self._fused_refusal is None:
-                self._fused_refusal = err
-            return self._warn_once()
-
-    def fused_out_of_memory(self) -> bool:
-        """The fused call's forced workspace could not be allocated: run unfused for a while
-        (Note [transient out-of-memory]); True when the caller should warn."""
-        with self._lock:
-            self._fused_backoff = next_backoff(self._fused_backoff)
-            self._fused_skip = self._fused_backoff
-            return self._warn_once()
-
-    def fused_ran(self) -> None:
-        if self._fused_backoff:
-            with self._lock:
-                self._fused_backoff = 0
-
     def fused_off(self) -> bool:
         """Whether this call takes the unfused path (counts down a memory back-off)."""
         if self._fused_refusal is not None:
             return True
         if self._forward_path is not None and self._forward_path.path == "unfused":
             return True
-        if not self._fused_skip:
-            return False
-        with self._lock:
-            if self._fused_skip:
-                self._fused_skip -= 1
-                return True
-            return False
+        return self._backing_off()
 
     @property
     def bias_grad_refusal(self) -> CudnnError | None:
@@ -273,11 +242,6 @@ class ConvPlan:
             if first:
                 self._bias_grad_refusal = err
             return first
-
-    def _warn_once(self) -> bool:
-        first = not self._fused_warned
-        self._fused_warned = True
-        return first
 
     @property
     def forward_path(self) -> ForwardPath | None:
