@@ -8,6 +8,7 @@ channels-first forms the reference engine and cuDNN's descriptors use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -117,11 +118,12 @@ class LayoutShapes:
     def batch(self) -> int:
         return self.input_shape[0]
 
-    @property
+    # Cached: geometries are immutable, and the ops ask these shapes many times per call.
+    @functools.cached_property
     def input_shape_cf(self) -> tuple[int, ...]:
         return to_channels_first(self.input_shape, self.channels_last)
 
-    @property
+    @functools.cached_property
     def output_shape(self) -> tuple[int, ...]:
         return from_channels_first(self.output_shape_cf, self.channels_last)
 
@@ -225,11 +227,11 @@ class ConvGeometry(LayoutShapes):
     def kernel_size(self) -> tuple[int, ...]:
         return self.weight_shape_cf[2:]
 
-    @property
+    @functools.cached_property
     def weight_shape_cf(self) -> tuple[int, ...]:
         return to_channels_first(self.weight_shape, self.channels_last)
 
-    @property
+    @functools.cached_property
     def output_spatial(self) -> tuple[int, ...]:
         return tuple(
             conv_output_size(n, k, s, p, d)
@@ -238,7 +240,7 @@ class ConvGeometry(LayoutShapes):
             )
         )
 
-    @property
+    @functools.cached_property
     def output_shape_cf(self) -> tuple[int, ...]:
         return (self.batch, self.out_channels, *self.output_spatial)
 
