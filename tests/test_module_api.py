@@ -234,3 +234,28 @@ def test_pytorch_state_dict_loads_and_matches_pytorch_outputs(rng):
                                rtol=1e-12, atol=1e-12)
     # torch tensors load directly too (through __array__).
     net.load_state_dict(tnet.state_dict())
+
+
+def test_a_hand_written_block_without_its_own_context_works_inside_sequential(rng):
+    class Head(Layer):
+        def __init__(self) -> None:
+            self.conv = cf.Conv2d(2, 3, 3, padding=1, dtype="float64", device="cpu", seed=1)
+            self.device = "cpu"
+
+        def __call__(self, x):
+            return self.conv(x)
+
+        def backward(self, dy):
+            return self.conv.backward(dy)
+
+    net = cf.Sequential(Head(), cf.Flatten())
+    x = rng.standard_normal((2, 2, 4, 4))
+    with pytest.raises(cf.BackwardBeforeForwardError, match=r"Sequential\.backward"):
+        net.backward(np.ones((2, 48)))
+    with pytest.raises(cf.BackwardBeforeForwardError, match=r"Conv2d\.backward"):
+        net[0]._check_backward()  # no forward yet: the block's child says so
+    y = net(x)
+    dx = net.backward(np.ones_like(y))
+    ref = cf.Conv2d(2, 3, 3, padding=1, dtype="float64", device="cpu", seed=1)
+    ref(x)
+    np.testing.assert_array_equal(dx, ref.backward(np.ones((2, 3, 4, 4))))

@@ -317,7 +317,14 @@ class Layer:
 
     def _check_backward(self) -> Any:
         """Everything checkable before a backward writes: the context and the gradient
-        buffers of this layer's own parameters. Returns the context (not consumed)."""
+        buffers of this layer's own parameters. Returns the context (not consumed).
+
+        A hand-written block that keeps no context of its own (its forward only calls its
+        children) is checked through its children instead."""
+        if self._ctx is None and self.__dict__.get("_module_names"):
+            for child in self.children():
+                child._check_backward()
+            return None
         ctx = self._peek_ctx()
         for name, p in self._own("_param_names"):
             check_grad(type(self).__name__, name, p)
