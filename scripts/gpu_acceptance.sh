@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The first GPU hour in one command (issue #13); docs/VERIFYING.md section 7 reads its output.
 #
-#   scripts/gpu_acceptance.sh OUTDIR            run everything (about 20 minutes on one H100)
+#   scripts/gpu_acceptance.sh OUTDIR            run everything (budgeted for 20 minutes on one H100; unmeasured)
 #   scripts/gpu_acceptance.sh --dry-run [OUTDIR]  print what it would run, run nothing
 #
 # Needs the README install (.venv with the cu12 or cu13 extra and the test extra); PYTHON
