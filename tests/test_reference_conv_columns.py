@@ -54,13 +54,13 @@ def test_backward_reuses_forward_columns_with_the_same_gradients(count_columns, 
 def test_given_columns_are_ignored_for_another_array_or_geometry(count_columns):
     rng = np.random.default_rng(1)
     x, w = _data(rng)
-    _, ctx = F.conv_bias_act_forward(x, w, padding=1)
+    _, ctx = F.conv_bias_act_forward(x, w, padding=1, stride=(2, 1))  # im2col, not flat
     other = x.copy() + 1
     g = ctx.geom
     dz = rng.standard_normal(g.output_shape).astype(np.float32)
     with rc.given_columns(ctx.columns):
         dw_other = rc.conv_backward_filter(other, dz, g)
-        g2 = ConvGeometry.create(x.shape, w.shape, 1, 0, 1, 1, "NCHW")
+        g2 = ConvGeometry.create(x.shape, w.shape, (2, 1), 0, 1, 1, "NCHW")
         dz2 = rng.standard_normal(g2.output_shape).astype(np.float32)
         dw_geom = rc.conv_backward_filter(x, dz2, g2)
     assert len(count_columns) == 3

@@ -201,3 +201,54 @@ def test_inputs_untouched_and_not_aliased(mode):
     for a, b in ((x, x0), (dy, dy0), (y, y0)):
         np.testing.assert_array_equal(a, b)
     assert not np.shares_memory(y, x) and not np.shares_memory(dx, dy)
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Counts the per-offset winner walks (Note [unique winners]: the tiled fast path
+    skips them)."""
+    from convfuse.ops.reference import pooling
+
+    calls = []
+    real = pooling._max_winners
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(pooling, "_max_winners", spy)
+    return calls
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(("spatial", "kernel"), [((6, 7), 2), ((9, 6), (3, 2)), ((8,), 4)])
+@pytest.mark.parametrize("trouble", [None, "tie", "nan", "-inf", "inf tie", "nan and tie"])
+def test_tiled_max_backward_takes_the_fast_path_only_without_ties_or_nan(
+        walks, spatial, kernel, trouble, channels_last):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, *spatial))
+    kernel_t = (kernel,) * len(spatial) if isinstance(kernel, int) else kernel
+    first_window = tuple(slice(0, k) for k in kernel_t)
+    pair = ((0,) * (len(spatial) - 1) + (0,), (0,) * (len(spatial) - 1) + (1,))  # one window
+    if trouble == "tie":
+        x[(1, 2, *pair[0])] = x[(1, 2, *pair[1])] = 9.0
+    elif trouble == "nan":
+        x[(0, 1, *pair[0])] = np.nan
+    elif trouble == "nan and tie":  # the NaN window's missing hit offsets the tie's extra one
+        x[(0, 1, *pair[0])] = np.nan
+        x[(0, 2, *pair[0])] = x[(0, 2, *pair[1])] = 9.0
+    elif trouble == "-inf":
+        x[(0, 0, *first_window)] = -np.inf
+    elif trouble == "inf tie":
+        x[(1, 0, *pair[0])] = x[(1, 0, *pair[1])] = np.inf
+    if channels_last:
+        x = np.ascontiguousarray(np.moveaxis(x, 1, -1))
+    layout = ("NWC" if x.ndim == 3 else "NHWC") if channels_last else (
+        "NCW" if x.ndim == 3 else "NCHW")
+    pg = PoolGeometry.create(x.shape, kernel, None, 0, "max", layout)
+    dy = rng.standard_normal(pg.output_shape)
+    y = ref.pool_forward(x, pg)
+    got = ref.pool_backward(dy, x, y, pg)
+    want = naive.pool_backward(dy, x, kernel, mode="max", channels_last=channels_last)
+    np.testing.assert_array_equal(got, want)
+    assert bool(walks) == (trouble is not None)

@@ -236,3 +236,27 @@ def test_adam_leaves_the_gradient_untouched_and_matches_torch(threads):
         topt.step()
         np.testing.assert_array_equal(param.grad, g)
     np.testing.assert_allclose(param.data, tp.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "identity"])
+def test_activation_backward_bias_in_pieces_is_bitwise_the_same_for_any_thread_count(
+        threads, monkeypatch, layout, act):
+    """Note [cache-sized pieces]: pieces of one sample, per-sample bias rows."""
+    monkeypatch.setattr(_threads, "CACHE_ELEMENTS", 8)
+    rng = np.random.default_rng(7)
+    x_shape = (7, 3, 5, 4) if layout == "NCHW" else (7, 5, 4, 3)
+    w_shape = (6, 3, 3, 3)  # (K, C, 3, 3) or (K, 3, 3, C): C is 3
+    g = ConvGeometry.create(x_shape, w_shape, 1, 1, 1, 1, layout)
+    dy = rng.standard_normal(g.output_shape)
+    saved = np.maximum(rng.standard_normal(g.output_shape), 0) if act == "relu" else (
+        rng.standard_normal(g.output_shape))
+    results = []
+    for n in (1, 3):
+        threads(n)
+        results.append(ref.activation_backward_bias(dy, saved, act, g))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    dz = dy * (saved > 0) if act == "relu" else (dy if act == "identity" else results[0][0])
+    np.testing.assert_allclose(results[0][0], dz, rtol=1e-15)
+    np.testing.assert_allclose(results[0][1], dz.sum(axis=g.reduce_axes), rtol=1e-12)

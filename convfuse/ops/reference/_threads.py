@@ -97,19 +97,39 @@ def chunks(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def parallel_for(n: int, elements: int, fn: Callable[[int, int], None]) -> None:
-    """Run fn(lo, hi) over contiguous chunks of range(n), one per thread.
+def parallel_for(n: int, elements: int, fn: Callable[[int, int], None],
+                 cached: bool = False) -> None:
+    """Run fn(lo, hi) over contiguous chunks of range(n), one run of chunks per thread.
 
-    `elements` is the size of the pass (to skip threading when it would not pay). The
-    caller's thread runs the first chunk; an exception in any chunk is re-raised here after
-    every chunk has finished, so no thread is still writing when the caller sees it.
+    `elements` is the size of the pass (to skip threading when it would not pay). With
+    `cached`, each thread's range is further walked in pieces of about CACHE_ELEMENTS
+    elements (Note [cache-sized pieces]). The caller's thread runs the first range; an
+    exception in any chunk is re-raised here after every chunk has finished, so no thread
+    is still writing when the caller sees it.
     """
     most = min(n, elements // MIN_ELEMENTS)
     threads = min(num_threads(), most) if most > 1 else 1  # small passes skip the env read
+    if cached and n > 1 and elements > CACHE_ELEMENTS:
+        step = max(1, CACHE_ELEMENTS * n // elements)
+        inner = fn
+
+        def fn(lo: int, hi: int) -> None:
+            for start in range(lo, hi, step):
+                inner(start, min(hi, start + step))
+
     if threads <= 1:
         fn(0, n)
         return
-    _run_chunks(n, threads, fn)
+    run_chunks(n, threads, fn)
+
+
+# Note [cache-sized pieces]
+# A pass of several ufuncs over arrays of many MiB streams every temporary through memory:
+# the relu gradient's four ufuncs over a 6 MiB activation took 1.0 ms with the arrays in
+# cache and 2.9 ms as one pass from memory here. Walked in pieces of CACHE_ELEMENTS
+# elements, each piece's temporaries stay in the core's L2, and only the pass's real inputs
+# and outputs cross the memory bus. Pieces are whole rows of the split axis (samples).
+CACHE_ELEMENTS = 1 << 18
 
 
 # Note [scratch buffers]
@@ -143,7 +163,7 @@ def _blas_controllers() -> list[Any]:
 
 
 @contextmanager
-def _single_threaded_blas() -> Iterator[None]:
+def single_threaded_blas() -> Iterator[None]:
     """BLAS on one thread within the block (nested and concurrent blocks share it)."""
     global _blas_depth, _blas_saved
     libs = _blas_controllers()
@@ -192,7 +212,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarr
     if not _blas_controllers():
         return np.matmul(a, b)
     if m * n * k < MIN_GEMM_FLOPS:
-        with _single_threaded_blas():  # leaves no BLAS thread spinning after it
+        with single_threaded_blas():  # leaves no BLAS thread spinning after it
             if out_tag is None:
                 return np.matmul(a, b)
             shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
@@ -209,16 +229,16 @@ def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarr
             else:
                 np.matmul(a[..., lo:hi, :], b, out=out[..., lo:hi, :])
 
-    with _single_threaded_blas():
+    with single_threaded_blas():
         threads = min(num_threads(), len(blocks))
         if threads <= 1:
             run(0, len(blocks))
         else:
-            _run_chunks(len(blocks), threads, run)
+            run_chunks(len(blocks), threads, run)
     return out
 
 
-def _run_chunks(n: int, threads: int, fn: Callable[[int, int], None]) -> None:
+def run_chunks(n: int, threads: int, fn: Callable[[int, int], None]) -> None:
     ranges = chunks(n, threads)
     futures = [_executor(threads - 1).submit(fn, lo, hi) for lo, hi in ranges[1:]]
     first_error: BaseException | None = None

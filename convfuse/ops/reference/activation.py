@@ -52,6 +52,7 @@ import numpy as np
 from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
+from . import _threads
 
 _SQRT1_2 = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -234,13 +235,14 @@ def _gelu_grad(dy: np.ndarray, z: np.ndarray) -> np.ndarray:
     return dy * (_gelu_cdf(z) + z * pdf)
 
 
-def _relu_grad(dy: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _relu_grad(dy: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """dy where y is not <= 0 (so a NaN y passes dy on, as torch's threshold_backward),
     else +0; placed with a bit mask, which runs branch-free (Note [edge values])."""
     bits = np.dtype(f"u{dy.dtype.itemsize}")
     mask = np.less_equal(y, 0).astype(bits)
     mask -= 1  # True -> 0, False -> all ones
-    out = np.empty(dy.shape, dy.dtype)
+    if out is None:
+        out = np.empty(dy.shape, dy.dtype)
     np.bitwise_and(dy.view(bits), mask, out=out.view(bits))
     return out
 
@@ -281,16 +283,52 @@ def finish(result: np.ndarray, dtype: np.dtype, out: np.ndarray | None = None,
     return out
 
 
-def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str) -> np.ndarray:
-    cd = compute_dtype(dy.dtype)
-    if act == "identity":
-        return dy.astype(cd)
-    if saved is None:
+def _check_saved(saved: np.ndarray | None, act: str) -> None:
+    if act != "identity" and saved is None:
         what = "pre-activation z" if acts.saves(act) == "preactivation" else "output y"
         raise ValueError(f"activation_backward for {act!r} needs saved= (the {what})")
-    return _BACKWARD[act](dy.astype(cd, copy=False), saved.astype(cd, copy=False)).astype(
-        cd, copy=False
-    )
+
+
+def _backward_piece(dy: np.ndarray, saved: np.ndarray | None, act: str, dz: np.ndarray
+                    ) -> None:
+    """dz (compute dtype) = the activation's backward of one piece."""
+    cd = dz.dtype
+    if act == "identity":
+        dz[...] = dy
+    elif act == "relu" and dy.dtype == cd and saved is not None:
+        _relu_grad(dy, saved, out=dz)
+    else:
+        assert saved is not None
+        dz[...] = _BACKWARD[act](dy.astype(cd, copy=False), saved.astype(cd, copy=False))
+
+
+def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str,
+                 sum_axes: tuple[int, ...] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray | None]:
+    """(dz, per-sample sums): dz in the compute dtype, computed in cache-sized pieces of
+    samples on the engine's threads (_threads Note [cache-sized pieces]); with `sum_axes`
+    (the axes a bias gradient sums over, 0 included) also dz summed over them but axis 0,
+    one row per sample, so their total does not depend on how the batch was split."""
+    _check_saved(saved, act)
+    cd = compute_dtype(dy.dtype)
+    dz = np.empty(dy.shape, cd)
+    n = dy.shape[0] if dy.ndim else 1
+    rows = None
+    if sum_axes is not None:
+        inner = tuple(a for a in sum_axes if a != 0)
+        keep = [d for a, d in enumerate(dy.shape) if a not in sum_axes]
+        rows = np.empty((n, *keep), cd)
+    if dy.ndim == 0:
+        _backward_piece(dy, saved, act, dz)
+        return dz, None
+
+    def run(lo: int, hi: int) -> None:
+        _backward_piece(dy[lo:hi], None if saved is None else saved[lo:hi], act, dz[lo:hi])
+        if rows is not None:
+            np.sum(dz[lo:hi], axis=inner, out=rows[lo:hi])
+
+    _threads.parallel_for(n, dy.size, run, cached=True)
+    return dz, rows
 
 
 def activation_forward(z: np.ndarray, activation: str | None,
@@ -304,7 +342,7 @@ def activation_backward(dy: np.ndarray, saved: np.ndarray | None, activation: st
                         out: np.ndarray | None = None) -> np.ndarray:
     """dz = dy * act'(z), from `saved` = y or z per Note [what backward saves]."""
     act = acts.normalize(activation)
-    return finish(_backward_cd(dy, saved, act), dy.dtype, out)
+    return finish(_backward_cd(dy, saved, act)[0], dy.dtype, out)
 
 
 def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activation: str | None,
@@ -314,6 +352,6 @@ def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activatio
 
     db sums the compute-dtype dz before it is rounded, as a fused GPU kernel would.
     """
-    dz = _backward_cd(dy, saved, acts.normalize(activation))
-    db = dz.sum(axis=geom.reduce_axes)
-    return finish(dz, dy.dtype), finish(db, dy.dtype, db_out, beta)
+    dz, rows = _backward_cd(dy, saved, acts.normalize(activation), geom.reduce_axes)
+    assert rows is not None
+    return finish(dz, dy.dtype), finish(rows.sum(axis=0), dy.dtype, db_out, beta)

@@ -97,7 +97,7 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     depend on x), in evaluation dx = dz * weight * invstd.
     """
     cd = compute_dtype(x.dtype)
-    dz = _backward_cd(dy, saved, activation)
+    dz = _backward_cd(dy, saved, activation)[0]
     xhat = _normalised(x, mean, invstd, g)
     dbias = dz.sum(axis=g.reduce_axes)
     dweight = (dz * xhat).sum(axis=g.reduce_axes)

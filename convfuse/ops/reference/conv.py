@@ -41,7 +41,7 @@ import numpy as np
 from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
-from . import _threads
+from . import _threads, conv_flat
 from .activation import apply_activation, finish
 
 
@@ -151,6 +151,7 @@ class KeptColumns:
     x: Any
     geom: ConvGeometry | None = None
     cols: np.ndarray | None = None
+    kind: str = "columns"  # or "flat": conv_flat's padded input F
 
 
 def kept_bytes() -> int:
@@ -196,18 +197,24 @@ def given_columns(kept: KeptColumns | None) -> Iterator[None]:
         _local.given = outer
 
 
-def _keep(x: np.ndarray, geom: ConvGeometry, cols: np.ndarray) -> None:
+def _keep(x: np.ndarray, geom: ConvGeometry, cols: np.ndarray, kind: str) -> None:
     box = getattr(_local, "keep", None)
     if box is None or box.x is not x or box.cols is not None or not _reserve(cols.nbytes):
         return
     weakref.finalize(cols, _release, cols.nbytes)
-    box.geom, box.cols = geom, cols
+    box.geom, box.cols, box.kind = geom, cols, kind
 
 
-def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray | None:
+def _keeping(x: np.ndarray) -> bool:
+    """Whether a forward on x runs inside keep_columns(x) with its box still empty."""
+    box = getattr(_local, "keep", None)
+    return box is not None and box.x is x and box.cols is None
+
+
+def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, kind: str) -> np.ndarray | None:
     kept = getattr(_local, "given", None)
     if (kept is None or kept.x is not x or kept.cols is None or kept.geom != geom
-            or kept.cols.dtype != cd):
+            or kept.cols.dtype != cd or kept.kind != kind):
         return None
     return kept.cols
 
@@ -230,33 +237,54 @@ def _output_matrix(dz: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarr
     return dzm.reshape(geom.groups, geom.out_channels // geom.groups, -1)
 
 
-def _finish_output(ym: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
-                   epilogue: Callable[[np.ndarray, int, int], np.ndarray] | None = None
-                   ) -> np.ndarray:
-    """(G, K/G, N*prod(out)) -> a new C-contiguous array in the geometry's layout and `dtype`.
+def _gemm_view(ym: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """(N, K, *out) view of a (G, K/G, N*prod(out)) GEMM result."""
+    return ym.reshape(geom.out_channels, geom.batch, *geom.output_spatial).swapaxes(0, 1)
 
-    One threaded pass per batch chunk: the chunk is transposed to (n, K, *out) while still
-    in the compute dtype, `epilogue(z, lo, hi)` (bias, residual, activation) turns it into
-    the chunk's final values, and the store rounds it to `dtype` once.
+
+def _finish_output(src: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
+                   epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None
+                   ) -> np.ndarray:
+    """An (N, K, *out) view of a GEMM result -> a new C-contiguous array in the geometry's
+    layout and `dtype`.
+
+    One threaded pass per batch chunk: `epilogue(src, dst, lo, hi)` (bias, residual,
+    activation) writes the chunk's final values into dst, computed in src's (the compute)
+    dtype; when `dtype` is narrower, dst is a temporary and the store rounds it once.
     """
-    src = ym.reshape(geom.out_channels, geom.batch, *geom.output_spatial).swapaxes(0, 1)
     out = np.empty(geom.output_shape, dtype)
     out_cf = _channels_first(out, geom.channels_last)  # (N, K, *out) view
 
     def run(lo: int, hi: int) -> None:
+        dst = out_cf[lo:hi]
         if epilogue is None:
-            out_cf[lo:hi] = src[lo:hi]
+            dst[...] = src[lo:hi]
+        elif dst.dtype == src.dtype:
+            epilogue(src[lo:hi], dst, lo, hi)
         else:
-            out_cf[lo:hi] = epilogue(np.ascontiguousarray(src[lo:hi]), lo, hi)
+            tmp = np.empty(dst.shape, src.dtype)
+            epilogue(src[lo:hi], tmp, lo, hi)
+            dst[...] = tmp
 
     _threads.parallel_for(geom.batch, out.size, run)
     return out
 
 
-def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
+def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+                  tag: str = "conv_y") -> np.ndarray:
+    """conv(x, w) before the epilogue, as an (N, K, *out) view of a scratch buffer."""
+    xc = _channels_first(x, geom.channels_last)
+    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    if layout is not None:  # Note [flat padded convolution]
+        keep = _keeping(x)
+        flat = conv_flat.flat_input(xc, geom, layout, cd, tag=None if keep else "conv_x_flat")
+        if keep:
+            _keep(x, geom, flat, "flat")
+        ym = conv_flat.flat_conv(flat, _weight_matrix(w, geom, cd), geom, layout, tag)
+        return conv_flat.output_view(ym, geom, layout)
     cols = _columns(x, geom, cd)
-    _keep(x, geom, cols)
-    return _threads.matmul(_weight_matrix(w, geom, cd), cols, out_tag="conv_y")
+    _keep(x, geom, cols, "columns")
+    return _gemm_view(_threads.matmul(_weight_matrix(w, geom, cd), cols, out_tag=tag), geom)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -289,17 +317,23 @@ def conv_bias_act(
     z_out = np.empty(geom.output_shape, x.dtype) if acts.saves(act) == "preactivation" else None
     z_cf = None if z_out is None else _channels_first(z_out, geom.channels_last)
 
-    def epilogue(z: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def epilogue(src: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
+        if bias is None and res_cf is None and z_cf is None and act == "relu":
+            np.maximum(src, 0, out=dst)  # the common case: one pass
+            return
         if bias is not None:
-            z += bias
+            np.add(src, bias, out=dst)
+        else:
+            np.copyto(dst, src)
         if res_cf is not None:
             r = res_cf[lo:hi].astype(cd, copy=False)
-            z += r if scale == 1 else scale * r  # 1 * r == r exactly: skip the pass
+            dst += r if scale == 1 else scale * r  # 1 * r == r exactly: skip the pass
         if z_cf is not None:
-            z_cf[lo:hi] = z
-        if act == "relu":  # the common case, in place: z is this chunk's own buffer
-            return np.maximum(z, 0, out=z)
-        return apply_activation(z, act)
+            z_cf[lo:hi] = dst
+        if act == "relu":
+            np.maximum(dst, 0, out=dst)
+        elif act != "identity":
+            dst[...] = apply_activation(dst, act)
 
     y = _finish_output(_forward_gemm(x, w, geom, cd), geom, x.dtype, epilogue)
     return y, z_out
@@ -343,10 +377,18 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     cd = compute_dtype(dz.dtype)
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
-        dcols = _columns(dz, tgeom, cd, tag="conv_dz_cols")
-        dxm = _threads.matmul(_flipped_weight_matrix(w, geom, cd), dcols, out_tag="conv_dx")
+        wt = _flipped_weight_matrix(w, geom, cd)
+        layout = conv_flat.flat_layout(tgeom, cd.itemsize)
+        if layout is not None:  # Note [flat padded convolution]
+            flat = conv_flat.flat_input(_channels_first(dz, geom.channels_last), tgeom,
+                                        layout, cd, tag="conv_dz_flat")
+            src = conv_flat.output_view(conv_flat.flat_conv(flat, wt, tgeom, layout, "conv_dx"),
+                                        tgeom, layout)
+        else:
+            dcols = _columns(dz, tgeom, cd, tag="conv_dz_cols")
+            src = _gemm_view(_threads.matmul(wt, dcols, out_tag="conv_dx"), tgeom)
         dtype = dz.dtype if out is None else cd
-        return finish(_finish_output(dxm, tgeom, dtype), dz.dtype, out, beta)
+        return finish(_finish_output(src, tgeom, dtype), dz.dtype, out, beta)
     wm = _weight_matrix(w, geom, cd)
     dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
     slices = _offset_slices(geom)
@@ -378,10 +420,23 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
                          out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
-    cols = _given(x, geom, cd)
-    if cols is None:
-        cols = _columns(x, geom, cd, tag="conv_x_cols")
-    dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))  # (G, K/G, C/G*k)
+    dw = None
+    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    if layout is not None:  # Note [flat padded convolution]
+        flat = _given(x, geom, cd, "flat")
+        if flat is None:
+            flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout,
+                                        cd, tag="conv_x_flat")
+        dzq = conv_flat.flat_output(_channels_first(dz, geom.channels_last), geom, layout, cd,
+                                    tag="conv_dz_q")
+        dw = conv_flat.flat_filter_grad(flat, dzq, geom, layout)
+        if not np.isfinite(dw).all():
+            dw = None  # maybe a gap output's 0 * inf: the exact path decides
+    if dw is None:
+        cols = _given(x, geom, cd, "columns")
+        if cols is None:
+            cols = _columns(x, geom, cd, tag="conv_x_cols")
+        dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
         dw = np.moveaxis(dw, 1, -1)
