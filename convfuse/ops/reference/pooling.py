@@ -21,12 +21,11 @@ for parity with cuDNN's poolingBackward and is not read.
 Note [unique winners]
 When windows tile the input (stride == kernel, no padding) and every window's maximum is
 held by exactly one element, that element is the winner whatever the tie rules say. The
-backward then finds all winners at once: recompute y (one np.maximum per offset), compare
-x with y broadcast over its window (one pass), and count the hits. A window without NaN
-holds its own maximum, so it has at least one hit; with no NaN in y, a count equal to the
-number of windows proves exactly one hit each. Any NaN, tie or all -inf window sends the
-piece to the per-offset walk below (Note [max-pool ties]). About five passes over the
-piece instead of nine per offset.
+backward then needs no running walk: recompute y (one np.maximum per offset), compare
+each offset's elements with y, and count the hits. A window without NaN holds its own
+maximum, so it has at least one hit; with no NaN in y, a count equal to the number of
+windows proves exactly one hit each. Any NaN, tie or all -inf window sends the piece to
+the walk of _max_winners (Note [max-pool ties]). Five passes per offset instead of nine.
 
 Note [branch-free masks]
 np.copyto(..., where=mask) and boolean indexing branch per element, and a max-pool mask is
@@ -125,17 +124,7 @@ def _avg_forward(xp: np.ndarray, out: np.ndarray, offsets: list, window: int) ->
 def _max_winners(xp: np.ndarray, pg: PoolGeometry, offsets: list) -> np.ndarray:
     """Per output position, the offset index of the element that gets its gradient.
 
-    Branch-free (Note [unique winners]
-When windows tile the input (stride == kernel, no padding) and every window's maximum is
-held by exactly one element, that element is the winner whatever the tie rules say. The
-backward then finds all winners at once: recompute y (one np.maximum per offset), compare
-x with y broadcast over its window (one pass), and count the hits. A window without NaN
-holds its own maximum, so it has at least one hit; with no NaN in y, a count equal to the
-number of windows proves exactly one hit each. Any NaN, tie or all -inf window sends the
-piece to the per-offset walk below (Note [max-pool ties]). About five passes over the
-piece instead of nine per offset.
-
-Note [branch-free masks]): an element that takes over has a larger offset
+    Branch-free (Note [branch-free masks]): an element that takes over has a larger offset
     index than any earlier winner (offsets are walked in order, and the initial winner is
     the first real element), so the index is a running maximum of take * i.
     """
@@ -161,17 +150,7 @@ Note [branch-free masks]): an element that takes over has a larger offset
 
 def _scatter_winners(target: np.ndarray, d: np.ndarray, arg: np.ndarray, offsets: list,
                      overlap: bool) -> None:
-    """target[offset i] (+)= d where arg == i, with bit masks (Note [unique winners]
-When windows tile the input (stride == kernel, no padding) and every window's maximum is
-held by exactly one element, that element is the winner whatever the tie rules say. The
-backward then finds all winners at once: recompute y (one np.maximum per offset), compare
-x with y broadcast over its window (one pass), and count the hits. A window without NaN
-holds its own maximum, so it has at least one hit; with no NaN in y, a count equal to the
-number of windows proves exactly one hit each. Any NaN, tie or all -inf window sends the
-piece to the per-offset walk below (Note [max-pool ties]). About five passes over the
-piece instead of nine per offset.
-
-Note [branch-free masks])."""
+    """target[offset i] (+)= d where arg == i, with bit masks (Note [branch-free masks])."""
     bits = np.dtype(f"u{d.dtype.itemsize}")
     d_bits = d.view(bits)
     hit = np.empty(arg.shape, bool)
@@ -194,34 +173,22 @@ def _tiled(pg: PoolGeometry) -> bool:
     return not any(pg.padding) and pg.stride == pg.kernel_size
 
 
-def _window_view(a: np.ndarray, pg: PoolGeometry) -> np.ndarray:
-    """(n, c, O0, k0, O1, k1, ...): a channels-first array's windows, a view (tiled only)."""
-    crop = a[(slice(None), slice(None), *(slice(0, o * k) for o, k in
-                                          zip(pg.output_spatial, pg.kernel_size, strict=True)))]
-    split = [d for o, k in zip(pg.output_spatial, pg.kernel_size, strict=True) for d in (o, k)]
-    return crop.reshape(*a.shape[:2], *split)
-
-
-def _per_window(a: np.ndarray) -> np.ndarray:
-    """(n, c, O0, 1, O1, 1, ...): an output-shaped array broadcast over its windows."""
-    return a.reshape(*a.shape[:2], *[d for o in a.shape[2:] for d in (o, 1)])
-
-
-def _scatter_unique(target: np.ndarray, d: np.ndarray, x: np.ndarray, pg: PoolGeometry,
-                    offsets: list) -> bool:
+def _scatter_unique(target: np.ndarray, d: np.ndarray, x: np.ndarray, offsets: list) -> bool:
     """Note [unique winners]: target (zeroed) gets d at each window's only maximal element;
     False, writing nothing, when some window has none or several (NaN, ties)."""
     best = np.empty(d.shape, x.dtype)
     _max_forward(x, best, offsets)
     if np.isnan(best).any():  # a NaN window has no hit, which another's tie could offset
         return False
-    hit = np.equal(_window_view(x, pg), _per_window(best))
-    if np.count_nonzero(hit) != best.size:  # ties (all -inf included)
+    hits = [np.equal(x[where], best) for where in offsets]
+    if sum(np.count_nonzero(hit) for hit in hits) != best.size:  # ties (all -inf included)
         return False
     bits = np.dtype(f"u{d.dtype.itemsize}")
-    mask = hit.astype(bits)
-    np.negative(mask, out=mask)  # 1 -> all ones, 0 -> 0
-    np.bitwise_and(_per_window(d).view(bits), mask, out=_window_view(target, pg).view(bits))
+    d_bits, mask = d.view(bits), np.empty(d.shape, bits)
+    for hit, where in zip(hits, offsets, strict=True):
+        np.copyto(mask, hit, casting="unsafe")
+        np.negative(mask, out=mask)  # 1 -> all ones, 0 -> 0
+        np.bitwise_and(d_bits, mask, out=target[where].view(bits))
     return True
 
 
@@ -264,7 +231,7 @@ def pool_backward(dy: np.ndarray, x: np.ndarray, y: np.ndarray, pg: PoolGeometry
         if pg.mode == "max":
             d = np.ascontiguousarray(d)
             xp = _padded(xc[lo:hi], pg, -np.inf, cd)
-            if tiled and _scatter_unique(target, d, xp, pg, offsets):
+            if tiled and _scatter_unique(target, d, xp, offsets):
                 return
             _scatter_winners(target, d, _max_winners(xp, pg, offsets), offsets, overlap)
         else:
