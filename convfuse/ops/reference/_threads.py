@@ -27,11 +27,12 @@ during the engine's GEMMs, and restored after.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,10 @@ MIN_ELEMENTS = 1 << 16
 
 # A GEMM below this many multiply-adds runs as one call (splitting costs ~50 us).
 MIN_GEMM_FLOPS = 1 << 24
+# OpenBLAS runs a GEMM below 65536 * GEMM_MULTITHREAD_THRESHOLD (4 by default) multiply-adds
+# on one thread whatever its setting (interface/gemm.c), so for these the ~15 us of
+# switching BLAS to one thread and back (threadpoolctl) buys nothing.
+TINY_GEMM_FLOPS = 1 << 16
 GEMM_BLOCKS = 16  # blocks per split GEMM: enough to balance 2-8 threads
 GEMM_ALIGN = 64  # block widths are multiples of BLAS kernels' tile sizes
 
@@ -196,7 +201,7 @@ def gemm_blocks(n: int) -> list[tuple[int, int]]:
 def scratch(tag: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array for a transient result of the calling thread, reused across
     calls (Note [scratch buffers]); tags name the use, so two live ones never share."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if not SCRATCH_MIN_BYTES <= nbytes <= SCRATCH_MAX_BYTES:
         return np.empty(shape, dtype)
     cache = getattr(_scratch_local, "cache", None)
@@ -215,7 +220,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarr
     if not _blas_controllers():
         return np.matmul(a, b)
     if m * n * k < MIN_GEMM_FLOPS:
-        with single_threaded_blas():  # leaves no BLAS thread spinning after it
+        with single_threaded_blas() if m * n * k >= TINY_GEMM_FLOPS else nullcontext():
             if out_tag is None:
                 return np.matmul(a, b)
             shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n)
