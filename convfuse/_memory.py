@@ -5,8 +5,9 @@ stating the bytes needed. The default limit (None) is the device's total memory:
 RAM on the CPU, the GPU's total memory on CUDA. Layers check their parameters at
 construction and their outputs once per input shape (when the geometry is built), so the
 check costs nothing per call. On the CPU a convolution also checks the reference engine's
-im2col buffer (C * prod(kernel) * N * prod(output spatial) elements in the compute dtype),
-usually its largest temporary.
+largest temporaries: for stride 1 the padded flat input and the result at every output
+position (ops/reference/conv_flat.py), otherwise the im2col buffer (C * prod(kernel) * N *
+prod(output spatial) elements in the compute dtype).
 """
 
 from __future__ import annotations
@@ -69,11 +70,20 @@ def check_bytes(shape: Sequence[int], dtype: Any, device: str, what: str) -> Non
 
 
 def check_conv(geom: Any, dtype: Any, device: str) -> None:
-    """A convolution's output, and on the CPU the reference engine's im2col buffer."""
+    """A convolution's output, and on the CPU the reference engine's largest buffers."""
     from .dtypes import compute_dtype
+    from .ops.reference.conv_flat import flat_layout
 
     check_bytes(geom.output_shape, dtype, device, "output")
     if device == "cpu":
+        cd = compute_dtype(dtype)
+        layout = flat_layout(geom, cd.itemsize)
+        if layout is not None:
+            check_bytes((geom.in_channels, layout.length), cd, device,
+                        "the CPU engine's padded input")
+            check_bytes((geom.out_channels, layout.positions), cd, device,
+                        "the CPU engine's GEMM result")
+            return
         cols = (geom.in_channels * math.prod(geom.kernel_size), geom.batch,
                 *geom.output_spatial)
-        check_bytes(cols, compute_dtype(dtype), device, "the CPU engine's im2col buffer")
+        check_bytes(cols, cd, device, "the CPU engine's im2col buffer")

@@ -281,11 +281,22 @@ def test_activation_ops_type_the_activation(call):
 
 
 def test_the_cpu_engines_im2col_buffer_is_checked_too():
-    conv = cf.Conv2d(4, 1, 5, padding=2, device="cpu")  # output 4 KiB, im2col 100 KiB
+    conv = cf.Conv2d(4, 1, 5, padding=2, stride=2, device="cpu")  # im2col 100 KiB
     with cf.config.flags(max_array_bytes=20_000), \
             pytest.raises(ArrayTooLargeError, match=r"^Conv2d: the CPU engine's im2col buffer"
-                                                    r" of shape \(100, 1, 32, 32\)"):
+                                                    r" of shape \(100, 1, 16, 16\)"):
         conv(np.ones((1, 4, 32, 32), np.float32))
+
+
+def test_the_cpu_engines_padded_input_is_checked_for_stride_1():
+    # no im2col for stride 1: the padded flat input, 4 rows of 70 + 34*34 + 140 elements
+    conv = cf.Conv2d(4, 1, 5, padding=2, device="cpu")
+    with cf.config.flags(max_array_bytes=20_000), \
+            pytest.raises(ArrayTooLargeError, match=r"^Conv2d: the CPU engine's padded input"
+                                                    r" of shape \(4, 1366\)"):
+        conv(np.ones((1, 4, 32, 32), np.float32))
+    with cf.config.flags(max_array_bytes=22_000):
+        assert conv(np.ones((1, 4, 32, 32), np.float32)).shape == (1, 1, 32, 32)
 
 
 def test_module_api_arguments_are_typed():
