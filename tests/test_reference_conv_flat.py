@@ -135,3 +135,21 @@ def test_the_forward_keeps_its_flat_input_for_the_filter_gradient(monkeypatch):
         dy, ctx.__class__(**{**ctx.__dict__, "columns": None}), need_dx=False)
     assert calls == [None, "conv_x_flat"]
     np.testing.assert_array_equal(got.dweight, plain.dweight)
+
+
+@pytest.mark.parametrize(("partials", "partial_bytes"), [(3, 1 << 30), (16, 1)])
+def test_filter_gradient_sums_blocks_in_fixed_runs(small_blocks, monkeypatch, partials,
+                                                   partial_bytes):
+    """Runs of several blocks per partial (PARTIALS), or one run when the weight-sized
+    partials would pass PARTIAL_BYTES: the same gradient, any thread count."""
+    monkeypatch.setattr(conv_flat, "PARTIALS", partials)
+    monkeypatch.setattr(conv_flat, "PARTIAL_BYTES", partial_bytes)
+    x, w, dy, g = _case((2, 4, 6, 7), 6, 3, 1, 1, 2, False)
+    assert len(conv_flat.flat_layout(g, 8).blocks()) > 3 * min(partials, 3)
+    want = naive.conv_backward_filter(x, dy, w.shape, stride=1, padding=1, groups=2)
+    got = []
+    for n in (1, 2):
+        _threads.set_num_threads(n)
+        got.append(rc.conv_backward_filter(x, dy, g))
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_allclose(got[0], want, rtol=1e-12, atol=1e-12)

@@ -22,8 +22,9 @@ away; they read only x and zeros. The filter gradient gives them dz = 0, so they
 nothing, unless x holds an inf or NaN that a gap output reads (0 * inf = NaN): a dw that
 is not all finite is therefore recomputed by the exact im2col path (conv.py).
 
-Blocks are fixed by the shape alone and the filter gradient's per-block partial sums are
-added in block order, so results do not depend on the thread count.
+Blocks are fixed by the shape alone, and the filter gradient adds them up in fixed runs of
+consecutive blocks whose partial sums are then added in order, so results do not depend on
+the thread count.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ from . import _threads
 BLOCK_BYTES = 1 << 20
 MIN_BLOCK, MAX_BLOCK = 256, 8192
 BLOCK_ALIGN = 64
+# The filter gradient sums the blocks in at most PARTIALS fixed runs (fixed by the shape, so
+# the thread count changes no bit), each run's sum a weight-sized partial; at most
+# PARTIAL_BYTES of them (a 512x512x3x3 conv's weight is 9 MiB).
+PARTIALS = 16
+PARTIAL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,8 @@ def flat_input(x_cf: np.ndarray, geom: ConvGeometry, layout: FlatLayout, cd: np.
     images = _image_view(flat, layout, layout.lead, geom.batch)
 
     def run(lo: int, hi: int) -> None:
-        if lo == 0:
-            flat[:, :layout.lead] = 0
-        if hi == c:
-            flat[:, layout.lead + layout.positions:] = 0
+        flat[lo:hi, :layout.lead] = 0
+        flat[lo:hi, layout.lead + layout.positions:] = 0
         part = images[lo:hi]
         part[...] = 0  # the gaps; the x region is overwritten next
         part[inner] = x_cf[:, lo:hi].swapaxes(0, 1)
@@ -196,21 +200,29 @@ def flat_filter_grad(flat: np.ndarray, dzq: np.ndarray, geom: ConvGeometry,
     g, kg = geom.groups, geom.out_channels // geom.groups
     rows = (geom.in_channels // g) * math.prod(geom.kernel_size)
     blocks = layout.blocks()
-    partial = np.empty((len(blocks), g, kg, rows), flat.dtype)
+    weight_bytes = g * kg * rows * flat.itemsize
+    groups = _threads.chunks(len(blocks), max(1, min(PARTIALS, PARTIAL_BYTES // weight_bytes)))
+    partial = np.empty((len(groups), g, kg, rows), flat.dtype)
     views = _column_views(flat, layout, geom)
 
     def run(first: int, last: int) -> None:
         buf = _column_buffer(geom, layout, flat.dtype)
+        tmp = np.empty((kg, rows), flat.dtype)
         # a gap output's 0 * inf is thrown away by the caller: no warning for it
         with np.errstate(invalid="ignore", over="ignore"):
-            for b in range(first, last):
-                lo, hi = blocks[b]
-                for grp in range(g):
-                    cols = _block_columns(views[grp], lo, hi, buf)
-                    np.matmul(dzq[grp * kg:(grp + 1) * kg, lo:hi], cols.T,
-                              out=partial[b, grp])
+            for s in range(first, last):
+                for b in range(*groups[s]):
+                    lo, hi = blocks[b]
+                    for grp in range(g):
+                        cols = _block_columns(views[grp], lo, hi, buf)
+                        dz_block = dzq[grp * kg:(grp + 1) * kg, lo:hi]
+                        if b == groups[s][0]:
+                            np.matmul(dz_block, cols.T, out=partial[s, grp])
+                        else:
+                            np.matmul(dz_block, cols.T, out=tmp)
+                            partial[s, grp] += tmp
 
-    _run_blocks(len(blocks), kg * rows * layout.positions * g, run)
+    _run_blocks(len(groups), kg * rows * layout.positions * g, run)
     with np.errstate(invalid="ignore", over="ignore"):
         return partial.sum(axis=0)
 
