@@ -223,11 +223,16 @@ def pool_backward(dy: np.ndarray, x: np.ndarray, y: np.ndarray, pg: PoolGeometry
     offsets = _offsets(pg)
     overlap = any(s < k for s, k in zip(pg.stride, pg.kernel_size, strict=True))
     tiled = _tiled(pg)
+    # max-pool tiles covering every element write each one exactly once (both paths)
+    covered = tiled and pg.mode == "max" and all(
+        o * k == n for o, k, n in zip(pg.output_spatial, pg.kernel_size,
+                                      pg.input_shape_cf[2:], strict=True))
 
     def run(lo: int, hi: int) -> None:
         d = dyc[lo:hi].astype(cd, copy=False)
         target = dxp[lo:hi]
-        target.fill(0)  # here, so the piece is still in cache when the scatter writes it
+        if not covered:
+            target.fill(0)  # here, so the piece is in cache when the scatter writes it
         if pg.mode == "max":
             d = np.ascontiguousarray(d)
             xp = _padded(xc[lo:hi], pg, -np.inf, cd)
