@@ -11,9 +11,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCH / "fused_vs_unfused.py"
 sys.path.insert(0, str(BENCH))
 
-from bench import (  # noqa: E402
-    biasgrad, cases, checks, engine, peaks, roofline, suite, timing,
-)
+from bench import biasgrad, cases, checks, engine, peaks, roofline, suite, timing  # noqa: E402
 
 __all__ = ["BENCH", "SCRIPT", "biasgrad", "cases", "checks", "engine", "peaks", "roofline",
            "suite", "timing"]

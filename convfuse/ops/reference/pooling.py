@@ -18,14 +18,14 @@ the backward recomputes the winners from x in one pass per offset, which costs l
 keeping indices between calls would save, and keeps the engine stateless. y is accepted
 for parity with cuDNN's poolingBackward and is not read.
 
-Note [unique winners]
-When windows tile the input (stride == kernel, no padding) and every window's maximum is
-held by exactly one element, that element is the winner whatever the tie rules say. The
-backward then needs no running walk: recompute y (one np.maximum per offset), compare
-each offset's elements with y, and count the hits. A window without NaN holds its own
-maximum, so it has at least one hit; with no NaN in y, a count equal to the number of
-windows proves exactly one hit each. Any NaN, tie or all -inf window sends the piece to
-the walk of _max_winners (Note [max-pool ties]). Five passes per offset instead of nine.
+Note [first maximal element]
+When windows tile the input (stride == kernel, no padding) and hold no NaN, the winner of
+a window is simply its first element equal to the window's maximum: the walk below only
+ever replaces its winner by a strictly greater element, and padding, which could hold the
+maximum -inf, does not occur. The backward then recomputes y (one np.maximum per offset)
+and takes, offset by offset, the elements equal to y that no earlier offset matched:
+ties at zero, which every ReLU before a max-pool makes common, cost nothing extra. Six
+passes per offset instead of ten; a NaN window sends its piece to the walk.
 
 Note [branch-free masks]
 np.copyto(..., where=mask) and boolean indexing branch per element, and a max-pool mask is
@@ -173,20 +173,22 @@ def _tiled(pg: PoolGeometry) -> bool:
     return not any(pg.padding) and pg.stride == pg.kernel_size
 
 
-def _scatter_unique(target: np.ndarray, d: np.ndarray, x: np.ndarray, offsets: list) -> bool:
-    """Note [unique winners]: target (zeroed) gets d at each window's only maximal element;
-    False, writing nothing, when some window has none or several (NaN, ties)."""
+def _scatter_first(target: np.ndarray, d: np.ndarray, x: np.ndarray, offsets: list) -> bool:
+    """Note [first maximal element]: target gets d at each window's first maximal element;
+    False, writing nothing, when a window holds NaN."""
     best = np.empty(d.shape, x.dtype)
     _max_forward(x, best, offsets)
-    if np.isnan(best).any():  # a NaN window has no hit, which another's tie could offset
-        return False
-    hits = [np.equal(x[where], best) for where in offsets]
-    if sum(np.count_nonzero(hit) for hit in hits) != best.size:  # ties (all -inf included)
+    if np.isnan(best).any():  # NaN windows follow the walk's last-NaN rule
         return False
     bits = np.dtype(f"u{d.dtype.itemsize}")
     d_bits, mask = d.view(bits), np.empty(d.shape, bits)
-    for hit, where in zip(hits, offsets, strict=True):
-        np.copyto(mask, hit, casting="unsafe")
+    hit, first, taken = (np.empty(d.shape, bool) for _ in range(3))
+    taken.fill(False)
+    for where in offsets:
+        np.equal(x[where], best, out=hit)
+        np.greater(hit, taken, out=first)  # a hit where no earlier offset had one
+        taken |= hit
+        np.copyto(mask, first, casting="unsafe")
         np.negative(mask, out=mask)  # 1 -> all ones, 0 -> 0
         np.bitwise_and(d_bits, mask, out=target[where].view(bits))
     return True
@@ -236,7 +238,7 @@ def pool_backward(dy: np.ndarray, x: np.ndarray, y: np.ndarray, pg: PoolGeometry
         if pg.mode == "max":
             d = np.ascontiguousarray(d)
             xp = _padded(xc[lo:hi], pg, -np.inf, cd)
-            if tiled and _scatter_unique(target, d, xp, offsets):
+            if tiled and _scatter_first(target, d, xp, offsets):
                 return
             _scatter_winners(target, d, _max_winners(xp, pg, offsets), offsets, overlap)
         else:
