@@ -1,6 +1,7 @@
 """Stride-1 convolutions on the flat padded input (reference/conv_flat.py Note [flat padded
-convolution]): naive loops as the oracle, blocks small enough to split tiny problems, any
-thread count bitwise the same, and the filter gradient safe from gap outputs' 0 * inf."""
+convolution], Note [by images]): naive loops as the oracle for both forms, blocks small
+enough to split tiny problems, any thread count bitwise the same, and the filter gradient
+safe from gap outputs' 0 * inf."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ CASES = [
     ((2, 3, 4, 5), 4, 1, 0, 1, 1),  # 1x1
     ((1, 2, 4, 5, 3), 2, (3, 3, 1), (1, 1, 0), 1, 2),
 ]
+
+
+@pytest.fixture(params=["flat", "images"])
+def form(request, monkeypatch):
+    """Both forms of a stride-1 conv: all positions in blocks, or image by image (where the
+    layout allows it: channels first)."""
+    monkeypatch.setattr(conv_flat, "IMAGE_MAX_ROWS", 0 if request.param == "flat" else 1 << 30)
+    return request.param
 
 
 @pytest.fixture
@@ -63,11 +72,12 @@ def _ours(x, w, dy, g):
 
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_flat_path_matches_naive_loops_over_many_blocks_and_threads(small_blocks, case,
+def test_flat_path_matches_naive_loops_over_many_blocks_and_threads(small_blocks, form, case,
                                                                     channels_last):
     x, w, dy, g = _case(*case, channels_last)
     layout = conv_flat.flat_layout(g, 8)
     assert layout is not None and len(layout.blocks()) > 3
+    assert conv_flat.by_images(g) == (form == "images" and not channels_last)
     args = dict(stride=1, padding=g.padding, dilation=g.dilation, groups=g.groups,
                 channels_last=channels_last)
     want = (naive.conv_forward(x, w, **args),
@@ -96,8 +106,7 @@ def test_gap_layout_for_a_same_convolution():
     assert layout.lead == 16 and layout.length == 16 + 5 * 225 + 2 * 15 + 2
 
 
-def test_a_gap_output_reading_inf_does_not_turn_a_finite_weight_gradient_into_nan(
-        monkeypatch):
+def test_a_gap_output_reading_inf_does_not_turn_a_finite_weight_gradient_into_nan(form):
     """0 * inf at a gap output: the flat sum has a NaN where the true dw is finite, so the
     exact path is taken (Note [flat padded convolution])."""
     x, w, dy, g = _case((2, 2, 6, 6), 3, 3, 1, 1, 1, False, seed=3)
@@ -116,7 +125,7 @@ def test_a_gap_output_reading_inf_does_not_turn_a_finite_weight_gradient_into_na
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-12)
 
 
-def test_the_forward_keeps_its_flat_input_for_the_filter_gradient(monkeypatch):
+def test_the_forward_keeps_its_flat_input_for_the_filter_gradient(monkeypatch, form):
     calls = []
     real = conv_flat.flat_input
 
@@ -138,13 +147,13 @@ def test_the_forward_keeps_its_flat_input_for_the_filter_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize(("partials", "partial_bytes"), [(3, 1 << 30), (16, 1)])
-def test_filter_gradient_sums_blocks_in_fixed_runs(small_blocks, monkeypatch, partials,
+def test_filter_gradient_sums_blocks_in_fixed_runs(small_blocks, form, monkeypatch, partials,
                                                    partial_bytes):
     """Runs of several blocks per partial (PARTIALS), or one run when the weight-sized
     partials would pass PARTIAL_BYTES: the same gradient, any thread count."""
     monkeypatch.setattr(conv_flat, "PARTIALS", partials)
     monkeypatch.setattr(conv_flat, "PARTIAL_BYTES", partial_bytes)
-    x, w, dy, g = _case((2, 4, 6, 7), 6, 3, 1, 1, 2, False)
+    x, w, dy, g = _case((8, 4, 6, 7), 6, 3, 1, 1, 2, False)  # 8 one-image blocks by images
     assert len(conv_flat.flat_layout(g, 8).blocks()) > 3 * min(partials, 3)
     want = naive.conv_backward_filter(x, dy, w.shape, stride=1, padding=1, groups=2)
     got = []

@@ -210,9 +210,25 @@ def _gelu(z: np.ndarray) -> np.ndarray:
     return z * _gelu_cdf(z)
 
 
+@functools.lru_cache(maxsize=64)
+def _zeros(n: int, dtype: np.dtype) -> np.ndarray:
+    zeros = np.zeros(n, dtype)
+    zeros.flags.writeable = False
+    return zeros
+
+
+def relu(z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """np.maximum(z, 0), value for value (NaN passes, -0.0 stays), against a row of zeros
+    broadcast along the last axis: NumPy's maximum with a scalar operand ran 4x slower here
+    than with an array (0.37 against 0.09 ms on 464K float32 elements)."""
+    if z.ndim == 0:
+        return np.maximum(z, 0, out=out)
+    return np.maximum(z, _zeros(z.shape[-1], z.dtype), out=out)
+
+
 _FORWARD: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "identity": lambda z: z.copy(),
-    "relu": lambda z: np.maximum(z, 0),
+    "relu": relu,
     "sigmoid": _sigmoid,
     "tanh": np.tanh,
     "elu": _elu,

@@ -42,7 +42,7 @@ from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
 from . import _threads, conv_flat
-from .activation import apply_activation, finish
+from .activation import apply_activation, finish, relu
 
 
 def _channels_first(a: np.ndarray, channels_last: bool) -> np.ndarray:
@@ -270,26 +270,36 @@ def _finish_output(src: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
     return out
 
 
-def _forward_gemm(x: np.ndarray, w: np.ndarray, geom: ConvGeometry, cd: np.dtype,
-                  tag: str = "conv_y") -> np.ndarray:
-    """conv(x, w) before the epilogue, as an (N, K, *out) view of a scratch buffer."""
-    xc = _channels_first(x, geom.channels_last)
+def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+              dtype: np.dtype,
+              epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None,
+              tag: str = "conv_y", keep: bool = True) -> np.ndarray:
+    """conv(x, .) with the weight matrix wm (G, K/G, C/G*prod(kernel)), finished by
+    `epilogue` into a new array in the geometry's layout and `dtype`. With `keep`, a
+    forward inside keep_columns(x) leaves what the filter gradient will read."""
     layout = conv_flat.flat_layout(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
-        keep = _keeping(x)
-        flat = conv_flat.flat_input(xc, geom, layout, cd, tag=None if keep else "conv_x_flat")
-        if keep:
+        keeping = keep and _keeping(x)
+        flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout, cd,
+                                    tag=None if keeping else f"{tag}_flat")
+        if keeping:
             _keep(x, geom, flat, "flat")
-        ym = conv_flat.flat_conv(flat, _weight_matrix(w, geom, cd), geom, layout, tag)
-        return conv_flat.output_view(ym, geom, layout)
-    cols = _columns(x, geom, cd)
-    _keep(x, geom, cols, "columns")
-    return _gemm_view(_threads.matmul(_weight_matrix(w, geom, cd), cols, out_tag=tag), geom)
+        if conv_flat.by_images(geom):
+            return conv_flat.image_conv(flat, wm, geom, layout, dtype, epilogue)
+        src = conv_flat.output_view(conv_flat.flat_conv(flat, wm, geom, layout, tag), geom,
+                                    layout)
+    else:
+        cols = _columns(x, geom, cd)
+        if keep:
+            _keep(x, geom, cols, "columns")
+        src = _gemm_view(_threads.matmul(wm, cols, out_tag=tag), geom)
+    return _finish_output(src, geom, dtype, epilogue)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     """y = conv(x, w): cross-correlation in the geometry's layout, in x's dtype."""
-    return _finish_output(_forward_gemm(x, w, geom, compute_dtype(x.dtype)), geom, x.dtype)
+    cd = compute_dtype(x.dtype)
+    return _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype)
 
 
 def conv_bias_act(
@@ -319,7 +329,7 @@ def conv_bias_act(
 
     def epilogue(src: np.ndarray, dst: np.ndarray, lo: int, hi: int) -> None:
         if bias is None and res_cf is None and z_cf is None and act == "relu":
-            np.maximum(src, 0, out=dst)  # the common case: one pass
+            relu(src, out=dst)  # the common case: one pass
             return
         if bias is not None:
             np.add(src, bias, out=dst)
@@ -331,11 +341,11 @@ def conv_bias_act(
         if z_cf is not None:
             z_cf[lo:hi] = dst
         if act == "relu":
-            np.maximum(dst, 0, out=dst)
+            relu(dst, out=dst)
         elif act != "identity":
             dst[...] = apply_activation(dst, act)
 
-    y = _finish_output(_forward_gemm(x, w, geom, cd), geom, x.dtype, epilogue)
+    y = _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype, epilogue)
     return y, z_out
 
 
@@ -377,18 +387,10 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     cd = compute_dtype(dz.dtype)
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
-        wt = _flipped_weight_matrix(w, geom, cd)
-        layout = conv_flat.flat_layout(tgeom, cd.itemsize)
-        if layout is not None:  # Note [flat padded convolution]
-            flat = conv_flat.flat_input(_channels_first(dz, geom.channels_last), tgeom,
-                                        layout, cd, tag="conv_dz_flat")
-            src = conv_flat.output_view(conv_flat.flat_conv(flat, wt, tgeom, layout, "conv_dx"),
-                                        tgeom, layout)
-        else:
-            dcols = _columns(dz, tgeom, cd, tag="conv_dz_cols")
-            src = _gemm_view(_threads.matmul(wt, dcols, out_tag="conv_dx"), tgeom)
         dtype = dz.dtype if out is None else cd
-        return finish(_finish_output(src, tgeom, dtype), dz.dtype, out, beta)
+        dx = _convolve(dz, _flipped_weight_matrix(w, geom, cd), tgeom, cd, dtype,
+                       tag="conv_dx", keep=False)
+        return finish(dx, dz.dtype, out, beta)
     wm = _weight_matrix(w, geom, cd)
     dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
     slices = _offset_slices(geom)
@@ -427,11 +429,14 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
         if flat is None:
             flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout,
                                         cd, tag="conv_x_flat")
-        dzq = conv_flat.flat_output(_channels_first(dz, geom.channels_last), geom, layout, cd,
-                                    tag="conv_dz_q")
-        dw = conv_flat.flat_filter_grad(flat, dzq, geom, layout)
-        if not np.isfinite(dw).all():
-            dw = None  # maybe a gap output's 0 * inf: the exact path decides
+        if conv_flat.by_images(geom):  # exact: no gap outputs
+            dw = conv_flat.image_filter_grad(flat, np.ascontiguousarray(dz), geom, layout)
+        else:
+            dzq = conv_flat.flat_output(_channels_first(dz, geom.channels_last), geom, layout,
+                                        cd, tag="conv_dz_q")
+            dw = conv_flat.flat_filter_grad(flat, dzq, geom, layout)
+            if not np.isfinite(dw).all():
+                dw = None  # maybe a gap output's 0 * inf: the exact path decides
     if dw is None:
         cols = _given(x, geom, cd, "columns")
         if cols is None:
