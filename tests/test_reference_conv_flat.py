@@ -10,7 +10,7 @@ import pytest
 
 from convfuse import functional as F
 from convfuse.geometry import ConvGeometry
-from convfuse.ops.reference import _threads, conv_flat
+from convfuse.ops.reference import _threads, conv_flat, conv_images
 from convfuse.ops.reference import conv as rc
 
 from . import naive
@@ -33,7 +33,8 @@ CASES = [
 def form(request, monkeypatch):
     """Both forms of a stride-1 conv: all positions in blocks, or image by image (where the
     layout allows it: channels first)."""
-    monkeypatch.setattr(conv_flat, "IMAGE_MAX_ROWS", 0 if request.param == "flat" else 1 << 30)
+    monkeypatch.setattr(conv_images, "IMAGE_MAX_ROWS", 0 if request.param == "flat" else 1 << 30)
+    monkeypatch.setattr(conv_images, "IMAGE_MIN_OUT", 1)
     return request.param
 
 
@@ -77,7 +78,7 @@ def test_flat_path_matches_naive_loops_over_many_blocks_and_threads(small_blocks
     x, w, dy, g = _case(*case, channels_last)
     layout = conv_flat.flat_layout(g, 8)
     assert layout is not None and len(layout.blocks()) > 3
-    assert conv_flat.by_images(g) == (form == "images" and not channels_last)
+    assert conv_images.by_images(g) == (form == "images" and not channels_last)
     args = dict(stride=1, padding=g.padding, dilation=g.dilation, groups=g.groups,
                 channels_last=channels_last)
     want = (naive.conv_forward(x, w, **args),
@@ -162,3 +163,16 @@ def test_filter_gradient_sums_blocks_in_fixed_runs(small_blocks, form, monkeypat
         got.append(rc.conv_backward_filter(x, dy, g))
     np.testing.assert_array_equal(got[0], got[1])
     np.testing.assert_allclose(got[0], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "layout", "groups", "want"), [
+    ((2, 1, 8, 8), (16, 1, 3, 3), "NCHW", 1, True),  # 9 rows, 16 outputs
+    ((2, 16, 8, 8), (32, 16, 3, 3), "NCHW", 1, True),  # 144 rows
+    ((2, 32, 8, 8), (32, 32, 3, 3), "NCHW", 1, False),  # 288 rows: flat
+    ((2, 16, 8, 8), (1, 16, 3, 3), "NCHW", 1, False),  # one output channel
+    ((2, 16, 8, 8), (16, 4, 3, 3), "NCHW", 4, False),  # 4 outputs per group
+    ((2, 8, 8, 1), (16, 3, 3, 1), "NHWC", 1, False),  # channels last: flat
+])
+def test_which_convs_go_by_images(x_shape, w_shape, layout, groups, want):
+    g = ConvGeometry.create(x_shape, w_shape, 1, 1, 1, groups, layout)
+    assert conv_images.by_images(g) is want

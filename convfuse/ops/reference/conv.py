@@ -41,7 +41,7 @@ import numpy as np
 from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
-from . import _threads, conv_flat
+from . import _threads, conv_flat, conv_images
 from .activation import apply_activation, finish, relu
 
 
@@ -284,8 +284,8 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
                                     tag=None if keeping else f"{tag}_flat")
         if keeping:
             _keep(x, geom, flat, "flat")
-        if conv_flat.by_images(geom):
-            return conv_flat.image_conv(flat, wm, geom, layout, dtype, epilogue)
+        if conv_images.by_images(geom):
+            return conv_images.image_conv(flat, wm, geom, layout, dtype, epilogue)
         src = conv_flat.output_view(conv_flat.flat_conv(flat, wm, geom, layout, tag), geom,
                                     layout)
     else:
@@ -429,8 +429,8 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
         if flat is None:
             flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout,
                                         cd, tag="conv_x_flat")
-        if conv_flat.by_images(geom):  # exact: no gap outputs
-            dw = conv_flat.image_filter_grad(flat, np.ascontiguousarray(dz), geom, layout)
+        if conv_images.by_images(geom):  # exact: no gap outputs
+            dw = conv_images.image_filter_grad(flat, np.ascontiguousarray(dz), geom, layout)
         else:
             dzq = conv_flat.flat_output(_channels_first(dz, geom.channels_last), geom, layout,
                                         cd, tag="conv_dz_q")

@@ -1,4 +1,5 @@
-"""Stride-1 convolution without materialised columns: the padded input laid out flat.
+"""Stride-1 convolution without materialised columns: the padded input laid out flat
+(conv_images.py takes the same layout image by image).
 
 Note [flat padded convolution]
 With stride 1, put x channel-major into one flat row per channel, F[c, lead + n*P + pos],
@@ -21,18 +22,6 @@ Positions with i >= Ho or j >= Wo ("gap outputs", a factor P / prod(out) of extr
 away; they read only x and zeros. The filter gradient gives them dz = 0, so they add
 nothing, unless x holds an inf or NaN that a gap output reads (0 * inf = NaN): a dw that
 is not all finite is therefore recomputed by the exact im2col path (conv.py).
-
-Note [by images]
-With few channels (C/G * prod(kernel) below IMAGE_MAX_ROWS: an MNIST net's first two
-layers) the GEMMs are small and the passes around them dominate: the gather of the real
-outputs out of the (K, Q) result (rows of Wo elements) and the gap outputs. Channels-first
-convs there take the same F image by image instead: the columns of a few whole images,
-real positions only, are copied into a buffer (N, rows, Ho*Wo), and one batched matmul
-writes (K, Ho*Wo) per image straight into the output's own layout, where the epilogue
-(bias, residual, activation) runs while the block is in cache; the filter gradient reads
-dz as it is. Timed here at batch 128: the first layer's forward 4.0 -> 1.5 ms and filter
-gradient 5.6 -> 1.2 ms, the second's 5.5 -> 4.5 and 5.6 -> 5.0 ms; from 288 rows on
-(and for 56x56 images) the flat form was as fast or faster.
 
 Blocks are fixed by the shape alone, and the filter gradient adds them up in fixed runs of
 consecutive blocks whose partial sums are then added in order, so results do not depend on
@@ -62,9 +51,6 @@ BLOCK_ALIGN = 64
 # PARTIAL_BYTES of them (a 512x512x3x3 conv's weight is 9 MiB).
 PARTIALS = 16
 PARTIAL_BYTES = 64 << 20
-# Note [by images]: below this many column rows (C/G * prod(kernel)) a channels-first conv
-# multiplies image by image, writing its output in place.
-IMAGE_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -204,7 +190,7 @@ def flat_conv(flat: np.ndarray, wm: np.ndarray, geom: ConvGeometry, layout: Flat
                 cols = _block_columns(views[grp], lo, hi, buf)
                 np.matmul(wm[grp], cols, out=out[grp * kg:(grp + 1) * kg, lo:hi])
 
-    _run_blocks(len(blocks), wm[0].size * layout.positions * g, run)
+    run_blocks(len(blocks), wm[0].size * layout.positions * g, run)
     return out
 
 
@@ -216,8 +202,8 @@ def flat_filter_grad(flat: np.ndarray, dzq: np.ndarray, geom: ConvGeometry,
     rows = (geom.in_channels // g) * math.prod(geom.kernel_size)
     blocks = layout.blocks()
     weight_bytes = g * kg * rows * flat.itemsize
-    groups = _threads.chunks(len(blocks), max(1, min(PARTIALS, PARTIAL_BYTES // weight_bytes)))
-    partial = np.empty((len(groups), g, kg, rows), flat.dtype)
+    runs = _threads.chunks(len(blocks), max(1, min(PARTIALS, PARTIAL_BYTES // weight_bytes)))
+    partial = np.empty((len(runs), g, kg, rows), flat.dtype)
     views = _column_views(flat, layout, geom)
 
     def run(first: int, last: int) -> None:
@@ -225,24 +211,24 @@ def flat_filter_grad(flat: np.ndarray, dzq: np.ndarray, geom: ConvGeometry,
         tmp = np.empty((kg, rows), flat.dtype)
         # a gap output's 0 * inf is thrown away by the caller: no warning for it
         with np.errstate(invalid="ignore", over="ignore"):
-            for s in range(first, last):
-                for b in range(*groups[s]):
+            for r in range(first, last):
+                for b in range(*runs[r]):
                     lo, hi = blocks[b]
                     for grp in range(g):
                         cols = _block_columns(views[grp], lo, hi, buf)
                         dz_block = dzq[grp * kg:(grp + 1) * kg, lo:hi]
-                        if b == groups[s][0]:
-                            np.matmul(dz_block, cols.T, out=partial[s, grp])
+                        if b == runs[r][0]:
+                            np.matmul(dz_block, cols.T, out=partial[r, grp])
                         else:
                             np.matmul(dz_block, cols.T, out=tmp)
-                            partial[s, grp] += tmp
+                            partial[r, grp] += tmp
 
-    _run_blocks(len(groups), kg * rows * layout.positions * g, run)
+    run_blocks(len(runs), kg * rows * layout.positions * g, run)
     with np.errstate(invalid="ignore", over="ignore"):
         return partial.sum(axis=0)
 
 
-def _run_blocks(n_blocks: int, flops: int, run: Callable[[int, int], None]) -> None:
+def run_blocks(n_blocks: int, flops: int, run: Callable[[int, int], None]) -> None:
     """run(first, last) over runs of blocks, one per thread, BLAS on one thread (_threads
     Note [GEMMs on the pool])."""
     if flops < _threads.TINY_GEMM_FLOPS:
@@ -255,98 +241,3 @@ def _run_blocks(n_blocks: int, flops: int, run: Callable[[int, int], None]) -> N
         else:
             _threads.run_chunks(n_blocks, threads, run)
 
-
-def by_images(geom: ConvGeometry) -> bool:
-    """Whether the conv takes F image by image (Note [by images])."""
-    rows = (geom.in_channels // geom.groups) * math.prod(geom.kernel_size)
-    return not geom.channels_last and rows < IMAGE_MAX_ROWS
-
-
-def _image_views(flat: np.ndarray, layout: FlatLayout, geom: ConvGeometry
-                 ) -> list[np.ndarray]:
-    """Per group, the columns at the real output positions, image by image, as a read-only
-    view of F: (N, C/G, *kernel, *out)."""
-    cg = geom.in_channels // geom.groups
-    item = flat.itemsize
-    shape = (geom.batch, cg, *geom.kernel_size, *geom.output_spatial)
-    strides = (layout.per_image * item, flat.strides[0],
-               *(s * item for s in layout.offset_strides), *(s * item for s in layout.strides))
-    views = []
-    for g in range(geom.groups):
-        view = np.ndarray(shape, flat.dtype, flat, g * cg * flat.strides[0], strides)
-        view.flags.writeable = False
-        views.append(view)
-    return views
-
-
-def _image_blocks(geom: ConvGeometry, rows: int, itemsize: int) -> list[tuple[int, int]]:
-    per_image = rows * math.prod(geom.output_spatial) * itemsize
-    step = max(1, BLOCK_BYTES // per_image)
-    return [(lo, min(geom.batch, lo + step)) for lo in range(0, geom.batch, step)]
-
-
-def image_conv(flat: np.ndarray, wm: np.ndarray, geom: ConvGeometry, layout: FlatLayout,
-               dtype: np.dtype,
-               epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None
-               ) -> np.ndarray:
-    """The conv's output (N, K, *out) in `dtype`, image by image (Note [by images]);
-    `epilogue(z, z, lo, hi)` finishes images [lo, hi) in place, in F's dtype."""
-    n, k, g = geom.batch, geom.out_channels, geom.groups
-    kg, hw = k // g, math.prod(geom.output_spatial)
-    cd = flat.dtype
-    rows = (geom.in_channels // g) * math.prod(geom.kernel_size)
-    out = np.empty(geom.output_shape, dtype)
-    om = out.reshape(n, k, hw)
-    views = _image_views(flat, layout, geom)
-    blocks = _image_blocks(geom, rows, cd.itemsize)
-    width = blocks[0][1]
-
-    def run(first: int, last: int) -> None:
-        buf = np.empty((width, rows, hw), cd)
-        tmp = None if dtype == cd else np.empty((width, k, hw), cd)
-        for lo, hi in blocks[first:last]:
-            m = hi - lo
-            dst = om[lo:hi] if tmp is None else tmp[:m]
-            for grp in range(g):
-                buf[:m].reshape(m, *views[grp].shape[1:])[...] = views[grp][lo:hi]
-                np.matmul(wm[grp], buf[:m], out=dst[:, grp * kg:(grp + 1) * kg])
-            if epilogue is not None:
-                z = dst.reshape(m, k, *geom.output_spatial)
-                epilogue(z, z, lo, hi)
-            if tmp is not None:
-                om[lo:hi] = dst  # rounded to the storage dtype once
-
-    _run_blocks(len(blocks), k * rows * hw * n, run)
-    return out
-
-
-def image_filter_grad(flat: np.ndarray, dz_cf: np.ndarray, geom: ConvGeometry,
-                      layout: FlatLayout) -> np.ndarray:
-    """dw (G, K/G, C/G*prod(kernel)) from F and dz (N, K, *out), image by image, summed in
-    fixed runs of blocks of images (Note [by images])."""
-    n, k, g = geom.batch, geom.out_channels, geom.groups
-    kg, hw = k // g, math.prod(geom.output_spatial)
-    cd = flat.dtype
-    rows = (geom.in_channels // g) * math.prod(geom.kernel_size)
-    dzm = dz_cf.reshape(n, k, hw)
-    views = _image_views(flat, layout, geom)
-    blocks = _image_blocks(geom, rows, cd.itemsize)
-    width = blocks[0][1]
-    runs = _threads.chunks(len(blocks), max(1, min(PARTIALS,
-                                                   PARTIAL_BYTES // (k * rows * cd.itemsize))))
-    partial = np.zeros((len(runs), g, kg, rows), cd)
-
-    def run(first: int, last: int) -> None:
-        buf = np.empty((width, rows, hw), cd)
-        tmp = np.empty((width, kg, rows), cd)
-        for r in range(first, last):
-            for lo, hi in blocks[runs[r][0]:runs[r][1]]:
-                m = hi - lo
-                for grp in range(g):
-                    buf[:m].reshape(m, *views[grp].shape[1:])[...] = views[grp][lo:hi]
-                    dz = dzm[lo:hi, grp * kg:(grp + 1) * kg].astype(cd, copy=False)
-                    np.matmul(dz, buf[:m].transpose(0, 2, 1), out=tmp[:m])
-                    partial[r, grp] += tmp[:m].sum(axis=0)
-
-    _run_blocks(len(runs), k * rows * hw * n, run)
-    return partial.sum(axis=0)
