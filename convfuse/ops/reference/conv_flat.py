@@ -150,10 +150,17 @@ def _column_views(flat: np.ndarray, layout: FlatLayout, geom: ConvGeometry
     """Per group, the columns of every output position as a read-only strided view of F,
     (C/G, *kernel, Q): element [c, *k, q] is F[c, q + sum_a k_a * offset_strides[a]].
     Built with np.ndarray on F's buffer (as_strided costs ~20 us a call)."""
-    cg = geom.in_channels // geom.groups
     item = flat.itemsize
-    shape = (cg, *geom.kernel_size, layout.positions)
+    shape = (geom.in_channels // geom.groups, *geom.kernel_size, layout.positions)
     strides = (flat.strides[0], *(s * item for s in layout.offset_strides), item)
+    return group_views(flat, geom, shape, strides)
+
+
+def group_views(flat: np.ndarray, geom: ConvGeometry, shape: tuple[int, ...],
+                strides: tuple[int, ...]) -> list[np.ndarray]:
+    """Per group, a read-only view of F's buffer with `shape` and byte `strides`, starting
+    at the group's first channel."""
+    cg = geom.in_channels // geom.groups
     views = []
     for g in range(geom.groups):
         view = np.ndarray(shape, flat.dtype, flat, g * cg * flat.strides[0], strides)

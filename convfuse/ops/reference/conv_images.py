@@ -43,17 +43,12 @@ def _image_views(flat: np.ndarray, layout: FlatLayout, geom: ConvGeometry
                  ) -> list[np.ndarray]:
     """Per group, the columns at the real output positions, image by image, as a read-only
     view of F: (N, C/G, *kernel, *out)."""
-    cg = geom.in_channels // geom.groups
     item = flat.itemsize
-    shape = (geom.batch, cg, *geom.kernel_size, *geom.output_spatial)
+    shape = (geom.batch, geom.in_channels // geom.groups, *geom.kernel_size,
+             *geom.output_spatial)
     strides = (layout.per_image * item, flat.strides[0],
                *(s * item for s in layout.offset_strides), *(s * item for s in layout.strides))
-    views = []
-    for g in range(geom.groups):
-        view = np.ndarray(shape, flat.dtype, flat, g * cg * flat.strides[0], strides)
-        view.flags.writeable = False
-        views.append(view)
-    return views
+    return conv_flat.group_views(flat, geom, shape, strides)
 
 
 def _image_blocks(geom: ConvGeometry, rows: int, itemsize: int) -> list[tuple[int, int]]:
