@@ -176,3 +176,26 @@ def test_filter_gradient_sums_blocks_in_fixed_runs(small_blocks, form, monkeypat
 def test_which_convs_go_by_images(x_shape, w_shape, layout, groups, want):
     g = ConvGeometry.create(x_shape, w_shape, 1, 1, 1, groups, layout)
     assert conv_images.by_images(g) is want
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 6), (2, 3, 7), (1, 2, 3, 4, 5)])
+def test_reused_buffers_get_every_gap_zeroed(monkeypatch, shape):
+    """F and dz-at-positions come from scratch buffers that hold old data: poisoned here
+    with NaN, every gap must read 0 and every real element its value."""
+    rank = len(shape) - 2
+    monkeypatch.setattr(_threads, "scratch", lambda tag, s, dt: np.full(s, np.nan, dt))
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(shape)
+    g = ConvGeometry.create(shape, (4, shape[1], *(3,) * rank), 1, 1, 1, 1,
+                            LAYOUTS[rank][0])
+    layout = conv_flat.flat_layout(g, 8)
+    flat = conv_flat.flat_input(x, g, layout, np.dtype(np.float64), tag="poisoned")
+    assert not np.isnan(flat).any()
+    assert np.count_nonzero(flat) == np.count_nonzero(x)
+    inner = (slice(None), slice(None), *(slice(0, s) for s in shape[2:]))
+    images = flat[:, layout.lead:layout.lead + layout.positions].reshape(
+        shape[1], shape[0], *layout.pitches)
+    np.testing.assert_array_equal(images[inner], x.swapaxes(0, 1))
+    dz = rng.standard_normal(g.output_shape)
+    dzq = conv_flat.flat_output(dz, g, layout, np.dtype(np.float64), "poisoned")
+    assert not np.isnan(dzq).any() and np.count_nonzero(dzq) == np.count_nonzero(dz)

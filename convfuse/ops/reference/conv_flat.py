@@ -98,6 +98,16 @@ def _image_view(flat: np.ndarray, layout: FlatLayout, start: int, n: int) -> np.
     return flat[:, start:start + layout.positions].reshape(rows, n, *layout.pitches)
 
 
+def _gap_slabs(sizes: tuple[int, ...]) -> list[tuple[slice, ...]]:
+    """Index tuples into (rows, N, *pitches) covering everything past `sizes` along some
+    axis, once each: the gaps, zeroed without writing the data region twice."""
+    slabs = []
+    for axis, size in enumerate(sizes):
+        slabs.append((slice(None), slice(None), *(slice(0, s) for s in sizes[:axis]),
+                      slice(size, None)))
+    return slabs
+
+
 def flat_input(x_cf: np.ndarray, geom: ConvGeometry, layout: FlatLayout, cd: np.dtype,
                tag: str | None = None) -> np.ndarray:
     """F (C, layout.length): x (N, C, *S), channels-first view, laid out padded and flat,
@@ -108,11 +118,14 @@ def flat_input(x_cf: np.ndarray, geom: ConvGeometry, layout: FlatLayout, cd: np.
     inner = (slice(None), slice(None), *(slice(0, s) for s in geom.input_shape_cf[2:]))
     images = _image_view(flat, layout, layout.lead, geom.batch)
 
+    gaps = _gap_slabs(geom.input_shape_cf[2:])
+
     def run(lo: int, hi: int) -> None:
         flat[lo:hi, :layout.lead] = 0
         flat[lo:hi, layout.lead + layout.positions:] = 0
         part = images[lo:hi]
-        part[...] = 0  # the gaps; the x region is overwritten next
+        for gap in gaps:
+            part[gap] = 0
         part[inner] = x_cf[:, lo:hi].swapaxes(0, 1)
 
     _threads.parallel_for(c, flat.size, run)
@@ -128,9 +141,12 @@ def flat_output(dz_cf: np.ndarray, geom: ConvGeometry, layout: FlatLayout, cd: n
     images = out.reshape(k, geom.batch, *layout.pitches)
     inner = (slice(None), slice(None), *(slice(0, o) for o in geom.output_spatial))
 
+    gaps = _gap_slabs(geom.output_spatial)
+
     def run(lo: int, hi: int) -> None:
         part = images[lo:hi]
-        part[...] = 0
+        for gap in gaps:
+            part[gap] = 0
         part[inner] = dz_cf[:, lo:hi].swapaxes(0, 1)
 
     _threads.parallel_for(k, out.size, run)

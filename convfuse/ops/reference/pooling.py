@@ -227,8 +227,8 @@ def pool_backward(dy: np.ndarray, x: np.ndarray, y: np.ndarray, pg: PoolGeometry
     tiled = _tiled(pg)
     # max-pool tiles covering every element write each one exactly once (both paths)
     covered = tiled and pg.mode == "max" and all(
-        o * k == n for o, k, n in zip(pg.output_spatial, pg.kernel_size,
-                                      pg.input_shape_cf[2:], strict=True))
+        o * k == size for o, k, size in zip(pg.output_spatial, pg.kernel_size,
+                                            pg.input_shape_cf[2:], strict=True))
 
     def run(lo: int, hi: int) -> None:
         d = dyc[lo:hi].astype(cd, copy=False)
