@@ -7,8 +7,11 @@ independent float64 reference. New arrays are NaN-poisoned. Unlike FakeGpu, the
 algorithm queries go through the real convfuse code down to the binding, where each call a
 conv plan makes can be made to fail:
 
-- `inject(name, status, times=None)`: the binding function `name` raises CudnnError(status)
-  on its next `times` calls (None: always);
+- `inject(name, status, times=None, algo=None)`: the binding function `name` raises
+  CudnnError(status) on its next `times` calls (None: always), only those for algorithm
+  `algo` (the last argument of a workspace-size query) when given;
+- `queried`: {algo: bytes} the workspace-size queries report instead of the ranking
+  record's size (Note [workspace sizes are queried] in convfuse/plan/algorithms.py);
 - `oom_choice_at` / `oom_call_at`: workspace allocations of at least that many bytes fail
   with CuPy's OutOfMemoryError when an algorithm is chosen (pool_alloc) or at call time
   (Workspace);
@@ -27,6 +30,7 @@ from tests.test_ops_cudnn_wiring import FakeGpu
 
 REAL_HEURISTIC_PERFS = algorithms.heuristic_perfs
 REAL_FORCED_PERF = algorithms.forced_identity_perf
+REAL_WORKSPACE_SIZE = algorithms.workspace_size
 
 #: cuDNN 9 statuses the suite injects (cudnn_graph.h; ALLOC_FAILED is the deprecated
 #: alias of INTERNAL_ERROR_HOST_ALLOCATION_FAILED).
@@ -41,6 +45,8 @@ class NumericGpu(FakeGpu):
                "getConvolutionBackwardFilterAlgorithmMaxCount",
                "getConvolutionForwardAlgorithm_v7", "getConvolutionBackwardDataAlgorithm_v7",
                "getConvolutionBackwardFilterAlgorithm_v7", "getConvolutionForwardWorkspaceSize",
+               "getConvolutionBackwardDataWorkspaceSize",
+               "getConvolutionBackwardFilterWorkspaceSize",
                "findConvolutionForwardAlgorithmEx", "findConvolutionBackwardDataAlgorithmEx",
                "findConvolutionBackwardFilterAlgorithmEx")
 
@@ -55,11 +61,13 @@ class NumericGpu(FakeGpu):
         self.faults = {}
         self.oom_choice_at = self.oom_call_at = None
         self.forced_workspace = BIG
+        self.queried = {}
         lib = self.lib
         # (algo, workspace bytes, status) in cuDNN's rank order: 6 is fastest and hungriest.
         self.perfs = [(6, BIG, 0), (2, 4096, 0), (0, 0, 0)]
         monkeypatch.setattr(algorithms, "heuristic_perfs", REAL_HEURISTIC_PERFS)
         monkeypatch.setattr(algorithms, "forced_identity_perf", REAL_FORCED_PERF)
+        monkeypatch.setattr(algorithms, "workspace_size", REAL_WORKSPACE_SIZE)
         for name in self.QUERIES:
             monkeypatch.setattr(lib, name, lambda *a, _n=name: self._query(_n, a))
         for name in self.COMPUTE:
@@ -88,12 +96,14 @@ class NumericGpu(FakeGpu):
 
     # ---- faults ----
 
-    def inject(self, name, status, times=None):
-        self.faults[name] = [status, times]
+    def inject(self, name, status, times=None, algo=None):
+        self.faults[name] = [status, times, algo]
 
-    def _maybe_fail(self, name):
+    def _maybe_fail(self, name, args=()):
         fault = self.faults.get(name)
         if fault is None or fault[1] == 0:
+            return
+        if fault[2] is not None and args[-1] != fault[2]:
             return
         if fault[1] is not None:
             fault[1] -= 1
@@ -117,12 +127,17 @@ class NumericGpu(FakeGpu):
 
     def _query(self, name, args):
         self.calls.append((name, args))
-        self._maybe_fail(name)
+        self._maybe_fail(name, args)
         lib = self.lib
         if name.endswith("MaxCount"):
             return len(self.perfs)
-        if name == "getConvolutionForwardWorkspaceSize":
-            return self.forced_workspace
+        if name.endswith("WorkspaceSize"):
+            algo = args[-1]
+            if algo in self.queried:
+                return self.queried[algo]
+            ranked = {a: m for a, m, _ in self.perfs}
+            forced = name == "getConvolutionForwardWorkspaceSize" and algo == FORCED
+            return self.forced_workspace if forced else ranked[algo]
         return [lib.AlgoPerf(a, s, 1.0, m, lib.CUDNN_DETERMINISTIC, lib.CUDNN_DEFAULT_MATH)
                 for a, m, s in self.perfs]
 

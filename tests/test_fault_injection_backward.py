@@ -163,3 +163,44 @@ def test_backward_bias_fault(make_gpu, rng, geom, status, outcome):  # noqa: F81
     np.testing.assert_allclose(gpu.get(db), ops.conv_backward_bias(dz, geom), rtol=1e-12)
     assert gpu.names() == ["activation_backward_bias"]  # straight to the kernel
     assert get_plan(geom, "float64").bias_grad_refusal.status == status
+
+
+SIZE_QUERIES = {"fwd": "getConvolutionForwardWorkspaceSize",
+                "bwd_data": "getConvolutionBackwardDataWorkspaceSize",
+                "bwd_filter": "getConvolutionBackwardFilterWorkspaceSize"}
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_the_queried_workspace_size_is_allocated_and_passed(make_gpu, rng, direction):  # noqa: F811
+    """Note [workspace sizes are queried]: the heuristics' record says BIG bytes for algo 6;
+    the size query (with the descriptor the call runs with) says 12345, and that is what
+    the pool is asked for and what cuDNN is told."""
+    geom = GEOMS[0]
+    gpu = make_gpu(geom)
+    gpu.queried = {6: 12345}
+    run, want = _op(gpu, geom, direction, rng)
+    got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    call = DIRECTIONS[direction][1]
+    [(_, args)] = [(n, a) for n, a in gpu.calls if n == call]
+    assert (args[7], args[9]) == (6, 12345)  # algo, workSpaceSizeInBytes
+    sizes = [a[0] for n, a in gpu.calls if n == "alloc"]
+    assert sizes == [12345, 12345]  # at choice (first_allocatable) and for the call
+    plan = get_plan(geom, "float64")
+    cand = plan.choice(direction, "H")
+    assert cand.workspace == 12345
+    queries = [a for n, a in gpu.calls if n == SIZE_QUERIES[direction]]
+    assert [q[-1] for q in queries] == [6, 2, 0]  # every usable record, once
+    assert queries[0][3] is plan.conv_desc_for(cand)  # the descriptor the call ran with
+    assert args[6] is plan.conv_desc_for(cand)
+
+
+def test_workspace_limit_sees_the_queried_size(make_gpu, rng):  # noqa: F811
+    geom = GEOMS[0]
+    gpu = make_gpu(geom)
+    gpu.queried = {2: 1 << 16}  # the record said 4096
+    run, want = _op(gpu, geom, "bwd_data", rng)
+    with config.flags(workspace_limit=8192):
+        got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    assert [a[7] for n, a in gpu.calls if n == "convolutionBackwardData"] == [0]

@@ -63,6 +63,9 @@ class FakeGpu:
         monkeypatch.setattr(algorithms, "forced_identity_perf", lambda lib_, h, plan: [
             lib.AlgoPerf(lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, 0, 0.0, 0,
                          lib.CUDNN_DETERMINISTIC, plan.conv_desc.getMathType())])
+        # Note [workspace sizes are queried]: the size query answers the record's size.
+        monkeypatch.setattr(algorithms, "workspace_size", lambda lib_, h, plan, d, algo, desc:
+                            next(p.memory for p in self.perfs if p.algo == algo))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: None)
         self.zeros = []
 

@@ -10,6 +10,7 @@ from typing import Any
 from ..._binding import cudnn
 from ...errors import CudnnError
 from ...plan import Candidate, ConvPlan, WorkspaceFallbackWarning, WorkspaceUnavailableError
+from ...plan.algorithms import is_refusal
 from .handle import Workspace
 
 
@@ -19,11 +20,8 @@ def where(plan: ConvPlan, what: str, cand: Candidate | None = None) -> str:
 
 
 def refused(err: CudnnError, lib: Any) -> bool:
-    """Whether cuDNN refused a call as not supported. cuDNN 9's statuses are categories
-    with specific codes (CUDNN_STATUS_NOT_SUPPORTED = 3000, ..._SHAPE = 3002,
-    ..._LAYOUT = 3004, ...); cudnn_graph.h's CUDNN_STATUS_CATEGORY(s) is s / 1000 * 1000,
-    so every 3xxx code is a refusal, not just 3000."""
-    return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
+    """Whether cuDNN refused a call as not supported (plan.algorithms.is_refusal)."""
+    return is_refusal(err, lib)
 
 
 def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
