@@ -54,10 +54,14 @@ class NumericGpu(FakeGpu):
         self.host = {}
         super().__init__(monkeypatch)
         from convfuse.ops import elementwise
-        from convfuse.ops.cudnn import fused, ranked
+        from convfuse.ops.cudnn import fused, layout, ranked
         from convfuse.plan import conv as plan_conv
 
         self.geom = geom
+        # Note [float64 runs channels-first]: arrays the engine copied to channels-first
+        # are computed with this geometry.
+        self.cf_geom = None if geom is None else layout.cudnn_geometry(geom, "float64")
+        self.channels_first = set()
         self.faults = {}
         self.oom_choice_at = self.oom_call_at = None
         self.forced_workspace = BIG
@@ -76,6 +80,8 @@ class NumericGpu(FakeGpu):
             monkeypatch.setattr(elementwise, name, lambda *a, _n=name: self._launch(_n, a))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: self._alloc(n, self.oom_choice_at))
         monkeypatch.setattr(ranked, "Workspace", self._workspace)
+        monkeypatch.setattr(layout, "to_channels_first", self._to_channels_first)
+        monkeypatch.setattr(layout, "to_channels_last", self._to_channels_last)
         monkeypatch.setattr(fused, "_zero_bias", {})
 
     # ---- arrays ----
@@ -93,6 +99,25 @@ class NumericGpu(FakeGpu):
 
     def get(self, a):
         return self.host[a.data.ptr]
+
+    def _to_channels_first(self, a):
+        self.calls.append(("to_channels_first", (a,)))
+        values = np.moveaxis(self.get(a), -1, 1)
+        out = self.array(values.shape, a.dtype)
+        self.host[out.data.ptr][...] = values
+        self.channels_first.add(out.data.ptr)
+        return out
+
+    def _to_channels_last(self, a_cf, out=None):
+        self.calls.append(("to_channels_last", (a_cf, out)))
+        values = np.moveaxis(self.get(a_cf), 1, -1)
+        if out is None:
+            out = self.array(values.shape, a_cf.dtype)
+        self.host[out.data.ptr][...] = values
+        return out
+
+    def _geom_of(self, *ptrs):
+        return self.cf_geom if any(p in self.channels_first for p in ptrs) else self.geom
 
     # ---- faults ----
 
@@ -144,14 +169,15 @@ class NumericGpu(FakeGpu):
     def _compute(self, name, args):
         self.calls.append((name, args))
         self._maybe_fail(name)
-        h, g = self.host, self.geom
+        h = self.host
+        g = self._geom_of(args[3], args[5]) if name != "convolutionBackwardBias" else self.geom
         if name == "convolutionForward":
             alpha, x, w, beta, y = args[1], args[3], args[5], args[10], args[12]
             self._blend(y, alpha * ops.conv_forward(h[x], h[w], g), beta)
         elif name == "convolutionBiasActivationForward":
             x, w, alpha2, z, b, act, y = args[3], args[5], args[10], args[12], args[14], \
                 args[15], args[17]
-            pre = args[1] * ops.conv_forward(h[x], h[w], g) + self._bias(h[b])
+            pre = args[1] * ops.conv_forward(h[x], h[w], g) + self._bias(h[b], g)
             if alpha2:
                 pre = pre + alpha2 * h[z]
             relu = act.get()[0] == self.lib.CUDNN_ACTIVATION_RELU
@@ -170,10 +196,10 @@ class NumericGpu(FakeGpu):
 
     def _launch(self, name, args):
         self.calls.append((name, args))
-        h, g = self.host, self.geom
+        h = self.host
         if name == "bias_act_forward":
-            y, b, res, scale, act = args[:5]
-            v = h[y.data.ptr] + (0 if b is None else self._bias(self.get(b)))
+            y, b, res, scale, act, g = args
+            v = h[y.data.ptr] + (0 if b is None else self._bias(self.get(b), g))
             if res is not None:
                 v = v + scale * self.get(res)
             h[y.data.ptr][...] = ops.activation_forward(v, act)
@@ -181,7 +207,7 @@ class NumericGpu(FakeGpu):
             z, act, out = args
             h[out.data.ptr][...] = ops.activation_forward(self.get(z).copy(), act)
         elif name == "activation_backward_bias":
-            dy, saved, act, _, dz, db, beta = args
+            dy, saved, act, g, dz, db, beta = args
             assert act == "identity" and saved is None and dz is None
             self._blend(db.data.ptr, ops.conv_backward_bias(self.get(dy), g), beta)
         else:
@@ -191,9 +217,9 @@ class NumericGpu(FakeGpu):
         out = self.host[ptr]
         out[...] = value + (beta * out if beta else 0)
 
-    def _bias(self, b):
-        shape = [1] * len(self.geom.output_shape)
-        shape[self.geom.channel_axis] = -1
+    def _bias(self, b, geom):
+        shape = [1] * len(geom.output_shape)
+        shape[geom.channel_axis] = -1
         return b.reshape(shape)
 
     def names(self):

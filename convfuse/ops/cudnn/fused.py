@@ -143,9 +143,10 @@ def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # p
     else:
         warn = plan.fused_out_of_memory()
     if warn:
-        # _fall_back < _try_fused < _fused_forward < engine < ops dispatch < the caller
+        # _fall_back < _try_fused < fused_forward < conv._conv_bias_act < engine
+        # < ops dispatch < the caller
         warnings.warn(_fallback_message(plan, reason, permanent), FusedFallbackWarning,
-                      stacklevel=6)
+                      stacklevel=7)
     return False
 
 

@@ -9,7 +9,13 @@ from typing import Any
 
 from ..._binding import cudnn
 from ...errors import CudnnError
-from ...plan import Candidate, ConvPlan, WorkspaceFallbackWarning, WorkspaceUnavailableError
+from ...plan import (
+    Candidate,
+    ConvPlan,
+    NoAlgorithmError,
+    WorkspaceFallbackWarning,
+    WorkspaceUnavailableError,
+)
 from ...plan.algorithms import is_refusal
 from .handle import Workspace
 
@@ -66,15 +72,25 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
     one that ran. Other errors, and a refusal of the last one, are raised naming `what`
     and the plan `about` (default: this one)."""
     lib = cudnn()
+    tried: list[Candidate] = []
     while True:
-        cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
+        try:
+            cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
+        except NoAlgorithmError as err:  # nothing ranked fits: name the op as well
+            raise type(err)(f"{what}: {err}").with_traceback(err.__traceback__) from None
         try:
             call(cand, ws)
             return
         except CudnnError as err:
-            if refused(err, lib) and plan.reject(direction, cand):
+            if not refused(err, lib):
+                raise err.with_context(where(about or plan, what, cand)) from None
+            tried.append(cand)
+            if plan.reject(direction, cand):
                 continue
-            raise err.with_context(where(about or plan, what, cand)) from None
+            algos = ", ".join(str(c.algo) for c in tried)
+            raise err.with_context(
+                f"{where(about or plan, what, cand)}; cuDNN refused every {direction} "
+                f"algorithm this call tried (algo {algos}) and none is left") from None
 
 
 def forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
