@@ -112,6 +112,11 @@ def conv_geoms():
 
 
 GEOMS = conv_geoms()
+#: 2-D, groups 1, channels first and last: where cuDNN documents the fused call
+#: (tests/gpu/test_fused_path_gpu.py), so a test of which calls run may not meet a refusal.
+#: GEOMS[3] (1-D, channels-last, grouped) is outside it: cuDNN may refuse the fused call
+#: there and run the unfused fallback, which is right but not what those tests count.
+DOCUMENTED = [g for g in GEOMS if g.rank == 2 and g.groups == 1]
 
 
 def gid(g):
@@ -180,9 +185,9 @@ def test_conv_forward_and_gradients(monkeypatch, rng, geom, dtype):
         a.unchanged()
 
 
+@pytest.mark.parametrize("geom", DOCUMENTED, ids=gid)
 @pytest.mark.parametrize("activation", ["identity", "relu"])
-def test_fused_activations_make_exactly_one_cudnn_call(monkeypatch, rng, activation):
-    geom = GEOMS[3]
+def test_fused_activations_make_exactly_one_cudnn_call(monkeypatch, rng, activation, geom):
     lib = cudnn()
     x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
     b = Data(rng, geom.bias_shape, "float32")
@@ -359,7 +364,7 @@ def test_workspace_fallback_on_out_of_memory(monkeypatch, rng):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_deterministic_mode_picks_deterministic_algorithms(rng, dtype):
-    geom = GEOMS[3]
+    geom = DOCUMENTED[0]
     x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
     dz = Data(rng, geom.output_shape, dtype)
     from convfuse.ops.cudnn.handle import get_handle
@@ -425,9 +430,9 @@ def test_benchmark_mode_never_touches_the_callers_out(rng):
                  "float64")
 
 
-def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng):
+@pytest.mark.parametrize("geom", DOCUMENTED, ids=gid)
+def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng, geom):
     lib = cudnn()
-    geom = GEOMS[3]
     x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
     refused = []
     real = lib.convolutionBiasActivationForward
@@ -481,3 +486,55 @@ def test_handles_follow_the_stream_and_the_thread():
     t.start()
     t.join()
     assert other[0] is not h
+
+
+# ---------------------------------------------------------------- float64 channels-last
+
+@pytest.mark.parametrize("geom", [g for g in GEOMS if g.channels_last], ids=gid)
+def test_float64_channels_last_runs_channels_first(monkeypatch, rng, geom):
+    """Note [float64 runs channels-first]: every cuDNN convolution call of a float64
+    channels-last op gets the channels-first plan's descriptors (which path ran), and the
+    channels-last results match the float64 reference, beta = 1 outputs accumulating once,
+    with NaN-poisoned outputs."""
+    from convfuse.ops.cudnn.layout import cudnn_geometry
+
+    lib = cudnn()
+    seen = []
+    for name in ("convolutionForward", "convolutionBiasActivationForward",
+                 "convolutionBackwardData", "convolutionBackwardFilter"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _n=name, _r=real: (
+            seen.append((_n, a[2], a[4])), _r(*a))[1])
+    x, w = Data(rng, geom.input_shape, "float64"), Data(rng, geom.weight_shape, "float64")
+    b, res = Data(rng, geom.bias_shape, "float64"), Data(rng, geom.output_shape, "float64")
+    dz = Data(rng, geom.output_shape, "float64")
+    start_dx = Data(rng, geom.input_shape, "float64")
+    with warnings.catch_warnings(), poison_outputs(monkeypatch):
+        warnings.simplefilter("error")
+        # a refused fused call may fall back (Note [unfused fallback]); its plain forward
+        # then runs on the channels-first plan too, which the spy checks below
+        warnings.simplefilter("ignore", FusedFallbackWarning)
+        y = ops.conv_forward(x.dev, w.dev, geom)
+        y2, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "relu", res.dev, 0.5)
+        dx = ops.conv_backward_data(dz.dev, w.dev, geom, out=start_dx.dev, beta=1.0)
+        dw = ops.conv_backward_filter(x.dev, dz.dev, geom)
+    assert dx is start_dx.dev and y.shape == geom.output_shape and dw.shape == geom.weight_shape
+    assert y.flags.c_contiguous and dw.flags.c_contiguous
+    assert_close(y, ops.conv_forward(x.ref, w.ref, geom), "float64", "y")
+    assert_close(y2, ops.conv_bias_act(x.ref, w.ref, b.ref, geom, "relu", res.ref, 0.5)[0],
+                 "float64", "y fused")
+    assert_close(dx, start_dx.ref + ops.conv_backward_data(dz.ref, w.ref, geom), "float64",
+                 "dx (beta=1)")
+    assert_close(dw, ops.conv_backward_filter(x.ref, dz.ref, geom), "float64", "dw")
+    cf = cudnn_geometry(geom, "float64")
+    plain, fused = get_plan(cf, "float64"), get_plan(cf, "float64", "relu", True)
+    want = {"convolutionForward": (plain.x_desc, plain.w_desc),
+            "convolutionBiasActivationForward": (fused.x_desc, fused.w_desc),
+            "convolutionBackwardData": (plain.w_desc, plain.y_desc),
+            "convolutionBackwardFilter": (plain.x_desc, plain.y_desc)}
+    assert {name for name, _, _ in seen} >= {"convolutionForward", "convolutionBackwardData",
+                                             "convolutionBackwardFilter"}
+    for name, first, second in seen:
+        assert (first, second) == want[name], name
+    for a in (x, w, b, res, dz):
+        a.unchanged()
