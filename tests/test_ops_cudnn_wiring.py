@@ -17,6 +17,24 @@ from convfuse.pool_geometry import PoolGeometry
 from tests._ops_dispatch_helpers import GEOMS
 
 
+class FakeStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class FakeEvent:
+    """cupy.cuda.Event as Note [cached constants across streams] uses it: records on the
+    fake current stream, and `done` is what the test sets."""
+
+    def __init__(self, gpu):
+        self.gpu, self.done = gpu, False
+        self.ptr = 0xE0 + len(gpu.stream_ops)
+
+    def record(self, stream=None):
+        on = stream if stream is not None else self.gpu.stream
+        self.gpu.stream_ops.append(("record", self.ptr, on.ptr))
+
+
 class FakeGpu:
     COMPUTE = ("convolutionBiasActivationForward", "convolutionForward",
                "convolutionBackwardData", "convolutionBackwardFilter",
@@ -67,6 +85,12 @@ class FakeGpu:
         monkeypatch.setattr(algorithms, "workspace_size", lambda lib_, h, plan, d, algo, desc:
                             next(p.memory for p in self.perfs if p.algo == algo))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: None)
+        # Note [cached constants across streams]: events and waits, kept apart from calls
+        self.stream, self.stream_ops = FakeStream(0x5000), []
+        monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: self.stream)
+        monkeypatch.setattr(cp.cuda, "Event", lambda **kw: FakeEvent(self))
+        monkeypatch.setattr(cp.cuda.runtime, "streamWaitEvent", lambda s, e, flags=0:
+                            self.stream_ops.append(("wait", e, s, flags)))
         from convfuse.ops.cudnn import layout
 
         monkeypatch.setattr(layout, "to_channels_first", self.to_channels_first)
@@ -359,3 +383,45 @@ def test_engine_errors_carry_context(gpu):
     assert str(info.value).startswith("cudnnConvolutionForward failed with CUDNN_STATUS_BAD_PARAM "
                                       f"(2000): conv_forward for {geom.describe()} dtype=float32")
     assert "algo=6 workspace=0" in str(info.value)
+
+
+def test_cached_zero_bias_is_ordered_before_every_stream_that_reads_it(gpu, monkeypatch):
+    """Note [cached constants across streams]: the zero bias is filled once, on the stream
+    of its first use, with an event recorded after the fill; a call on any stream waits
+    on that event (device-side) until the host has seen it complete, inside a capture as
+    an external wait; afterwards no call waits."""
+    from convfuse.ops.cudnn import constants, fused
+    from convfuse.plan import capture
+
+    monkeypatch.setattr(fused, "_zero_bias", {})
+    geom = GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    ops.conv_bias_act(x, w, None, geom, "relu")  # made on stream A
+    [zero] = gpu.zeros
+    [(kind, event, on)] = gpu.stream_ops[:1]
+    assert (kind, on) == ("record", 0x5000)
+    assert gpu.stream_ops[1:] == [("wait", event, 0x5000, 0)]
+    gpu.stream = FakeStream(0x6000)  # another stream reads it: waits for the fill
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert gpu.stream_ops[-1] == ("wait", event, 0x6000, 0)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda: True)
+    gpu.stream = FakeStream(0x7000)  # a capture: the wait is recorded as external
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert gpu.stream_ops[-1] == ("wait", event, 0x7000, constants.EVENT_WAIT_EXTERNAL)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda: False)
+    [item] = fused_cache().values()
+    item.event.done = True  # the host sees the fill finished: no more waits, anywhere
+    n = len(gpu.stream_ops)
+    for stream in (0x5000, 0x8000):
+        gpu.stream = FakeStream(stream)
+        ops.conv_bias_act(x, w, None, geom, "relu")
+    assert len(gpu.stream_ops) == n and item.complete
+    assert gpu.zeros == [zero]  # one fill in all
+    fused_args = [a for name, a in gpu.calls if name == FUSED]
+    assert len(fused_args) == 5 and all(a[14] == ptr(zero) for a in fused_args)
+
+
+def fused_cache():
+    from convfuse.ops.cudnn import fused
+
+    return fused._zero_bias

@@ -43,29 +43,22 @@ from ...plan import (
 )
 from ...plan.capture import refuse_in_capture
 from .. import elementwise
+from .constants import DeviceConstant, cached
 from .ranked import algorithm_and_workspace, forward_into, refused, where
 
-_zero_bias: dict[tuple[int, str, int], Any] = {}
+_zero_bias: dict[tuple[int, str, int], DeviceConstant] = {}
 _zero_bias_lock = threading.Lock()
 
 
 def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
-    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros.
-
-    The cached array outlives the call that creates it, so it comes from CuPy's default
-    pool, never the current allocator: that may be a capture's private pool, which frees
-    its blocks when it goes, under the cached array. The default pool lives as long as the
-    process, and freeing into it is no cudaFree (no hidden device sync). It cannot be
-    created inside a capture: the zeroing would be recorded, not run.
-    """
+    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros:
+    cached per device, dtype and channel count, and ordered before this call's stream
+    reads them (Note [cached constants across streams] in constants.py)."""
     key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
-    with _zero_bias_lock:
-        bias = _zero_bias.get(key)
-        if bias is None:
-            refuse_in_capture(f"the cached zero bias ({channels} x {cp.dtype(dtype).name})")
-            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
-        return bias
+    bias, = cached(cp, _zero_bias, _zero_bias_lock, key,
+                   f"the cached zero bias ({channels} x {key[1]})",
+                   lambda: (cp.zeros((channels,), dtype=dtype),))
+    return bias
 
 
 def fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
