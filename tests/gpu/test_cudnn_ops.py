@@ -578,3 +578,36 @@ extern "C" __global__ void spin(long long cycles) {
     assert (b.ptr, 0) in waits  # B waited for the fill, on the device
     assert not bool(cp.isnan(bias).any())
     assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "identity")[0], "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("activation", ["identity", "relu"])
+def test_alpha2_zero_leaves_the_nan_poisoned_y_unread(monkeypatch, rng, dtype, activation):
+    """Note [z = y with alpha2 = 0]: without a residual the fused call gets z = y (NaN
+    here) and alpha2 = 0; a cuDNN that read z would return NaN (0 * NaN)."""
+    lib = cudnn()
+    made, seen = {}, []
+    real = lib.convolutionBiasActivationForward
+
+    def spy(*a):
+        z = made.get(a[12])  # the engine's output, as allocated (poisoned)
+        seen.append((a[10], a[12], a[17], z is not None and bool(cp.isnan(z).all())))
+        return real(*a)
+
+    def empty(shape, dtype=float, order="C"):
+        arr = poisoned(shape, dtype)
+        made[arr.data.ptr] = arr
+        return arr
+
+    monkeypatch.setattr(lib, "convolutionBiasActivationForward", spy)
+    geom = DOCUMENTED[0]
+    x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
+    b = Data(rng, geom.bias_shape, dtype)
+    with warnings.catch_warnings(), monkeypatch.context() as m:
+        m.setattr(cp, "empty", empty)
+        warnings.simplefilter("ignore", FusedFallbackWarning)  # checked through `seen`
+        y, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, activation)
+    assert seen, "the fused call did not run"
+    for alpha2, z, out, z_was_nan in seen:
+        assert (alpha2, z) == (0.0, out) and z_was_nan
+    assert_close(y, ops.conv_bias_act(x.ref, w.ref, b.ref, geom, activation)[0], dtype)

@@ -18,6 +18,20 @@ call's by rounding only: y is rounded to the data's dtype after the convolution 
 after the pass. The kernel's ReLU propagates NaN (as the reference engine and PyTorch do),
 where cuDNN's fused ReLU is NOT_PROPAGATE_NAN.
 
+Note [z = y with alpha2 = 0]
+Without a residual the fused call gets z = y, a fresh and unwritten output, with
+alpha2 = 0. If cuDNN read z, 0 * NaN would be NaN; it does not: its rule for blending
+factors is that a zero factor leaves the blended tensor unread ("When beta is zero, the
+output is not read and may contain uninitialized data (including NaN)", cuDNN developer
+guide, Scaling Parameters), and the two largest users of this call rely on the same for
+alpha2: PyTorch's cudnn_convolution_relu passes its uninitialised output (empty_cuda) as
+z with alpha 0 ("use output_t as z to satisfy CUDNN API", aten/src/ATen/native/cudnn/
+ConvShared.cpp), and XLA's legacy fused convolution passes the output buffer as the side
+input when side_input_scale == 0 (tensorflow/compiler/mlir/tfrt/transforms/lmhlo_to_gpu/
+convolution_pattern.cc). So y is not zeroed first (a memset would cost a pass over y per
+call); tests/gpu poison y with NaN before every such call, so a cuDNN that read it fails
+there.
+
 Note [forced algorithm versus speed]
 IDENTITY's forced IMPLICIT_PRECOMP_GEMM can be slower than the best-ranked algorithm plus
 one bias pass (PaddlePaddle #14744, dlib #2656). With config.benchmark, an identity plan
@@ -92,7 +106,7 @@ def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: An
     if residual is not None:
         z_ptr, alpha2 = residual.data.ptr, residual_scale
     else:
-        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
+        # FACTS: z may not be NULL. Note [z = y with alpha2 = 0]
         z_ptr, alpha2 = y.data.ptr, 0.0
     while True:
         try:
