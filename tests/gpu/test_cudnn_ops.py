@@ -544,7 +544,7 @@ def test_float64_channels_last_runs_channels_first(monkeypatch, rng, geom):
 
 def test_cached_zero_bias_is_ordered_before_a_reader_on_another_stream(monkeypatch, rng):
     """Note [cached constants across streams], on a device: the zero bias is made on
-    stream A behind a ~0.1 s kernel, over a pool block that held NaN, and read at once by
+    stream A behind a ~0.5 s kernel, over a pool block that held NaN, and read at once by
     an IDENTITY fused call on stream B. B must wait for the fill (a read before it adds
     NaN, which IDENTITY passes through), so y is the reference's, and the wait is B's."""
     from convfuse.ops.cudnn import fused
@@ -562,14 +562,16 @@ extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
     while (clock64() - start < cycles) {}
 }""", "spin")
-    cp.cuda.Device().synchronize()  # x and w are on the device before the streams start
+    b_data = Data(rng, geom.bias_shape, "float32")
+    ops.conv_bias_act(x.dev, w.dev, b_data.dev, geom, "identity")  # handle, plan, algorithm
+    cp.cuda.Device().synchronize()  # all that is on the device before the streams start
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     with a:
         with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
             stale = cp.full((k,), np.nan, dtype=np.float32)  # the size the bias will take
             a.synchronize()
             del stale  # back to the default pool, for stream A
-        spin((1,), (1,), (np.int64(200_000_000),))
+        spin((1,), (1,), (np.int64(1_000_000_000),))  # about 0.5 s
         bias = fused.zero_bias(cp, "float32", k)  # its fill queues behind the spin
     with b:
         y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "identity")

@@ -77,7 +77,8 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
         try:
             cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
         except NoAlgorithmError as err:  # nothing ranked fits: name the op as well
-            raise type(err)(f"{what}: {err}").with_traceback(err.__traceback__) from None
+            raise type(err)(f"{what}: {err}").with_traceback(err.__traceback__) \
+                from err.__cause__
         try:
             call(cand, ws)
             return
