@@ -11,7 +11,10 @@ device orders the two, the host does not wait), until the host has seen the even
 complete (cudaEventQuery, which does not block); from then on the fill is in the past for
 every stream and no wait is needed. Inside a CUDA graph capture the wait is recorded with
 cudaEventWaitExternal: waiting on an event recorded outside the capture is invalid
-otherwise, and the replays then wait on an event long completed, at no cost. The fill
+otherwise (CUDA Programming Guide, "Cross-stream Dependencies and Events"; PyTorch's
+torch.cuda.Event(external=True) waits the same way), and the replays then wait on an
+event long completed, at no cost. cudaEventQuery is not called while capturing: global
+capture mode (torch.cuda.graph, scripts/count_syncs.py's probe) forbids it. The fill
 itself cannot happen in a capture (the zeroing would be recorded, not run): Note [no plan
 work inside a capture].
 
