@@ -235,8 +235,31 @@ def test_affine_false_passes_cached_ones_and_zeros(gpu):
     x, (_, _, rm, rv), _ = arrays(gpu, (2, 4, 3, 3), "float32", False, "NCHW")
     ops.batchnorm_forward_training(x, None, None, rm, rv)
     ops.batchnorm_forward_training(x, None, None, None, None)
-    (ones, zeros), = engine._affine_defaults.values()
+    (ones, zeros), = (c.arrays for c in engine._affine_defaults.values())
     for _, a in gpu.calls:
         assert (a[9], a[10]) == (ptr(ones), ptr(zeros))
     assert (gpu.calls[1][1][12], gpu.calls[1][1][13]) == (0, 0)  # no running statistics
     assert ones.dtype == np.float32 and ones.shape == (4,)
+
+
+def test_affine_defaults_are_ordered_before_other_streams(gpu):
+    """Note [cached constants across streams]: the ones and zeros filled on stream A are
+    waited for by a call on stream B, until the host has seen the fill complete."""
+    from tests.test_ops_cudnn_wiring import FakeStream
+
+    x, (_, _, rm, rv), _ = arrays(gpu, (2, 4, 3, 3), "float32", False, "NCHW")
+    ops.batchnorm_forward_training(x, None, None, rm, rv)
+    [(kind, event, on)] = [op for op in gpu.stream_ops if op[0] == "record"]
+    assert (kind, on) == ("record", 0x5000)
+    gpu.stream = FakeStream(0x6000)
+    ops.batchnorm_forward_training(x, None, None, rm, rv)
+    assert gpu.stream_ops[-1] == ("wait", event, 0x6000, 0)
+    [item] = engine._affine_defaults.values()
+    item.event.done = True
+    n = len(gpu.stream_ops)
+    gpu.stream = FakeStream(0x7000)
+    ops.batchnorm_forward_training(x, None, None, rm, rv)
+    assert len(gpu.stream_ops) == n  # complete: no wait
+    ones, zeros = item.arrays
+    assert all((a[9], a[10]) == (ptr(ones), ptr(zeros)) for _, a in gpu.calls
+               if _ == FWD)

@@ -58,6 +58,12 @@ def _status_setup(name, status):
     return lambda gpu: gpu.inject(name, status)
 
 
+def _forced_query(status):
+    """The forced IDENTITY algorithm's workspace query fails (Note [IDENTITY needs
+    IMPLICIT_PRECOMP_GEMM]); the ranked algorithms' queries still answer."""
+    return lambda gpu: gpu.inject(WSQ, status, algo=FORCED)
+
+
 def _limit(gpu):
     return {"workspace_limit": 8192}
 
@@ -89,10 +95,10 @@ CASES = [
      raises(CudnnError, "cudnnGetConvolutionForwardAlgorithm_v7")),
     ("query-records-refused", _records_refused, fused_ok(),
      raises(NoAlgorithmError, "0 runnable")),
-    ("workspace-query-not-supported", _status_setup(WSQ, NOT_SUPPORTED), unfused(), fused_ok()),
-    ("workspace-query-bad-param", _status_setup(WSQ, BAD_PARAM),
+    ("workspace-query-not-supported", _forced_query(NOT_SUPPORTED), unfused(), fused_ok()),
+    ("workspace-query-bad-param", _forced_query(BAD_PARAM),
      raises(CudnnError, "cudnnGetConvolutionForwardWorkspaceSize"), fused_ok()),
-    ("workspace-query-alloc-failed", _status_setup(WSQ, ALLOC_FAILED),
+    ("workspace-query-alloc-failed", _forced_query(ALLOC_FAILED),
      raises(CudnnError, "cudnnGetConvolutionForwardWorkspaceSize"), fused_ok()),
     ("workspace-over-limit", _limit, unfused(fwd_algo=2), fused_ok(algo_relu=2)),
     ("oom-at-choice", _oom_choice,
@@ -169,7 +175,7 @@ def test_no_bias_no_residual_identity_fallback_adds_nothing(make_gpu, rng):  # n
     """The zero bias exists for the fused call only: the unfused path runs no pass at all."""
     geom = GEOMS[1]
     gpu = make_gpu(geom)
-    gpu.inject(WSQ, NOT_SUPPORTED)
+    gpu.inject(WSQ, NOT_SUPPORTED, algo=FORCED)
     host, dev = _inputs(gpu, geom, rng, with_bias=False, with_res=False)
     y, categories = _run(gpu, dev, geom, "identity", {})
     np.testing.assert_allclose(gpu.get(y), ops.conv_forward(host["x"], host["w"], geom),
@@ -181,7 +187,7 @@ def test_no_bias_no_residual_identity_fallback_adds_nothing(make_gpu, rng):  # n
 def test_fallback_warning_names_the_refused_call(make_gpu, rng):  # noqa: F811
     geom = GEOMS[0]
     gpu = make_gpu(geom)
-    gpu.inject(WSQ, NOT_SUPPORTED)
+    gpu.inject(WSQ, NOT_SUPPORTED, algo=FORCED)
     _, dev = _inputs(gpu, geom, rng)
     with pytest.warns(FusedFallbackWarning) as record:
         ops.conv_bias_act(dev["x"], dev["w"], dev["b"], geom, "gelu", dev["res"], 0.5)

@@ -14,6 +14,7 @@ import pytest
 import convfuse.ops as ops
 from convfuse import config
 from convfuse.errors import CudnnError
+from convfuse.ops.cudnn.layout import cudnn_geometry
 from convfuse.plan import (
     BiasGradFallbackWarning,
     NoAlgorithmError,
@@ -21,6 +22,7 @@ from convfuse.plan import (
     WorkspaceUnavailableError,
     get_plan,
 )
+from convfuse.plan.descriptors import lift, packed_strides
 from tests._fault_injection import (
     ALLOC_FAILED,
     BAD_PARAM,
@@ -131,7 +133,9 @@ def test_convolution_fault(make_gpu, rng, geom, direction, case, setup, outcome)
         call = DIRECTIONS[direction][1]
         used = [a[7] for n, a in gpu.calls if n == call]
         assert used[-1] == detail
-        assert get_plan(geom, "float64").choice(direction, "H").algo == detail
+        # the plan that ran (Note [float64 runs channels-first] for NDHWC)
+        ran = get_plan(cudnn_geometry(geom, "float64"), "float64")
+        assert ran.choice(direction, "H").algo == detail
 
 
 @pytest.mark.parametrize("geom", [GEOMS[1], GEOMS[2]], ids=lambda g: g.layout)
@@ -163,3 +167,92 @@ def test_backward_bias_fault(make_gpu, rng, geom, status, outcome):  # noqa: F81
     np.testing.assert_allclose(gpu.get(db), ops.conv_backward_bias(dz, geom), rtol=1e-12)
     assert gpu.names() == ["activation_backward_bias"]  # straight to the kernel
     assert get_plan(geom, "float64").bias_grad_refusal.status == status
+
+
+SIZE_QUERIES = {"fwd": "getConvolutionForwardWorkspaceSize",
+                "bwd_data": "getConvolutionBackwardDataWorkspaceSize",
+                "bwd_filter": "getConvolutionBackwardFilterWorkspaceSize"}
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_the_queried_workspace_size_is_allocated_and_passed(make_gpu, rng, direction):  # noqa: F811
+    """Note [workspace sizes are queried]: the heuristics' record says BIG bytes for algo 6;
+    the size query (with the descriptor the call runs with) says 12345, and that is what
+    the pool is asked for and what cuDNN is told."""
+    geom = GEOMS[0]
+    gpu = make_gpu(geom)
+    gpu.queried = {6: 12345}
+    run, want = _op(gpu, geom, direction, rng)
+    got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    call = DIRECTIONS[direction][1]
+    [(_, args)] = [(n, a) for n, a in gpu.calls if n == call]
+    assert (args[7], args[9]) == (6, 12345)  # algo, workSpaceSizeInBytes
+    sizes = [a[0] for n, a in gpu.calls if n == "alloc"]
+    assert sizes == [12345, 12345]  # at choice (first_allocatable) and for the call
+    plan = get_plan(geom, "float64")
+    cand = plan.choice(direction, "H")
+    assert cand.workspace == 12345
+    queries = [a for n, a in gpu.calls if n == SIZE_QUERIES[direction]]
+    assert [q[-1] for q in queries] == [6, 2, 0]  # every usable record, once
+    assert queries[0][3] is plan.conv_desc_for(cand)  # the descriptor the call ran with
+    assert args[6] is plan.conv_desc_for(cand)
+
+
+def test_workspace_limit_sees_the_queried_size(make_gpu, rng):  # noqa: F811
+    geom = GEOMS[0]
+    gpu = make_gpu(geom)
+    gpu.queried = {2: 1 << 16}  # the record said 4096
+    run, want = _op(gpu, geom, "bwd_data", rng)
+    with config.flags(workspace_limit=8192):
+        got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    assert [a[7] for n, a in gpu.calls if n == "convolutionBackwardData"] == [0]
+
+
+@pytest.mark.parametrize("geom", [GEOMS[1], GEOMS[3]], ids=lambda g: g.layout)
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_float64_channels_last_runs_channels_first(make_gpu, rng, geom, direction):  # noqa: F811
+    """Note [float64 runs channels-first]: the right numbers (beta = 1 accumulating once),
+    and every cuDNN call of the op carries the channels-first plan's descriptors."""
+    gpu = make_gpu(geom)
+    run, want = _op(gpu, geom, direction, rng)
+    got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    assert got.shape == want.shape
+    cf = get_plan(cudnn_geometry(geom, "float64"), "float64")
+    [(_, args)] = [(n, a) for n, a in gpu.calls if n == DIRECTIONS[direction][1]]
+    want_descs = {"fwd": (cf.x_desc, cf.w_desc, cf.y_desc),
+                  "bwd_data": (cf.w_desc, cf.y_desc, cf.x_desc),
+                  "bwd_filter": (cf.x_desc, cf.y_desc, cf.w_desc)}[direction]
+    assert (args[2], args[4], args[11]) == want_descs
+    dims = lift(geom.input_shape_cf)
+    assert tuple(cf.x_desc.getNd()[1]) == dims
+    assert tuple(cf.x_desc.getNd()[2]) == packed_strides(dims, channels_last=False)
+    assert gpu.names().count("to_channels_last") == 1  # the result, copied back once
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[3]], ids=lambda g: g.layout)
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_nothing_left_to_run_is_a_typed_error(make_gpu, rng, geom, direction):  # noqa: F811
+    """An empty ranking (every record refused) and a ranking cuDNN refuses at every call
+    both end in a typed error naming the op, the caller's geometry and what was tried."""
+    op = {"fwd": "conv_forward", "bwd_data": "conv_backward_data",
+          "bwd_filter": "conv_backward_filter"}[direction]
+    gpu = make_gpu(geom)
+    gpu.perfs = [(a, m, NOT_SUPPORTED) for a, m, _ in gpu.perfs]
+    run, _ = _op(gpu, geom, direction, rng)
+    with pytest.raises(NoAlgorithmError) as info:
+        run()
+    msg = str(info.value)
+    assert msg.startswith(f"{op}: ") and geom.describe() in msg
+    assert "cuDNN reported 3 algorithm(s), 0 runnable" in msg
+
+    gpu = make_gpu(geom)
+    gpu.inject(DIRECTIONS[direction][1], NOT_SUPPORTED)
+    run, _ = _op(gpu, geom, direction, rng)
+    with pytest.raises(CudnnError) as info:
+        run()
+    msg = str(info.value)
+    assert _cname(DIRECTIONS[direction][1]) in msg and op in msg and geom.describe() in msg
+    assert f"refused every {direction} algorithm this call tried (algo 6, 2, 0)" in msg

@@ -401,3 +401,45 @@ def test_torch_allocator_out_of_memory_is_cupys(monkeypatch):
         alloc(4096)
     assert isinstance(info.value, MemoryError)
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
+@pytest.mark.parametrize("path", ["fused", "plain-backward", "plain"])
+def test_parameter_gradients_accumulate_over_two_backwards(bn_gpu, rng, path):
+    """Review 7.5: param_beta = 1 is cuDNN's betaParamDiff = 1. Two steps into the same
+    NaN-poisoned weight_grad/bias_grad, the first overwriting (param_beta = 0, which never
+    reads them) and the second accumulating, leave the sum of both steps' PyTorch
+    gradients, on the fused backward (BackwardEx), after a refused fused backward, and on
+    the plain path."""
+    gpu = bn_gpu()
+    if path == "plain-backward":
+        gpu.inject(BWD_EX, NOT_SUPPORTED)
+    elif path == "plain":
+        gpu.inject(FWD_EX, NOT_SUPPORTED)
+    c = SHAPE[-1]
+    gw, gb = gpu.array((c,), "float32"), gpu.array((c,), "float32")  # NaN-poisoned
+    wants = []
+    for step, beta in enumerate((0.0, 1.0)):
+        host, dev = _inputs(gpu, np.random.default_rng(20 + step), True)
+        wants.append(_oracle(host, True))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FusedFallbackWarning)  # the refusal cases
+            _, saved = ops.batchnorm_forward_training(dev["x"], dev["w"], dev["b"], dev["rm"],
+                                                      dev["rv"], LAYOUT, EPS, FACTOR, "relu",
+                                                      dev["res"])
+            dx, dw, db, _ = ops.batchnorm_backward(dev["dy"], dev["x"], dev["w"], dev["b"],
+                                                   saved, LAYOUT, EPS, "relu", True,
+                                                   weight_grad=gw, bias_grad=gb,
+                                                   param_beta=beta)
+        assert dw is gw and db is gb
+        np.testing.assert_allclose(gpu.get(dx), wants[-1]["dx"], rtol=1e-10, atol=1e-10)
+        if step == 0:
+            np.testing.assert_allclose(gpu.get(gw), wants[0]["dw"], rtol=1e-10, atol=1e-10)
+    for key, out in (("dw", gw), ("db", gb)):
+        np.testing.assert_allclose(gpu.get(out), wants[0][key] + wants[1][key], rtol=1e-10,
+                                   atol=1e-10, err_msg=key)
+    ex = [(a[6], a[20], a[21]) for n, a in gpu.calls if n == BWD_EX]  # betaParamDiff, dw, db
+    plain = [(a[5], a[14], a[15]) for n, a in gpu.calls if n == BWD]
+    ran = plain if path != "fused" else ex
+    assert ran == [(0.0, gw.data.ptr, gb.data.ptr), (1.0, gw.data.ptr, gb.data.ptr)]
+    if path == "plain-backward":
+        assert [beta for beta, _, _ in ex] == [0.0]  # refused, nothing written; remembered

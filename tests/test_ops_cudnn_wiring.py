@@ -17,6 +17,24 @@ from convfuse.pool_geometry import PoolGeometry
 from tests._ops_dispatch_helpers import GEOMS
 
 
+class FakeStream:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class FakeEvent:
+    """cupy.cuda.Event as Note [cached constants across streams] uses it: records on the
+    fake current stream, and `done` is what the test sets."""
+
+    def __init__(self, gpu):
+        self.gpu, self.done = gpu, False
+        self.ptr = 0xE0 + len(gpu.stream_ops)
+
+    def record(self, stream=None):
+        on = stream if stream is not None else self.gpu.stream
+        self.gpu.stream_ops.append(("record", self.ptr, on.ptr))
+
+
 class FakeGpu:
     COMPUTE = ("convolutionBiasActivationForward", "convolutionForward",
                "convolutionBackwardData", "convolutionBackwardFilter",
@@ -63,7 +81,20 @@ class FakeGpu:
         monkeypatch.setattr(algorithms, "forced_identity_perf", lambda lib_, h, plan: [
             lib.AlgoPerf(lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM, 0, 0.0, 0,
                          lib.CUDNN_DETERMINISTIC, plan.conv_desc.getMathType())])
+        # Note [workspace sizes are queried]: the size query answers the record's size.
+        monkeypatch.setattr(algorithms, "workspace_size", lambda lib_, h, plan, d, algo, desc:
+                            next(p.memory for p in self.perfs if p.algo == algo))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: None)
+        # Note [cached constants across streams]: events and waits, kept apart from calls
+        self.stream, self.stream_ops = FakeStream(0x5000), []
+        monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: self.stream)
+        monkeypatch.setattr(cp.cuda, "Event", lambda **kw: FakeEvent(self))
+        monkeypatch.setattr(cp.cuda.runtime, "streamWaitEvent", lambda s, e, flags=0:
+                            self.stream_ops.append(("wait", e, s, flags)))
+        from convfuse.ops.cudnn import layout
+
+        monkeypatch.setattr(layout, "to_channels_first", self.to_channels_first)
+        monkeypatch.setattr(layout, "to_channels_last", self.to_channels_last)
         self.zeros = []
 
     def array(self, shape, dtype, kind="empty"):
@@ -79,6 +110,17 @@ class FakeGpu:
         if kind == "zeros":
             self.zeros.append(a)
         return a
+
+    def to_channels_first(self, a):
+        out = self.array((a.shape[0], a.shape[-1], *a.shape[1:-1]), a.dtype)
+        self.calls.append(("to_channels_first", (a, out)))
+        return out
+
+    def to_channels_last(self, a_cf, out=None):
+        if out is None:
+            out = self.array((a_cf.shape[0], *a_cf.shape[2:], a_cf.shape[1]), a_cf.dtype)
+        self.calls.append(("to_channels_last", (a_cf, out)))
+        return out
 
     def record(self, name, args):
         self.calls.append((name, args))
@@ -156,18 +198,19 @@ def test_engine_other_activations_run_identity_then_one_kernel(gpu, act, in_plac
 def test_engine_forward_and_gradients(gpu):
     from convfuse.plan import get_plan
 
+    # float32: a float64 channels-last geometry runs channels-first (the test below)
     geom = GEOMS[3]
-    x, w = gpu.array(geom.input_shape, "float64"), gpu.array(geom.weight_shape, "float64")
-    dz = gpu.array(geom.output_shape, "float64")
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    dz = gpu.array(geom.output_shape, "float32")
     y = ops.conv_forward(x, w, geom)
     dx = ops.conv_backward_data(dz, w, geom)
-    dw_out = gpu.array(geom.weight_shape, "float64")
-    db_out = gpu.array(geom.bias_shape, "float64")
+    dw_out = gpu.array(geom.weight_shape, "float32")
+    db_out = gpu.array(geom.bias_shape, "float32")
     dw = ops.conv_backward_filter(x, dz, geom, out=dw_out, beta=1.0)
     db = ops.conv_backward_bias(dz, geom, out=db_out, beta=1.0)
     assert dw is dw_out and db is db_out
     assert dx.shape == geom.input_shape
-    p = get_plan(geom, "float64")
+    p = get_plan(geom, "float32")
     c = {d: p.choice(d, "H") for d in ("fwd", "bwd_data", "bwd_filter")}
     cd = {d: p.conv_desc_for(c[d]) for d in c}
     assert gpu.calls == [
@@ -181,6 +224,67 @@ def test_engine_forward_and_gradients(gpu):
                                        p.w_desc, ptr(dw))),
         ("convolutionBackwardBias", ("H", 1.0, p.y_desc, ptr(dz), 1.0, p.bias_desc, ptr(db))),
     ]
+
+
+def test_engine_float64_channels_last_runs_channels_first(gpu):
+    """Note [float64 runs channels-first]: every cuDNN call of a float64 channels-last
+    convolution gets the channels-first plan's descriptors and channels-first copies; the
+    results are copied back into channels-last arrays (beta = 1 outputs copied in first)."""
+    from convfuse.ops.cudnn import layout
+    from convfuse.plan import get_plan
+
+    geom = GEOMS[3]
+    cf = layout.cudnn_geometry(geom, "float64")
+    assert layout.cudnn_geometry(geom, "float32") is geom
+    assert layout.cudnn_geometry(GEOMS[0], "float64") is GEOMS[0]
+    assert (cf.input_shape, cf.weight_shape, cf.channels_last) == (
+        geom.input_shape_cf, geom.weight_shape_cf, False)
+    assert (cf.stride, cf.padding, cf.dilation, cf.groups) == (
+        geom.stride, geom.padding, geom.dilation, geom.groups)
+    assert cf.output_shape == geom.output_shape_cf
+    x, w = gpu.array(geom.input_shape, "float64"), gpu.array(geom.weight_shape, "float64")
+    dz, res = gpu.array(geom.output_shape, "float64"), gpu.array(geom.output_shape, "float64")
+    b = gpu.array(geom.bias_shape, "float64")
+    p = get_plan(cf, "float64")
+
+    y = ops.conv_forward(x, w, geom)
+    (n1, (x0, xc)), (n2, (w0, wc)), (n3, a), (n4, (yc, y0)) = gpu.calls
+    assert (n1, n2, n3, n4) == ("to_channels_first", "to_channels_first", "convolutionForward",
+                                "to_channels_last")
+    assert x0 is x and w0 is w and y0 is y and y.shape == geom.output_shape
+    assert (a[2], a[3], a[4], a[5], a[11], a[12]) == (p.x_desc, ptr(xc), p.w_desc, ptr(wc),
+                                                      p.y_desc, ptr(yc))
+
+    gpu.calls.clear()
+    dx_out = gpu.array(geom.input_shape, "float64")
+    dx = ops.conv_backward_data(dz, w, geom, out=dx_out, beta=1.0)
+    (n1, (o0, oc)), (n2, (dz0, dzc)), (n3, (w0, wc)), (n4, a), (n5, (oc2, o2)) = gpu.calls
+    assert (n1, n2, n3, n4, n5) == ("to_channels_first", "to_channels_first",
+                                    "to_channels_first", "convolutionBackwardData",
+                                    "to_channels_last")
+    assert o0 is dx_out and dz0 is dz and w0 is w and oc2 is oc and o2 is dx_out and dx is dx_out
+    assert (a[2], a[3], a[4], a[5], a[10], a[11], a[12]) == (
+        p.w_desc, ptr(wc), p.y_desc, ptr(dzc), 1.0, p.x_desc, ptr(oc))
+
+    gpu.calls.clear()
+    dw = ops.conv_backward_filter(x, dz, geom)  # beta = 0: out is not read, no copy in
+    names = [n for n, _ in gpu.calls]
+    assert names == ["to_channels_first", "to_channels_first", "convolutionBackwardFilter",
+                     "to_channels_last"]
+    a = gpu.calls[2][1]
+    assert (a[2], a[4], a[10], a[11]) == (p.x_desc, p.y_desc, 0.0, p.w_desc)
+    assert dw.shape == geom.weight_shape
+
+    gpu.calls.clear()
+    y, z = ops.conv_bias_act(x, w, b, geom, "gelu", res, 0.5)
+    names = [n for n, _ in gpu.calls]
+    assert names == ["to_channels_first"] * 3 + [FUSED, "activation_forward",
+                                                 "to_channels_last", "to_channels_last"]
+    fp = get_plan(cf, "float64", "gelu", True)
+    a = gpu.calls[3][1]
+    assert (a[2], a[11], a[12], a[13], a[14]) == (fp.x_desc, fp.y_desc, ptr(gpu.calls[0][1][1]),
+                                                  fp.bias_desc, ptr(b))
+    assert y.shape == z.shape == geom.output_shape
 
 
 @pytest.mark.parametrize("bias_grad", ["cudnn", "fused"])
@@ -279,3 +383,45 @@ def test_engine_errors_carry_context(gpu):
     assert str(info.value).startswith("cudnnConvolutionForward failed with CUDNN_STATUS_BAD_PARAM "
                                       f"(2000): conv_forward for {geom.describe()} dtype=float32")
     assert "algo=6 workspace=0" in str(info.value)
+
+
+def test_cached_zero_bias_is_ordered_before_every_stream_that_reads_it(gpu, monkeypatch):
+    """Note [cached constants across streams]: the zero bias is filled once, on the stream
+    of its first use, with an event recorded after the fill; a call on any stream waits
+    on that event (device-side) until the host has seen it complete, inside a capture as
+    an external wait; afterwards no call waits."""
+    from convfuse.ops.cudnn import constants, fused
+    from convfuse.plan import capture
+
+    monkeypatch.setattr(fused, "_zero_bias", {})
+    geom = GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    ops.conv_bias_act(x, w, None, geom, "relu")  # made on stream A
+    [zero] = gpu.zeros
+    [(kind, event, on)] = gpu.stream_ops[:1]
+    assert (kind, on) == ("record", 0x5000)
+    assert gpu.stream_ops[1:] == [("wait", event, 0x5000, 0)]
+    gpu.stream = FakeStream(0x6000)  # another stream reads it: waits for the fill
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert gpu.stream_ops[-1] == ("wait", event, 0x6000, 0)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda: True)
+    gpu.stream = FakeStream(0x7000)  # a capture: the wait is recorded as external
+    ops.conv_bias_act(x, w, None, geom, "relu")
+    assert gpu.stream_ops[-1] == ("wait", event, 0x7000, constants.EVENT_WAIT_EXTERNAL)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda: False)
+    [item] = fused_cache().values()
+    item.event.done = True  # the host sees the fill finished: no more waits, anywhere
+    n = len(gpu.stream_ops)
+    for stream in (0x5000, 0x8000):
+        gpu.stream = FakeStream(stream)
+        ops.conv_bias_act(x, w, None, geom, "relu")
+    assert len(gpu.stream_ops) == n and item.complete
+    assert gpu.zeros == [zero]  # one fill in all
+    fused_args = [a for name, a in gpu.calls if name == FUSED]
+    assert len(fused_args) == 5 and all(a[14] == ptr(zero) for a in fused_args)
+
+
+def fused_cache():
+    from convfuse.ops.cudnn import fused
+
+    return fused._zero_bias

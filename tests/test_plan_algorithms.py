@@ -75,8 +75,16 @@ class FakeQueries:
         monkeypatch.setattr(algos, "heuristic_perfs", self.heuristic)
         monkeypatch.setattr(algos, "forced_identity_perf", self.forced)
         monkeypatch.setattr(algos, "benchmark_perfs", self.benchmark)
+        monkeypatch.setattr(algos, "workspace_size", self.workspace)
         monkeypatch.setattr(plan_conv, "pool_alloc", oom_above(limit, self.alloc_log))
         self.perfs = perfs
+        self.sizes = {}  # (direction, algo) -> what the size query answers, if not the record's
+        self.size_calls = []
+
+    def workspace(self, lib_, handle, plan, direction, algo, desc):
+        self.size_calls.append((direction, algo, desc.getMathType()))
+        record = next(p for p in self.perfs[direction] if p.algo == algo)
+        return self.sizes.get((direction, algo), record.memory)
 
     def heuristic(self, lib_, handle, plan, direction):
         self.calls.append(("heuristic", direction))
@@ -197,3 +205,55 @@ def test_query_errors_name_the_plan(monkeypatch):
     with pytest.raises(CudnnError, match=r"choosing the fwd algorithm for .*dtype=float32") as info:
         plan.choice("fwd", "H")
     assert geom.describe() in str(info.value)
+
+
+def test_workspace_is_queried_for_the_algorithm_and_math_type_that_run(monkeypatch):
+    """Note [workspace sizes are queried]: the record's size is an estimate for the plan's
+    math type; the choice carries what cudnnGetConvolution*WorkspaceSize reports with the
+    descriptor of the record's own math type, and the pool is asked for that size."""
+    q = FakeQueries(monkeypatch, PERFS)
+    q.sizes[("bwd_filter", 3)] = 77  # the record said 10
+    plan = get_plan(make_geom(2, False, 1), "float32")
+    cand = plan.choice("bwd_filter", "h")
+    assert cand == Candidate(3, 77, lib.CUDNN_TENSOR_OP_MATH, False)
+    assert q.size_calls == [("bwd_filter", 3, lib.CUDNN_TENSOR_OP_MATH),
+                            ("bwd_filter", 1, lib.CUDNN_FMA_MATH)]
+    assert q.alloc_log == [77]
+
+
+def test_workspace_limit_applies_to_the_queried_size(monkeypatch):
+    q = FakeQueries(monkeypatch, PERFS)
+    q.sizes[("fwd", lib.CUDNN_CONVOLUTION_FWD_ALGO_GEMM)] = 700  # the record said 500
+    with config.flags(workspace_limit=600):
+        plan = get_plan(make_geom(2, False, 1), "float32")
+    assert plan.choice("fwd", "h").algo == lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM
+    q.sizes[("bwd_data", 0)] = 900
+    q.sizes[("bwd_data", 1)] = 800
+    with pytest.raises(NoAlgorithmError, match=r"2 usable algorithm\(s\), 0 within "
+                                               r"workspace_limit=600 \(queried workspace "
+                                               r"bytes algo 1: 800, algo 0: 900\)"):
+        plan.choice("bwd_data", "h")
+
+
+def test_a_refused_size_query_drops_the_algorithm_and_other_errors_name_the_plan(monkeypatch):
+    q = FakeQueries(monkeypatch, PERFS)
+    real = q.workspace
+
+    def size(lib_, handle, plan, direction, algo, desc):
+        if algo == lib.CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD:
+            raise CudnnError(3002, "cudnnGetConvolutionForwardWorkspaceSize")  # NOT_SUPPORTED_SHAPE
+        if direction == "bwd_data":
+            raise CudnnError(lib.CUDNN_STATUS_BAD_PARAM,
+                             "cudnnGetConvolutionBackwardDataWorkspaceSize")
+        return real(lib_, handle, plan, direction, algo, desc)
+
+    monkeypatch.setattr(algos, "workspace_size", size)
+    geom = make_geom(2, False, 1)
+    plan = get_plan(geom, "float32")
+    first = plan.choice("fwd", "h")
+    assert first.algo == lib.CUDNN_CONVOLUTION_FWD_ALGO_GEMM  # WINOGRAD was dropped
+    assert plan.reject("fwd", first)
+    assert plan.choice("fwd", "h").algo == lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM
+    assert not plan.reject("fwd", plan.choice("fwd", "h"))  # nothing else is ranked
+    with pytest.raises(CudnnError, match=r"sizing the bwd_data workspace for .*dtype=float32"):
+        plan.choice("bwd_data", "h")

@@ -142,6 +142,13 @@ def test_zero_bias_never_comes_from_the_current_allocator(monkeypatch):
     monkeypatch.setattr(cp.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(cp, "zeros", zeros)
     monkeypatch.setattr(fused, "_zero_bias", {})
+    # the fill's event (Note [cached constants across streams]) needs a device: stand-ins
+    from tests.test_ops_cudnn_wiring import FakeEvent, FakeStream
+
+    fake = type("Fake", (), {"stream": FakeStream(1), "stream_ops": []})()
+    monkeypatch.setattr(cp.cuda, "Event", lambda **kw: FakeEvent(fake))
+    monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: fake.stream)
+    monkeypatch.setattr(cp.cuda.runtime, "streamWaitEvent", lambda *a: None)
 
     def private_pool_malloc(nbytes):
         raise AssertionError("the zero bias was taken from the private pool")

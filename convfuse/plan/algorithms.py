@@ -10,17 +10,26 @@ FACTS: other algorithms return NOT_SUPPORTED, or have been seen to apply ReLU an
 So the fused forward of an identity plan never asks the heuristics: it takes that
 algorithm and only sizes its workspace. The plain forward (convolutionForward) of the
 same plan still ranks every algorithm, which is why plans keep the two apart.
+
+Note [workspace sizes are queried]
+A ranking record's `memory` is what cuDNN estimated while ranking, with the descriptor the
+query was given (the plan's math type), but the call runs with the record's own math type
+(ConvPlan.conv_desc_for), and records from Get*_v7 are estimates. So a plan asks
+cudnnGetConvolution*WorkspaceSize for each usable record's algorithm with the descriptor
+that will run it, and allocates, offers and checks against workspace_limit that size, as
+PyTorch sizes the workspace of the algorithm it runs. A record whose size query cuDNN
+refuses (NOT_SUPPORTED) cannot run and is dropped like a failed record.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
-from ..errors import ConvfuseError
+from ..errors import ConvfuseError, CudnnError
 
 DIRECTIONS = ("fwd", "bwd_data", "bwd_filter")
 
@@ -73,6 +82,45 @@ def usable_candidates(perfs: Iterable[Any], lib: ModuleType, *, deterministic: b
             continue
         out.append(Candidate(int(p.algo), int(p.memory), int(p.mathType), is_det))
     return out
+
+
+def is_refusal(err: CudnnError, lib: ModuleType) -> bool:
+    """Whether cuDNN refused a call as not supported. cuDNN 9's statuses are categories
+    with specific codes (CUDNN_STATUS_NOT_SUPPORTED = 3000, ..._SHAPE = 3002,
+    ..._LAYOUT = 3004, ...); cudnn_graph.h's CUDNN_STATUS_CATEGORY(s) is s / 1000 * 1000,
+    so every 3xxx code is a refusal, not just 3000."""
+    return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
+
+
+def with_queried_workspace(candidates: Sequence[Candidate], lib: ModuleType,
+                           query: Callable[[Candidate], int]) -> list[Candidate]:
+    """Note [workspace sizes are queried]: each candidate with the size `query` reports
+    for its algorithm and math type, in the same order; refused queries drop the candidate,
+    other errors propagate."""
+    out = []
+    for cand in candidates:
+        try:
+            size = int(query(cand))
+        except CudnnError as err:
+            if is_refusal(err, lib):
+                continue
+            raise
+        out.append(replace(cand, workspace=size))
+    return out
+
+
+def workspace_size(lib: ModuleType, handle: Any, plan: Any, direction: str, algo: int,
+                   conv_desc: Any) -> int:  # pragma: gpu
+    """cudnnGetConvolution*WorkspaceSize of `algo` for `direction`, with `conv_desc` (the
+    descriptor carrying the math type the call will run with)."""
+    if direction == "fwd":
+        return int(lib.getConvolutionForwardWorkspaceSize(
+            handle, plan.x_desc, plan.w_desc, conv_desc, plan.y_desc, algo))
+    if direction == "bwd_data":
+        return int(lib.getConvolutionBackwardDataWorkspaceSize(
+            handle, plan.w_desc, plan.y_desc, conv_desc, plan.x_desc, algo))
+    return int(lib.getConvolutionBackwardFilterWorkspaceSize(
+        handle, plan.x_desc, plan.y_desc, conv_desc, plan.w_desc, algo))
 
 
 def first_allocatable(candidates: Sequence[Candidate], allocate: Callable[[int], Any],

@@ -151,12 +151,16 @@ class ConvPlan(FusedFallbackState):
         and threads may share them.
         """
         with self._lock:
-            desc = self._math_descs.get(cand.math_type)
-            if desc is None:
-                desc = d.convolution_descriptor(self.lib, self.key.dtype, self.key.geometry,
-                                                cand.math_type)
-                self._math_descs[cand.math_type] = desc
-            return desc
+            return self._desc_for_math(cand.math_type)
+
+    def _desc_for_math(self, math_type: int) -> Any:
+        """conv_desc_for's work; the caller holds the lock."""
+        desc = self._math_descs.get(math_type)
+        if desc is None:
+            desc = d.convolution_descriptor(self.lib, self.key.dtype, self.key.geometry,
+                                            math_type)
+            self._math_descs[math_type] = desc
+        return desc
 
     def choice(self, direction: str, handle: Any, inputs: tuple[int, int] = (0, 0),
                fused: bool = False) -> algos.Candidate:
@@ -280,11 +284,33 @@ class ConvPlan(FusedFallbackState):
         rules: dict[str, Any] = dict(deterministic=key.deterministic,
                                      workspace_limit=key.workspace_limit,
                                      fma_only=key.math_type == "CUDNN_FMA_MATH")
-        cands = algos.usable_candidates(perfs, lib, **rules)
-        if not cands:
-            raise algos.NoAlgorithmError(
-                f"no {self._what(slot)} fits: {algos.describe_empty(perfs, lib, **rules)}")
+        cands = algos.usable_candidates(perfs, lib, **{**rules, "workspace_limit": None})
+        if not forced:  # the forced record was sized by the query already
+            cands = self._queried(direction, slot, handle, cands)
+        limit = key.workspace_limit
+        fitting = [c for c in cands if limit is None or c.workspace <= limit]
+        if not fitting:
+            why = algos.describe_empty(perfs, lib, **rules)
+            if cands:  # Note [workspace sizes are queried]: the limit saw the queried sizes
+                sizes = ", ".join(f"algo {c.algo}: {c.workspace}" for c in cands)
+                why = (f"{len(cands)} usable algorithm(s), 0 within workspace_limit={limit} "
+                       f"(queried workspace bytes {sizes})")
+            raise algos.NoAlgorithmError(f"no {self._what(slot)} fits: {why}")
+        cands = fitting
         first, _ = algos.first_allocatable(cands, pool_alloc, self._what(slot))
         index = cands.index(first)
         backoff = OOM_RETRY_FIRST if index else 0  # Note [transient out-of-memory]
         return Chosen(tuple(cands), index, forced, backoff, backoff)
+
+    def _queried(self, direction: str, slot: str, handle: Any,
+                 cands: list[algos.Candidate]) -> list[algos.Candidate]:
+        """Note [workspace sizes are queried]; called under the plan's lock."""
+        def query(cand: algos.Candidate) -> int:
+            return algos.workspace_size(self.lib, handle, self, direction, cand.algo,
+                                        self._desc_for_math(cand.math_type))
+
+        try:
+            return algos.with_queried_workspace(cands, self.lib, query)
+        except CudnnError as err:
+            raise err.with_context(
+                f"sizing the {slot} workspace for {self.describe()}") from None

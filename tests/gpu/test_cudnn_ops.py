@@ -112,6 +112,11 @@ def conv_geoms():
 
 
 GEOMS = conv_geoms()
+#: 2-D, groups 1, channels first and last: where cuDNN documents the fused call
+#: (tests/gpu/test_fused_path_gpu.py), so a test of which calls run may not meet a refusal.
+#: GEOMS[3] (1-D, channels-last, grouped) is outside it: cuDNN may refuse the fused call
+#: there and run the unfused fallback, which is right but not what those tests count.
+DOCUMENTED = [g for g in GEOMS if g.rank == 2 and g.groups == 1]
 
 
 def gid(g):
@@ -180,9 +185,9 @@ def test_conv_forward_and_gradients(monkeypatch, rng, geom, dtype):
         a.unchanged()
 
 
+@pytest.mark.parametrize("geom", DOCUMENTED, ids=gid)
 @pytest.mark.parametrize("activation", ["identity", "relu"])
-def test_fused_activations_make_exactly_one_cudnn_call(monkeypatch, rng, activation):
-    geom = GEOMS[3]
+def test_fused_activations_make_exactly_one_cudnn_call(monkeypatch, rng, activation, geom):
     lib = cudnn()
     x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
     b = Data(rng, geom.bias_shape, "float32")
@@ -359,7 +364,7 @@ def test_workspace_fallback_on_out_of_memory(monkeypatch, rng):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_deterministic_mode_picks_deterministic_algorithms(rng, dtype):
-    geom = GEOMS[3]
+    geom = DOCUMENTED[0]
     x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
     dz = Data(rng, geom.output_shape, dtype)
     from convfuse.ops.cudnn.handle import get_handle
@@ -425,9 +430,9 @@ def test_benchmark_mode_never_touches_the_callers_out(rng):
                  "float64")
 
 
-def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng):
+@pytest.mark.parametrize("geom", DOCUMENTED, ids=gid)
+def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng, geom):
     lib = cudnn()
-    geom = GEOMS[3]
     x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
     refused = []
     real = lib.convolutionBiasActivationForward
@@ -481,3 +486,130 @@ def test_handles_follow_the_stream_and_the_thread():
     t.start()
     t.join()
     assert other[0] is not h
+
+
+# ---------------------------------------------------------------- float64 channels-last
+
+@pytest.mark.parametrize("geom", [g for g in GEOMS if g.channels_last], ids=gid)
+def test_float64_channels_last_runs_channels_first(monkeypatch, rng, geom):
+    """Note [float64 runs channels-first]: every cuDNN convolution call of a float64
+    channels-last op gets the channels-first plan's descriptors (which path ran), and the
+    channels-last results match the float64 reference, beta = 1 outputs accumulating once,
+    with NaN-poisoned outputs."""
+    from convfuse.ops.cudnn.layout import cudnn_geometry
+
+    lib = cudnn()
+    seen = []
+    for name in ("convolutionForward", "convolutionBiasActivationForward",
+                 "convolutionBackwardData", "convolutionBackwardFilter"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _n=name, _r=real: (
+            seen.append((_n, a[2], a[4])), _r(*a))[1])
+    x, w = Data(rng, geom.input_shape, "float64"), Data(rng, geom.weight_shape, "float64")
+    b, res = Data(rng, geom.bias_shape, "float64"), Data(rng, geom.output_shape, "float64")
+    dz = Data(rng, geom.output_shape, "float64")
+    start_dx = Data(rng, geom.input_shape, "float64")
+    with warnings.catch_warnings(), poison_outputs(monkeypatch):
+        warnings.simplefilter("error")
+        # a refused fused call may fall back (Note [unfused fallback]); its plain forward
+        # then runs on the channels-first plan too, which the spy checks below
+        warnings.simplefilter("ignore", FusedFallbackWarning)
+        y = ops.conv_forward(x.dev, w.dev, geom)
+        y2, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "relu", res.dev, 0.5)
+        dx = ops.conv_backward_data(dz.dev, w.dev, geom, out=start_dx.dev, beta=1.0)
+        dw = ops.conv_backward_filter(x.dev, dz.dev, geom)
+    assert dx is start_dx.dev and y.shape == geom.output_shape and dw.shape == geom.weight_shape
+    assert y.flags.c_contiguous and dw.flags.c_contiguous
+    assert_close(y, ops.conv_forward(x.ref, w.ref, geom), "float64", "y")
+    assert_close(y2, ops.conv_bias_act(x.ref, w.ref, b.ref, geom, "relu", res.ref, 0.5)[0],
+                 "float64", "y fused")
+    assert_close(dx, start_dx.ref + ops.conv_backward_data(dz.ref, w.ref, geom), "float64",
+                 "dx (beta=1)")
+    assert_close(dw, ops.conv_backward_filter(x.ref, dz.ref, geom), "float64", "dw")
+    cf = cudnn_geometry(geom, "float64")
+    plain, fused = get_plan(cf, "float64"), get_plan(cf, "float64", "relu", True)
+    want = {"convolutionForward": (plain.x_desc, plain.w_desc),
+            "convolutionBiasActivationForward": (fused.x_desc, fused.w_desc),
+            "convolutionBackwardData": (plain.w_desc, plain.y_desc),
+            "convolutionBackwardFilter": (plain.x_desc, plain.y_desc)}
+    assert {name for name, _, _ in seen} >= {"convolutionForward", "convolutionBackwardData",
+                                             "convolutionBackwardFilter"}
+    for name, first, second in seen:
+        assert (first, second) == want[name], name
+    for a in (x, w, b, res, dz):
+        a.unchanged()
+
+
+# ---------------------------------------------------------------- cached constants
+
+def test_cached_zero_bias_is_ordered_before_a_reader_on_another_stream(monkeypatch, rng):
+    """Note [cached constants across streams], on a device: the zero bias is made on
+    stream A behind a ~0.5 s kernel, over a pool block that held NaN, and read at once by
+    an IDENTITY fused call on stream B. B must wait for the fill (a read before it adds
+    NaN, which IDENTITY passes through), so y is the reference's, and the wait is B's."""
+    from convfuse.ops.cudnn import fused
+
+    monkeypatch.setattr(fused, "_zero_bias", {})
+    geom = DOCUMENTED[0]
+    k = geom.out_channels
+    x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
+    waits = []
+    real_wait = cp.cuda.runtime.streamWaitEvent
+    monkeypatch.setattr(cp.cuda.runtime, "streamWaitEvent", lambda s, e, flags=0: (
+        waits.append((s, flags)), real_wait(s, e, flags))[1])
+    spin = cp.RawKernel(r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}""", "spin")
+    b_data = Data(rng, geom.bias_shape, "float32")
+    ops.conv_bias_act(x.dev, w.dev, b_data.dev, geom, "identity")  # handle, plan, algorithm
+    cp.cuda.Device().synchronize()  # all that is on the device before the streams start
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with a:
+        with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+            stale = cp.full((k,), np.nan, dtype=np.float32)  # the size the bias will take
+            a.synchronize()
+            del stale  # back to the default pool, for stream A
+        spin((1,), (1,), (np.int64(1_000_000_000),))  # about 0.5 s
+        bias = fused.zero_bias(cp, "float32", k)  # its fill queues behind the spin
+    with b:
+        y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "identity")
+    b.synchronize()
+    a.synchronize()
+    assert (b.ptr, 0) in waits  # B waited for the fill, on the device
+    assert not bool(cp.isnan(bias).any())
+    assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "identity")[0], "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("activation", ["identity", "relu"])
+def test_alpha2_zero_leaves_the_nan_poisoned_y_unread(monkeypatch, rng, dtype, activation):
+    """Note [z = y with alpha2 = 0]: without a residual the fused call gets z = y (NaN
+    here) and alpha2 = 0; a cuDNN that read z would return NaN (0 * NaN)."""
+    lib = cudnn()
+    made, seen = {}, []
+    real = lib.convolutionBiasActivationForward
+
+    def spy(*a):
+        z = made.get(a[12])  # the engine's output, as allocated (poisoned)
+        seen.append((a[10], a[12], a[17], z is not None and bool(cp.isnan(z).all())))
+        return real(*a)
+
+    def empty(shape, dtype=float, order="C"):
+        arr = poisoned(shape, dtype)
+        made[arr.data.ptr] = arr
+        return arr
+
+    monkeypatch.setattr(lib, "convolutionBiasActivationForward", spy)
+    geom = DOCUMENTED[0]
+    x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
+    b = Data(rng, geom.bias_shape, dtype)
+    with warnings.catch_warnings(), monkeypatch.context() as m:
+        m.setattr(cp, "empty", empty)
+        warnings.simplefilter("ignore", FusedFallbackWarning)  # checked through `seen`
+        y, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, activation)
+    assert seen, "the fused call did not run"
+    for alpha2, z, out, z_was_nan in seen:
+        assert (alpha2, z) == (0.0, out) and z_was_nan
+    assert_close(y, ops.conv_bias_act(x.ref, w.ref, b.ref, geom, activation)[0], dtype)

@@ -38,13 +38,13 @@ from ... import activations
 from ...dtypes import compute_dtype
 from ...errors import CudnnError
 from ...plan.batchnorm import BatchNormGeometry, BatchNormPlan, get_batchnorm_plan
-from ...plan.capture import refuse_in_capture
 from ...plan.conv import FusedFallbackWarning
 from .. import elementwise
+from .constants import DeviceConstant, cached
 from .conv import refused
 from .handle import Workspace, context, get_handle
 
-_affine_defaults: dict[tuple[int, str, int], tuple[Any, Any]] = {}
+_affine_defaults: dict[tuple[int, str, int], DeviceConstant] = {}
 _affine_lock = threading.Lock()
 
 
@@ -57,24 +57,16 @@ class EngineState:
 
 
 def _ones_zeros(cp: Any, dtype: Any, channels: int) -> tuple[Any, Any]:  # pragma: gpu
-    """cuDNN needs scale and bias pointers, so affine=False passes cached ones and zeros.
-
-    They outlive the call that creates them, so, like fused.zero_bias, they come from
-    CuPy's default pool, never the current allocator (a capture's private pool would free
-    them under the cache) nor the raw allocator (a cudaMalloc per cached pair, a
-    cudaFree that synchronises the device if ever released), and never inside a capture
-    (the fill would be recorded, not run).
-    """
+    """cuDNN needs scale and bias pointers, so affine=False passes cached ones and zeros:
+    like fused.zero_bias, from CuPy's default pool, never made inside a capture, and
+    ordered before this call's stream reads them (Note [cached constants across streams]
+    in constants.py)."""
     key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
-    with _affine_lock:
-        pair = _affine_defaults.get(key)
-        if pair is None:
-            refuse_in_capture(f"the cached batch-normalization ones and zeros ({channels} x "
-                              f"{cp.dtype(dtype).name})")
-            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                pair = _affine_defaults[key] = (cp.ones((channels,), dtype),
-                                                cp.zeros((channels,), dtype))
-        return pair
+    ones, zeros = cached(cp, _affine_defaults, _affine_lock, key,
+                         f"the cached batch-normalization ones and zeros ({channels} x "
+                         f"{key[1]})",
+                         lambda: (cp.ones((channels,), dtype), cp.zeros((channels,), dtype)))
+    return ones, zeros
 
 
 def _ptr(a: Any) -> int:

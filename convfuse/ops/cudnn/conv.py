@@ -4,7 +4,9 @@ Outputs and workspace come from CuPy's pool; nothing else is allocated per call 
 zero bias for bias-free layers is cached per device, dtype and channel count).
 
 The fused forward and its fallbacks live in fused.py (Note [unfused fallback], Note
-[forced algorithm versus speed]); running a plan's ranked algorithms in ranked.py.
+[forced algorithm versus speed]); running a plan's ranked algorithms in ranked.py; float64
+channels-last convolutions run channels-first (Note [float64 runs channels-first] in
+layout.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..._binding import cudnn
 from ...errors import CudnnError
 from ...plan import BiasGradFallbackWarning, Candidate, get_plan
 from .. import elementwise
-from . import fused
+from . import fused, layout
 from .handle import Workspace, get_handle
 from .ranked import forward_into, refused, run_ranked, where
 
@@ -31,6 +33,20 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
     """y = act(conv(x, w) + b + residual_scale * residual) in one fused cuDNN call, plus one
     activation kernel when cuDNN cannot apply the activation itself (or the unfused path
     of Note [unfused fallback] when cuDNN refuses the fused call)."""
+    if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        res = None if residual is None else layout.to_channels_first(residual)
+        with layout.named_as(geom):
+            y_cf, z_cf = _conv_bias_act(layout.to_channels_first(x),
+                                        layout.to_channels_first(w), b,
+                                        layout.cudnn_geometry(geom, x.dtype), activation, res,
+                                        residual_scale)
+        return (layout.to_channels_last(y_cf),
+                None if z_cf is None else layout.to_channels_last(z_cf))
+    return _conv_bias_act(x, w, b, geom, activation, residual, residual_scale)
+
+
+def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual: Any,
+                   residual_scale: float) -> tuple[Any, Any]:  # pragma: gpu
     import cupy as cp
 
     act = activations.normalize(activation)
@@ -51,6 +67,11 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
     import cupy as cp
 
+    if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        with layout.named_as(geom):
+            y_cf = conv_forward(layout.to_channels_first(x), layout.to_channels_first(w),
+                                layout.cudnn_geometry(geom, x.dtype))
+        return layout.to_channels_last(y_cf)
     handle = get_handle()
     plan = get_plan(geom, x.dtype)
     y = cp.empty(geom.output_shape, dtype=x.dtype)
@@ -62,6 +83,13 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
                        beta: float = 0.0) -> Any:  # pragma: gpu
     import cupy as cp
 
+    if layout.runs_channels_first(geom, dz.dtype):  # Note [float64 runs channels-first]
+        start = _prior(out, beta)
+        with layout.named_as(geom):
+            dx_cf = conv_backward_data(layout.to_channels_first(dz),
+                                       layout.to_channels_first(w),
+                                       layout.cudnn_geometry(geom, dz.dtype), start, beta)
+        return layout.to_channels_last(dx_cf, out)
     handle = get_handle()
     plan = get_plan(geom, dz.dtype)
     dx = out if out is not None else cp.empty(geom.input_shape, dtype=dz.dtype)
@@ -80,6 +108,13 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
                          beta: float = 0.0) -> Any:  # pragma: gpu
     import cupy as cp
 
+    if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        start = _prior(out, beta)
+        with layout.named_as(geom):
+            dw_cf = conv_backward_filter(layout.to_channels_first(x),
+                                         layout.to_channels_first(dz),
+                                         layout.cudnn_geometry(geom, x.dtype), start, beta)
+        return layout.to_channels_last(dw_cf, out)
     handle = get_handle()
     plan = get_plan(geom, x.dtype)
     dw = out if out is not None else cp.empty(geom.weight_shape, dtype=x.dtype)
@@ -130,3 +165,9 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
                     BiasGradFallbackWarning, stacklevel=3)
     elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
     return db
+
+
+def _prior(out: Any, beta: float) -> Any:  # pragma: gpu
+    """The channels-first copy of a channels-last `out` that a beta != 0 call blends into
+    (None when the prior values are not read)."""
+    return layout.to_channels_first(out) if out is not None and float(beta) != 0.0 else None

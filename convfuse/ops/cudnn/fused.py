@@ -18,6 +18,20 @@ call's by rounding only: y is rounded to the data's dtype after the convolution 
 after the pass. The kernel's ReLU propagates NaN (as the reference engine and PyTorch do),
 where cuDNN's fused ReLU is NOT_PROPAGATE_NAN.
 
+Note [z = y with alpha2 = 0]
+Without a residual the fused call gets z = y, a fresh and unwritten output, with
+alpha2 = 0. If cuDNN read z, 0 * NaN would be NaN; it does not: its rule for blending
+factors is that a zero factor leaves the blended tensor unread ("When beta is zero, the
+output is not read and may contain uninitialized data (including NaN)", cuDNN developer
+guide, Scaling Parameters), and the two largest users of this call rely on the same for
+alpha2: PyTorch's cudnn_convolution_relu passes its uninitialised output (empty_cuda) as
+z with alpha 0 ("use output_t as z to satisfy CUDNN API", aten/src/ATen/native/cudnn/
+ConvShared.cpp), and XLA's legacy fused convolution passes the output buffer as the side
+input when side_input_scale == 0 (tensorflow/compiler/mlir/tfrt/transforms/lmhlo_to_gpu/
+convolution_pattern.cc). So y is not zeroed first (a memset would cost a pass over y per
+call); tests/gpu poison y with NaN before every such call, so a cuDNN that read it fails
+there.
+
 Note [forced algorithm versus speed]
 IDENTITY's forced IMPLICIT_PRECOMP_GEMM can be slower than the best-ranked algorithm plus
 one bias pass (PaddlePaddle #14744, dlib #2656). With config.benchmark, an identity plan
@@ -43,29 +57,22 @@ from ...plan import (
 )
 from ...plan.capture import refuse_in_capture
 from .. import elementwise
+from .constants import DeviceConstant, cached
 from .ranked import algorithm_and_workspace, forward_into, refused, where
 
-_zero_bias: dict[tuple[int, str, int], Any] = {}
+_zero_bias: dict[tuple[int, str, int], DeviceConstant] = {}
 _zero_bias_lock = threading.Lock()
 
 
 def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
-    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros.
-
-    The cached array outlives the call that creates it, so it comes from CuPy's default
-    pool, never the current allocator: that may be a capture's private pool, which frees
-    its blocks when it goes, under the cached array. The default pool lives as long as the
-    process, and freeing into it is no cudaFree (no hidden device sync). It cannot be
-    created inside a capture: the zeroing would be recorded, not run.
-    """
+    """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros:
+    cached per device, dtype and channel count, and ordered before this call's stream
+    reads them (Note [cached constants across streams] in constants.py)."""
     key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
-    with _zero_bias_lock:
-        bias = _zero_bias.get(key)
-        if bias is None:
-            refuse_in_capture(f"the cached zero bias ({channels} x {cp.dtype(dtype).name})")
-            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
-                bias = _zero_bias[key] = cp.zeros((channels,), dtype=dtype)
-        return bias
+    bias, = cached(cp, _zero_bias, _zero_bias_lock, key,
+                   f"the cached zero bias ({channels} x {key[1]})",
+                   lambda: (cp.zeros((channels,), dtype=dtype),))
+    return bias
 
 
 def fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
@@ -99,7 +106,7 @@ def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: An
     if residual is not None:
         z_ptr, alpha2 = residual.data.ptr, residual_scale
     else:
-        # FACTS: z may not be NULL; z = y with alpha2 = 0 adds nothing.
+        # FACTS: z may not be NULL. Note [z = y with alpha2 = 0]
         z_ptr, alpha2 = y.data.ptr, 0.0
     while True:
         try:
@@ -143,9 +150,10 @@ def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # p
     else:
         warn = plan.fused_out_of_memory()
     if warn:
-        # _fall_back < _try_fused < _fused_forward < engine < ops dispatch < the caller
+        # _fall_back < _try_fused < fused_forward < conv._conv_bias_act < engine
+        # < ops dispatch < the caller
         warnings.warn(_fallback_message(plan, reason, permanent), FusedFallbackWarning,
-                      stacklevel=6)
+                      stacklevel=7)
     return False
 
 

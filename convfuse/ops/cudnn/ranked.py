@@ -9,7 +9,14 @@ from typing import Any
 
 from ..._binding import cudnn
 from ...errors import CudnnError
-from ...plan import Candidate, ConvPlan, WorkspaceFallbackWarning, WorkspaceUnavailableError
+from ...plan import (
+    Candidate,
+    ConvPlan,
+    NoAlgorithmError,
+    WorkspaceFallbackWarning,
+    WorkspaceUnavailableError,
+)
+from ...plan.algorithms import is_refusal
 from .handle import Workspace
 
 
@@ -19,11 +26,8 @@ def where(plan: ConvPlan, what: str, cand: Candidate | None = None) -> str:
 
 
 def refused(err: CudnnError, lib: Any) -> bool:
-    """Whether cuDNN refused a call as not supported. cuDNN 9's statuses are categories
-    with specific codes (CUDNN_STATUS_NOT_SUPPORTED = 3000, ..._SHAPE = 3002,
-    ..._LAYOUT = 3004, ...); cudnn_graph.h's CUDNN_STATUS_CATEGORY(s) is s / 1000 * 1000,
-    so every 3xxx code is a refusal, not just 3000."""
-    return err.status // 1000 * 1000 == lib.CUDNN_STATUS_NOT_SUPPORTED
+    """Whether cuDNN refused a call as not supported (plan.algorithms.is_refusal)."""
+    return is_refusal(err, lib)
 
 
 def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
@@ -68,15 +72,26 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
     one that ran. Other errors, and a refusal of the last one, are raised naming `what`
     and the plan `about` (default: this one)."""
     lib = cudnn()
+    tried: list[Candidate] = []
     while True:
-        cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
+        try:
+            cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
+        except NoAlgorithmError as err:  # nothing ranked fits: name the op as well
+            raise type(err)(f"{what}: {err}").with_traceback(err.__traceback__) \
+                from err.__cause__
         try:
             call(cand, ws)
             return
         except CudnnError as err:
-            if refused(err, lib) and plan.reject(direction, cand):
+            if not refused(err, lib):
+                raise err.with_context(where(about or plan, what, cand)) from None
+            tried.append(cand)
+            if plan.reject(direction, cand):
                 continue
-            raise err.with_context(where(about or plan, what, cand)) from None
+            algos = ", ".join(str(c.algo) for c in tried)
+            raise err.with_context(
+                f"{where(about or plan, what, cand)}; cuDNN refused every {direction} "
+                f"algorithm this call tried (algo {algos}) and none is left") from None
 
 
 def forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
