@@ -1,8 +1,8 @@
 """Stateless ops (DESIGN.md "Ops"): validate the arrays, then dispatch on their type.
 
 NumPy arrays run on the reference engine (`convfuse.ops.reference.<kind>`), CuPy arrays
-on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling or batchnorm. Every
-check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
+on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling, batchnorm or
+pad. Every check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
 cuDNN. Arrays passed in are never modified; `out=` arguments are written.
 
 Which engine ran: the ops look the engine function up on its module at every call, so a
@@ -26,6 +26,7 @@ from .conv import (
     conv_bias_act,
     conv_forward,
 )
+from .pad import pad_backward, pad_forward
 from .pooling import pool_backward, pool_forward
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "conv_backward_filter",
     "conv_bias_act",
     "conv_forward",
+    "pad_backward",
+    "pad_forward",
     "pool_backward",
     "pool_forward",
 ]
