@@ -112,20 +112,29 @@ def test_relu6_elu_pass_dy_at_nan_as_torchs_elementwise_rule(act, dtype):
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_silu_gelu_edge_values_are_quiet_and_match_torch(act, dtype):
-    z = _edge(dtype)
+    """Finite inputs against torch in float64; +-inf and NaN against the written rule
+    (Note [edge values]). torch's float32 answer at an infinity depends on its SIMD lanes
+    (gelu(+inf) is NaN in a whole vector, +inf in the scalar tail and in float64), so it
+    is no oracle there: it would make the verdict depend on the machine (issue 19, 11)."""
+    z = _edge(dtype)  # in float32, +-1e300 are +-inf too
     dy = np.ones_like(z)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # any RuntimeWarning fails the test
         y = ref.activation_forward(z, act)
         dz = ref.activation_backward(dy, z, act)
-    tz = torch.from_numpy(z).requires_grad_(True)
+    finite = np.isfinite(z)
+    tz = torch.from_numpy(z[finite].astype(np.float64)).requires_grad_(True)
     ty = getattr(F, act)(tz)
     (tdz,) = torch.autograd.grad(ty.sum(), tz)
-    # NaN exactly where torch has NaN, infinities equal; finite values close (torch flushes
-    # some float32 subnormals that NumPy keeps, hence the absolute tolerance)
-    for got, want in ((y, ty.detach().numpy()), (dz, tdz.numpy())):
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-37, equal_nan=True)
+    # finite values close (float32 results may be subnormals that round differently, hence
+    # the absolute tolerance), and no NaN on either side
+    for got, want in ((y[finite], ty.detach().numpy()), (dz[finite], tdz.numpy())):
+        assert not np.isnan(want).any() and not np.isnan(got).any()
+        np.testing.assert_allclose(got, want.astype(dtype), rtol=1e-6, atol=1e-37)
+    # the rule: -inf * 0 is NaN at -inf, +inf passes at +inf, the gradients at +-inf are NaN
+    assert np.isnan(y[z == -np.inf]).all() and (y[z == np.inf] == np.inf).all()
+    assert np.isnan(dz[np.isinf(z)]).all()
+    assert np.isnan(y[np.isnan(z)]).all() and np.isnan(dz[np.isnan(z)]).all()
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu", "sigmoid", "tanh", "elu"])
