@@ -401,3 +401,24 @@ def test_state_dict_and_repr_like_torch():
     assert plain.padding_mode == "zeros"
     layer.load_state_dict({k: v.numpy() for k, v in t.state_dict().items()})
     np.testing.assert_array_equal(layer.state_dict()["weight"], t.weight.detach().numpy())
+
+
+@pytest.mark.parametrize("mode", ["reflect", "circular"])
+def test_fold_batchnorm_keeps_the_padding_mode(mode, rng):
+    """A folded Conv -> BatchNorm keeps its padding: the pad comes before the conv, the
+    affine after it, so folding stays exact."""
+    from convfuse.nn import fold_batchnorm
+
+    model = cf.Sequential(
+        cf.Conv2d(2, 3, 4, padding="same", padding_mode=mode, dtype="float64", device="cpu",
+                  seed=0),
+        cf.BatchNorm2d(3, activation="relu", dtype="float64", device="cpu"),
+    )
+    x = rng.standard_normal((2, 2, 5, 6))
+    for _ in range(2):  # running statistics that are not the initial ones
+        model(x)
+    model.eval()
+    folded = fold_batchnorm(model)
+    [conv] = folded.layers  # the BatchNorm went into the conv
+    assert conv.padding_mode == mode and conv.padding == "same"
+    np.testing.assert_allclose(folded(x), model(x), rtol=1e-12, atol=1e-12)
