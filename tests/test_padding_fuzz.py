@@ -11,7 +11,7 @@ import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
 torch = pytest.importorskip("torch")
-from hypothesis import given  # noqa: E402
+from hypothesis import event, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import convfuse.ops as ops  # noqa: E402
@@ -47,6 +47,7 @@ def test_pad_ops_match_torch_or_refuse_where_torch_refuses(case, seed):
     try:
         xt, yt = torch_pad(x_cf, pads, mode)
     except (RuntimeError, ValueError, NotImplementedError):
+        event("refused")
         with pytest.raises(ValueError, match=f"padding_mode='{mode}' needs padding"):
             PadGeometry.create(x.shape, pads, mode, layout)
         return
@@ -61,3 +62,61 @@ def test_pad_ops_match_torch_or_refuse_where_torch_refuses(case, seed):
     dx_cf = np.moveaxis(dx, -1, 1) if channels_last else dx
     np.testing.assert_allclose(dx_cf, xt.grad.numpy(), rtol=1e-12, atol=1e-12)
     assert np.vdot(y, dy) == pytest.approx(np.vdot(x, dx), rel=1e-10, abs=1e-10)
+
+
+@st.composite
+def conv_cases(draw):
+    rank = draw(st.integers(1, 3))
+    kernel = draw(st.lists(st.integers(1, 4), min_size=rank, max_size=rank))
+    dilation = draw(st.lists(st.integers(1, 2), min_size=rank, max_size=rank))
+    same = draw(st.booleans())
+    stride = [1] * rank if same else draw(st.lists(st.integers(1, 2), min_size=rank,
+                                                   max_size=rank))
+    padding = "same" if same else draw(st.lists(st.integers(0, 3), min_size=rank,
+                                                max_size=rank))
+    spatial = [draw(st.integers(d * (k - 1) + 1, d * (k - 1) + 4))
+               for k, d in zip(kernel, dilation)]
+    mode = draw(st.sampled_from(list(TORCH_MODE)))
+    return rank, kernel, dilation, stride, padding, spatial, mode, draw(st.booleans())
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")  # torch's, on speed
+@hypothesis.settings(max_examples=60)
+@given(conv_cases(), st.integers(0, 2**32 - 1))
+def test_conv_layers_match_torch_nn_over_random_geometries(case, seed):
+    """Forward, dx, dw and db of convfuse's Conv*d with any padding_mode against torch.nn's
+    in float64, or the same refusal (a padding the input is too small for)."""
+    import convfuse as cf
+
+    rank, kernel, dilation, stride, padding, spatial, mode, channels_last = case
+    rng = np.random.default_rng(seed)
+    kw = dict(stride=tuple(stride), padding=padding if padding == "same" else tuple(padding),
+              dilation=tuple(dilation))
+    t = getattr(torch.nn, f"Conv{rank}d")(2, 3, tuple(kernel), padding_mode=mode,
+                                          dtype=torch.float64, **kw)
+    x_cf = rng.standard_normal((2, 2, *spatial))
+    xt = torch.tensor(x_cf, requires_grad=True)
+    layer = getattr(cf, f"Conv{rank}d")(2, 3, tuple(kernel), **kw, padding_mode=mode,
+                                        layout="NHWC" if channels_last else "NCHW",
+                                        dtype="float64", device="cpu")
+    layer.load_state_dict({k: v.detach().numpy() for k, v in t.state_dict().items()})
+    x = np.ascontiguousarray(np.moveaxis(x_cf, 1, -1)) if channels_last else x_cf
+    try:
+        yt = t(xt)
+    except RuntimeError:  # torch refuses: the padding is too wide, or the output empty
+        event("refused")
+        with pytest.raises(ValueError, match=f"^Conv{rank}d: "):
+            layer(x)
+        return
+    y = layer(x)
+    y_cf = np.moveaxis(y, -1, 1) if channels_last else y
+    np.testing.assert_allclose(y_cf, yt.detach().numpy(), rtol=1e-11, atol=1e-11)
+    dy_cf = rng.standard_normal(y_cf.shape)
+    dx = layer.backward(np.ascontiguousarray(np.moveaxis(dy_cf, 1, -1)) if channels_last
+                        else dy_cf)
+    yt.backward(torch.tensor(dy_cf))
+    np.testing.assert_allclose(np.moveaxis(dx, -1, 1) if channels_last else dx,
+                               xt.grad.numpy(), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(layer._param_to_state("weight", layer.weight.grad),
+                               t.weight.grad.numpy(), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(layer.bias.grad, t.bias.grad.numpy(), rtol=1e-11, atol=1e-11)
