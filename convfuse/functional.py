@@ -107,7 +107,7 @@ def conv_bias_act_forward(
     other activations add exactly one activation kernel. On NumPy arrays the reference
     engine computes the same thing. `padding_mode` ('zeros', 'reflect', 'replicate',
     'circular') and padding='same' follow torch.nn's Conv, an even kernel's 'same'
-    included (convfuse.geometry.split_padding): what cuDNN's symmetric zero padding cannot
+    included (convfuse.pad_geometry.split_padding): what cuDNN's symmetric zero padding cannot
     do is padded explicitly first (convfuse.ops.pad_forward). Pass `geom` (and `pad`, from
     convfuse.pad_geometry.padded_conv) to skip re-validating a known geometry; stride,
     padding, dilation, groups, layout and padding_mode are then ignored.

@@ -101,38 +101,6 @@ def same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> tuple[tuple[
                  for k, d in zip(kernel, dilation))
 
 
-#: torch.nn's Conv padding modes; the first is what cuDNN's own (symmetric) padding does.
-PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
-
-
-def split_padding(padding: IntOrTuple | str, padding_mode: str, kernel: Sequence[int],
-                  dilation: Sequence[int], stride: Sequence[int]
-                  ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-    """(explicit (begin, end) pads per spatial dim, the convolution's symmetric padding).
-
-    Like torch.nn's Conv: a mode other than 'zeros' pads explicitly by its
-    `_reversed_padding_repeated_twice` ('same' included) and convolves with no padding;
-    'zeros' leaves symmetric padding to cuDNN and pads explicitly only the extra end zero
-    an asymmetric 'same' needs (an even kernel, or an odd dilation * (kernel - 1)).
-    """
-    if not isinstance(padding_mode, str):
-        raise TypeError(f"padding_mode must be a str, got {type(padding_mode).__name__} "
-                        f"{padding_mode!r}")
-    if padding_mode not in PADDING_MODES:
-        raise ValueError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
-                         f"got {padding_mode!r}")
-    rank = len(kernel)
-    if padding == "same":
-        if any(s != 1 for s in stride):
-            raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
-        pairs = same_padding(kernel, dilation)
-    else:
-        pairs = tuple((p, p) for p in resolve_padding(padding, kernel, dilation, stride))
-    if padding_mode != "zeros":
-        return pairs, (0,) * rank
-    return tuple((0, hi - lo) for lo, hi in pairs), tuple(lo for lo, _ in pairs)
-
-
 class LayoutShapes:
     """Shape answers shared by ConvGeometry and PoolGeometry, which both hold the user's
     `input_shape` in their layout, `channels_last`, and define `rank` and `output_shape_cf`."""

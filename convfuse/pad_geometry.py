@@ -18,16 +18,47 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .geometry import (
-    PADDING_MODES,
     ConvGeometry,
     IntOrTuple,
     LayoutShapes,
     as_tuple,
     is_int,
     parse_layout,
-    split_padding,
+    resolve_padding,
+    same_padding,
     to_channels_first,
 )
+
+#: torch.nn's Conv padding modes; the first is what cuDNN's own (symmetric) padding does.
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def split_padding(padding: IntOrTuple | str, padding_mode: str, kernel: Sequence[int],
+                  dilation: Sequence[int], stride: Sequence[int]
+                  ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """(explicit (begin, end) pads per spatial dim, the convolution's symmetric padding).
+
+    Like torch.nn's Conv: a mode other than 'zeros' pads explicitly by its
+    `_reversed_padding_repeated_twice` ('same' included) and convolves with no padding;
+    'zeros' leaves symmetric padding to cuDNN and pads explicitly only the extra end zero
+    an asymmetric 'same' needs (an even kernel, or an odd dilation * (kernel - 1)).
+    """
+    if not isinstance(padding_mode, str):
+        raise TypeError(f"padding_mode must be a str, got {type(padding_mode).__name__} "
+                        f"{padding_mode!r}")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
+                         f"got {padding_mode!r}")
+    rank = len(kernel)
+    if padding == "same":
+        if any(s != 1 for s in stride):
+            raise ValueError("padding='same' needs stride 1 (as in PyTorch)")
+        pairs = same_padding(kernel, dilation)
+    else:
+        pairs = tuple((p, p) for p in resolve_padding(padding, kernel, dilation, stride))
+    if padding_mode != "zeros":
+        return pairs, (0,) * rank
+    return tuple((0, hi - lo) for lo, hi in pairs), tuple(lo for lo, _ in pairs)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import pytest
 import convfuse as cf
 import convfuse.ops as ops
 from convfuse.functional import conv_bias_act, conv_bias_act_backward, conv_bias_act_forward
-from convfuse.geometry import same_padding, split_padding
-from convfuse.pad_geometry import PadGeometry
+from convfuse.geometry import same_padding
+from convfuse.pad_geometry import PadGeometry, split_padding
 from tests.gradcheck import assert_grad_close
 
 torch = pytest.importorskip("torch")

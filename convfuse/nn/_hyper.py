@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import activations
-from ..geometry import PADDING_MODES, as_tuple, is_int, split_padding
+from ..geometry import as_tuple, is_int
+from ..pad_geometry import PADDING_MODES, split_padding
 
 
 def positive_int(value: Any, what: str) -> int:

@@ -10,7 +10,7 @@ next call uses it. `in_channels`, `out_channels`, `kernel_size`, `groups`, `layo
 even kernel (or an odd dilation * (kernel - 1)) follow torch.nn's Conv: what cuDNN's
 symmetric zero padding cannot do is padded explicitly (convfuse.ops.pad_forward, on either
 engine) before the convolution, and the backward folds the gradient back
-(convfuse.functional; convfuse.geometry.split_padding says which is which). torch.nn takes
+(convfuse.functional; convfuse.pad_geometry.split_padding says which is which). torch.nn takes
 padding_mode 9th, where convfuse's Conv takes `activation`, so it is keyword-only here.
 """
 

@@ -1,8 +1,8 @@
 """Stateless ops (DESIGN.md "Ops"): validate the arrays, then dispatch on their type.
 
 NumPy arrays run on the reference engine (`convfuse.ops.reference.<kind>`), CuPy arrays
-on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling, batchnorm or
-pad. Every check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
+on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling or batchnorm. Every
+check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
 cuDNN. Arrays passed in are never modified; `out=` arguments are written.
 
 Which engine ran: the ops look the engine function up on its module at every call, so a
