@@ -4,6 +4,11 @@
     broadcast_parameters(model)              # once: every rank starts from rank 0's weights
     for each step: forward, backward, allreduce_gradients(optimizer), optimizer.step()
 
+Tear down with `torch.distributed.destroy_process_group()` once nothing holds the group any
+more; mixing in DistributedDataParallel, import `torch.distributed.nn` before
+`init_process_group` (examples/train_ddp.py, Note [process-group teardown]: otherwise the
+group's gloo threads outlive it, and a rank can abort at exit).
+
 PyTorch is needed only when these functions are called (`import convfuse` never imports
 it). Buffers cross to torch.distributed with no copy: NumPy buffers through
 `torch.from_numpy` (gloo), CuPy buffers through DLPack (NCCL). bfloat16 NumPy buffers,

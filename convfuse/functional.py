@@ -2,7 +2,7 @@
 
 `conv_bias_act` is the forward, `conv_bias_act_backward` the matching backward. The forward
 returns (or records) a `ConvContext` holding exactly what the backward needs:
-- x, for the filter gradient;
+- x, for the filter gradient (padded, when the forward padded it explicitly);
 - the weight, for the data gradient;
 - one activation-sized tensor, the output or the pre-activation, per
   convfuse.activations Note [what backward saves];
@@ -38,6 +38,7 @@ from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, IntOrTuple
 from .ops._checks import check_scalar, overlaps
 from .ops.reference import conv as reference_conv
+from .pad_geometry import PadGeometry, padded_conv
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class ConvContext:
     # the forward's im2col columns on the CPU, for the filter gradient (reference/conv.py
     # Note [kept columns]); None when not kept
     columns: Any = None
+    # the explicit padding before the convolution (padding_mode, asymmetric 'same'); geom
+    # is then the convolution of the padded input
+    pad: PadGeometry | None = None
 
 
 class ConvGrads(NamedTuple):
@@ -93,23 +97,31 @@ def conv_bias_act_forward(
     residual_scale: float = 1.0,
     layout: str = "NCHW",
     geom: ConvGeometry | None = None,
+    *,
+    padding_mode: str = "zeros",
+    pad: PadGeometry | None = None,
 ) -> tuple[Any, ConvContext]:
     """act(conv(x, weight) + bias + residual_scale * residual), and the backward's context.
 
     On CuPy arrays identity and relu are one cudnnConvolutionBiasActivationForward call;
     other activations add exactly one activation kernel. On NumPy arrays the reference
-    engine computes the same thing. Pass `geom` to skip re-validating a known geometry.
+    engine computes the same thing. `padding_mode` ('zeros', 'reflect', 'replicate',
+    'circular') and padding='same' follow torch.nn's Conv, an even kernel's 'same'
+    included (convfuse.pad_geometry.split_padding): what cuDNN's symmetric zero padding cannot
+    do is padded explicitly first (convfuse.ops.pad_forward). Pass `geom` (and `pad`, from
+    convfuse.pad_geometry.padded_conv) to skip re-validating a known geometry; stride,
+    padding, dilation, groups, layout and padding_mode are then ignored.
     """
     try:
         return _forward(x, weight, bias, stride, padding, dilation, groups, activation,
-                        residual, residual_scale, layout, geom)
+                        residual, residual_scale, layout, geom, padding_mode, pad)
     except (TypeError, ValueError, ConvfuseError) as exc:
         raise renamed(exc, "conv_bias_act") from None
 
 
 def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
              groups: Any, activation: Any, residual: Any, residual_scale: Any, layout: Any,
-             geom: Any) -> tuple[Any, ConvContext]:
+             geom: Any, padding_mode: Any, pad: Any) -> tuple[Any, ConvContext]:
     op = "conv_bias_act"
     act = _activation(op, activation)
     x = _array(op, "x", x)
@@ -121,10 +133,22 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
     if geom is None:
         from ._memory import check_conv
 
-        geom = ConvGeometry.create(x.shape, weight.shape, stride, padding, dilation, groups, layout)
+        if pad is not None:
+            raise ValueError(f"{op}: pad was given without its geom (both come from "
+                             "convfuse.pad_geometry.padded_conv)")
+        pad, geom = padded_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout,
+                                padding_mode)
         check_conv(geom, x.dtype, device_of(x))
     elif not isinstance(geom, ConvGeometry):
         raise TypeError(f"{op}: geom must be a ConvGeometry or None, got {type(geom).__name__}")
+    elif pad is not None and not isinstance(pad, PadGeometry):
+        raise TypeError(f"{op}: pad must be a PadGeometry or None, got {type(pad).__name__}")
+    elif pad is not None and pad.output_shape != geom.input_shape:
+        raise ValueError(f"{op}: pad's output shape {pad.output_shape} is not geom's input "
+                         f"shape {geom.input_shape}")
+    if pad is not None:
+        # validates x against the padding (shape, dtype, contiguity) before any engine runs
+        x = ops.pad_forward(x, pad)
     kept = None
     if isinstance(x, np.ndarray):
         with reference_conv.keep_columns(x) as kept:
@@ -141,7 +165,7 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
         saved.flags.writeable = False  # an in-place write would corrupt the gradients
     columns = kept if kept is not None and kept.cols is not None else None
     ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
-                      columns)
+                      columns, pad)
     return y, ctx
 
 
@@ -157,11 +181,13 @@ def conv_bias_act(
     residual: Any = None,
     residual_scale: float = 1.0,
     layout: str = "NCHW",
+    *,
+    padding_mode: str = "zeros",
 ) -> Any:
     """The forward alone: act(conv(x, weight) + bias + residual_scale * residual)."""
     y, _ = conv_bias_act_forward(
         x, weight, bias, stride, padding, dilation, groups, activation, residual,
-        residual_scale, layout,
+        residual_scale, layout, padding_mode=padding_mode,
     )
     return y
 
@@ -220,6 +246,8 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     else:
         dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
     dx = ops.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
+    if dx is not None and ctx.pad is not None:
+        dx = ops.pad_backward(dx, ctx.pad)
     dres = None
     if ctx.has_residual:
         # dz may be the caller's dy (identity): hand back a new array, never an alias.

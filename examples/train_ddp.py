@@ -12,11 +12,28 @@ as a world of one.
   and `allreduce_gradients` averages the gradients with one all-reduce per dtype.
 --api torch: the same net written with torch.nn, converted with `convfuse.torch.convert`
   (conv + ReLU become fused convfuse layers) and wrapped in DistributedDataParallel.
+
+Note [process-group teardown]
+`dist.destroy_process_group()` frees the process group, and so joins gloo's worker
+threads, only if nothing else still holds it. Two things did, and a rank then sometimes
+died at exit with `terminate called without an active exception` (SIGABRT) after training
+had finished: the group's worker threads outlived `main`, and one of them, dropping its
+last collective's tensors during interpreter shutdown, needed the GIL, which a thread
+cannot take then (CPython ends the thread, and the unwind through C++ destructors calls
+std::terminate). Whether it happened depended on thread scheduling. The holders:
+- `torch.distributed.nn` evaluates `group=group.WORLD` as default arguments when it is
+  first imported, and DistributedDataParallel imports it: imported after
+  `init_process_group`, its functions keep the world group alive for good. So this
+  script imports it first, while there is no group;
+- DistributedDataParallel itself, until it is collected: the trainer is released (and
+  reference cycles collected) before the group is destroyed.
+On Linux each rank then checks that no gloo thread is left (`gloo threads left: 0`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -26,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # before any process group: Note [process-group teardown]
 
 import convfuse as cf
 from convfuse.distributed import allreduce_gradients, broadcast_parameters
@@ -154,6 +172,31 @@ def parameters_identical(params: list[np.ndarray], device: str) -> bool:
     return bool(torch.equal(hi, lo))
 
 
+def gloo_threads() -> int | None:
+    """How many of gloo's threads this process runs (Linux names them gloo_*/pt_gloo_*);
+    None where /proc cannot tell."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while we looked
+            continue
+    return sum(name.startswith(("gloo", "pt_gloo")) for name in names)
+
+
+def teardown(rank: int) -> None:
+    """Destroy the process group so that its threads end now (Note [process-group
+    teardown]); the caller has dropped its trainer."""
+    gc.collect()  # DistributedDataParallel's reference cycles hold the group
+    dist.destroy_process_group()
+    left = gloo_threads()
+    if left is not None:
+        print(f"rank {rank}: process group destroyed, gloo threads left: {left}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=6)
@@ -166,45 +209,51 @@ def main(argv: list[str] | None = None) -> float:
     args = parser.parse_args(argv)
     rank, world, device = setup(args.device)
     try:
-        if args.batch_size % world:
-            parser.error(f"--batch-size {args.batch_size} must be divisible by the world "
-                         f"size {world}")
-        local = args.batch_size // world
-        x_train, x_test, y_train, y_test = load_digits(args.seed)
-        trainer_cls = ConvfuseTrainer if args.api == "convfuse" else TorchTrainer
-        trainer = trainer_cls(device, args.lr, args.seed, rank)
-        reason = cf.backend.gpu_unavailable_reason()
-        if rank == 0 and device == "cpu" and args.device is None and reason:
-            print(f"notice: {reason}; running on the CPU reference engine (NumPy).", flush=True)
-        if rank == 0:
-            print(f"convfuse {cf.__version__}, --api {args.api}: {world} rank(s) on {device} "
-                  f"({dist.get_backend()}), global batch {args.batch_size} = {world} x {local}",
-                  flush=True)
-        rng = np.random.default_rng(args.seed)  # the same permutation on every rank
-        batches = len(x_train) // args.batch_size
-        start = time.perf_counter()
-        accuracy = 0.0
-        for epoch in range(1, args.epochs + 1):
-            order = rng.permutation(len(x_train))
-            for b in range(batches):
-                idx = order[b * args.batch_size:(b + 1) * args.batch_size]
-                mine = idx[rank * local:(rank + 1) * local]
-                trainer.step(x_train[mine], y_train[mine])
-            loss, train_acc = across_ranks(list(trainer.epoch_stats()), device)
-            accuracy = float((trainer.predict(x_test) == y_test).mean())
-            if rank == 0:
-                print(f"epoch {epoch:>2}: loss {loss:.4f}  train acc {train_acc:.4f}  "
-                      f"test acc {accuracy:.4f}", flush=True)
-        same = parameters_identical(trainer.parameters(), device)
-        if rank == 0:
-            print(f"trained in {time.perf_counter() - start:.1f} s; parameters identical on "
-                  f"all ranks: {same}", flush=True)
-            print(f"test accuracy: {accuracy:.4f}", flush=True)
-        if not same:
-            raise SystemExit("ranks diverged: their parameters differ")
-        return accuracy
+        return train(args, parser, rank, world, device)
     finally:
-        dist.destroy_process_group()
+        teardown(rank)  # train's locals (the trainer, DDP) are gone by now
+
+
+def train(args: argparse.Namespace, parser: argparse.ArgumentParser, rank: int, world: int,
+          device: str) -> float:
+    """Train and evaluate; returns the test accuracy."""
+    if args.batch_size % world:
+        parser.error(f"--batch-size {args.batch_size} must be divisible by the world "
+                     f"size {world}")
+    local = args.batch_size // world
+    x_train, x_test, y_train, y_test = load_digits(args.seed)
+    trainer_cls = ConvfuseTrainer if args.api == "convfuse" else TorchTrainer
+    trainer = trainer_cls(device, args.lr, args.seed, rank)
+    reason = cf.backend.gpu_unavailable_reason()
+    if rank == 0 and device == "cpu" and args.device is None and reason:
+        print(f"notice: {reason}; running on the CPU reference engine (NumPy).", flush=True)
+    if rank == 0:
+        print(f"convfuse {cf.__version__}, --api {args.api}: {world} rank(s) on {device} "
+              f"({dist.get_backend()}), global batch {args.batch_size} = {world} x {local}",
+              flush=True)
+    rng = np.random.default_rng(args.seed)  # the same permutation on every rank
+    batches = len(x_train) // args.batch_size
+    start = time.perf_counter()
+    accuracy = 0.0
+    for epoch in range(1, args.epochs + 1):
+        order = rng.permutation(len(x_train))
+        for b in range(batches):
+            idx = order[b * args.batch_size:(b + 1) * args.batch_size]
+            mine = idx[rank * local:(rank + 1) * local]
+            trainer.step(x_train[mine], y_train[mine])
+        loss, train_acc = across_ranks(list(trainer.epoch_stats()), device)
+        accuracy = float((trainer.predict(x_test) == y_test).mean())
+        if rank == 0:
+            print(f"epoch {epoch:>2}: loss {loss:.4f}  train acc {train_acc:.4f}  "
+                  f"test acc {accuracy:.4f}", flush=True)
+    same = parameters_identical(trainer.parameters(), device)
+    if rank == 0:
+        print(f"trained in {time.perf_counter() - start:.1f} s; parameters identical on "
+              f"all ranks: {same}", flush=True)
+        print(f"test accuracy: {accuracy:.4f}", flush=True)
+    if not same:
+        raise SystemExit("ranks diverged: their parameters differ")
+    return accuracy
 
 
 if __name__ == "__main__":

@@ -124,8 +124,13 @@ def train_torch(rank: int | None) -> list[np.ndarray]:
 
 
 def _worker(mode: str, rank: int, init_file: str, out: str) -> None:
+    import importlib
+
     import torch.distributed as dist
 
+    # before the group: imported later (DDP does), it keeps the group and its threads alive
+    # (examples/train_ddp.py's Note [process-group teardown])
+    importlib.import_module("torch.distributed.nn")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:

@@ -51,10 +51,15 @@ def _train(net, rank: int) -> None:
 
 
 def _worker(rank: int, init_file: str, out: str) -> None:
+    import importlib
+
     import torch.distributed as dist
 
     import convfuse.torch as ct
 
+    # before the group: imported later (DDP does), it keeps the group and its threads alive
+    # (examples/train_ddp.py's Note [process-group teardown])
+    importlib.import_module("torch.distributed.nn")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=WORLD)
     try:

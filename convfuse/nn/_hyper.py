@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from .. import activations
-from ..geometry import as_tuple, is_int, resolve_padding
+from ..geometry import as_tuple, is_int
+from ..pad_geometry import PADDING_MODES, split_padding
 
 
 def positive_int(value: Any, what: str) -> int:
@@ -39,11 +40,22 @@ def int_tuple(value: Any, rank: int, what: str, low: int, op: str = "convolution
 
 def padding(value: Any, rank: int, kernel: tuple[int, ...], stride: tuple[int, ...],
             dilation: tuple[int, ...]) -> tuple[int, ...] | str:
-    """Ints >= 0, or 'valid'/'same' checked against the kernel, stride and dilation."""
+    """Ints >= 0, or 'valid'/'same' checked against the kernel, stride and dilation (an
+    even kernel's 'same' pads its extra element at the end, as torch.nn)."""
     if isinstance(value, str):
-        resolve_padding(value, kernel, dilation, stride)  # ValueError when it cannot hold
+        split_padding(value, "zeros", kernel, dilation, stride)  # ValueError when it cannot hold
         return value
     return int_tuple(value, rank, "padding", 0)
+
+
+def padding_mode(value: Any) -> str:
+    """One of torch.nn's Conv padding modes."""
+    if not isinstance(value, str):
+        raise TypeError(f"padding_mode must be a str, got {type(value).__name__} {value!r}")
+    if value not in PADDING_MODES:
+        raise ValueError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
+                         f"got {value!r}")
+    return value
 
 
 def flag(value: Any, what: str) -> bool:
@@ -56,6 +68,11 @@ def activation(value: Any) -> str:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"activation must be a str or None, got {type(value).__name__} "
                         f"{value!r}")
+    if value in PADDING_MODES:
+        # torch.nn's Conv takes padding_mode 9th, where convfuse's takes activation
+        raise ValueError(f"activation {value!r} is a padding mode; pass padding_mode={value!r} "
+                         "by keyword (convfuse's Conv takes activation where torch.nn's takes "
+                         "padding_mode)")
     return activations.normalize(value)
 
 

@@ -1,10 +1,17 @@
 """Conv1d, Conv2d, Conv3d: fused convolution + bias + activation (+ residual) layers.
 
-Hyperparameters after construction: `stride`, `padding`, `dilation`, `activation` and
-`residual_scale` may be assigned; each assignment is validated (with the others, e.g.
-padding='same' needs stride 1) and clears the per-shape geometry cache, so the next call
-uses it. `in_channels`, `out_channels`, `kernel_size`, `groups`, `layout` and `dtype`
-fix the weight's shape or storage and are read-only (AttributeError saying so).
+Hyperparameters after construction: `stride`, `padding`, `dilation`, `padding_mode`,
+`activation` and `residual_scale` may be assigned; each assignment is validated (with the
+others, e.g. padding='same' needs stride 1) and clears the per-shape geometry cache, so the
+next call uses it. `in_channels`, `out_channels`, `kernel_size`, `groups`, `layout` and
+`dtype` fix the weight's shape or storage and are read-only (AttributeError saying so).
+
+`padding_mode` ('zeros', 'reflect', 'replicate', 'circular') and padding='same' with an
+even kernel (or an odd dilation * (kernel - 1)) follow torch.nn's Conv: what cuDNN's
+symmetric zero padding cannot do is padded explicitly (convfuse.ops.pad_forward, on either
+engine) before the convolution, and the backward folds the gradient back
+(convfuse.functional; convfuse.pad_geometry.split_padding says which is which). torch.nn takes
+padding_mode 9th, where convfuse's Conv takes `activation`, so it is keyword-only here.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from .._memory import check_bytes, check_conv
 from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
 from ..geometry import ConvGeometry, IntOrTuple, parse_layout
+from ..pad_geometry import PadGeometry, padded_conv
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
@@ -38,11 +46,12 @@ class _ConvNd(Layer):
     _kernel: tuple[int, ...]
     _stride: tuple[int, ...]
     _padding: tuple[int, ...] | str
+    _padding_mode: str
     _dilation: tuple[int, ...]
     _layout: str
     _channels_last: bool
     _dtype: np.dtype
-    _geoms: dict[tuple[int, ...], ConvGeometry]
+    _geoms: dict[tuple[int, ...], tuple[PadGeometry | None, ConvGeometry]]
 
     def __init__(
         self,
@@ -59,16 +68,18 @@ class _ConvNd(Layer):
         dtype: Any = "float32",
         device: str | None = None,
         seed: int | None = None,
+        *,
+        padding_mode: str = "zeros",
     ) -> None:
         try:
             self._init(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                       groups, bias, activation, layout, dtype, device, seed)
+                       groups, bias, activation, layout, dtype, device, seed, padding_mode)
         except USER_ERRORS as exc:
             raise renamed(exc, type(self).__name__) from None
 
     def _init(self, in_channels: Any, out_channels: Any, kernel_size: Any, stride: Any,
               padding: Any, dilation: Any, groups: Any, bias: Any, activation: Any,
-              layout: Any, dtype: Any, device: Any, seed: Any) -> None:
+              layout: Any, dtype: Any, device: Any, seed: Any, padding_mode: Any) -> None:
         rank = self._rank
         d = self.__dict__
         d["_in"] = _hyper.positive_int(in_channels, "in_channels")
@@ -87,7 +98,7 @@ class _ConvNd(Layer):
         d["_channels_last"] = parse_layout(layout, rank)
         d["_layout"] = layout.upper()
         d["_dtype"] = dtypes.canonical(dtype)
-        self._set_geometry(stride, padding, dilation)
+        self._set_geometry(stride, padding, dilation, padding_mode)
         self.activation = activation
         self.device = resolve_device(device)
         self.residual_scale = 1.0
@@ -110,20 +121,23 @@ class _ConvNd(Layer):
         self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
 
     # -- hyperparameters -----------------------------------------------------------------
-    def _set_geometry(self, stride: Any, padding: Any, dilation: Any) -> None:
+    def _set_geometry(self, stride: Any, padding: Any, dilation: Any, padding_mode: Any) -> None:
         rank = self._rank
         s = _hyper.int_tuple(stride, rank, "stride", 1)
         dl = _hyper.int_tuple(dilation, rank, "dilation", 1)
         p = _hyper.padding(padding, rank, self._kernel, s, dl)
+        mode = _hyper.padding_mode(padding_mode)
         d = self.__dict__
-        d["_stride"], d["_padding"], d["_dilation"] = s, p, dl
+        d["_stride"], d["_padding"], d["_dilation"], d["_padding_mode"] = s, p, dl, mode
         d["_geoms"] = {}  # every cached geometry was for the old values
 
     def _assign(self, **change: Any) -> None:
-        now = {"stride": self._stride, "padding": self._padding, "dilation": self._dilation}
+        now = {"stride": self._stride, "padding": self._padding, "dilation": self._dilation,
+               "padding_mode": self._padding_mode}
         now.update(change)
         try:
-            self._set_geometry(now["stride"], now["padding"], now["dilation"])
+            self._set_geometry(now["stride"], now["padding"], now["dilation"],
+                               now["padding_mode"])
         except USER_ERRORS as exc:
             raise renamed(exc, type(self).__name__) from None
 
@@ -133,6 +147,9 @@ class _ConvNd(Layer):
                        lambda self, v: self._assign(padding=v), doc="Validated on assignment.")
     dilation = property(lambda self: self._dilation,
                         lambda self, v: self._assign(dilation=v), doc="Validated on assignment.")
+    padding_mode = property(lambda self: self._padding_mode,
+                            lambda self, v: self._assign(padding_mode=v),
+                            doc="torch.nn's padding_mode; validated on assignment.")
 
     activation = _hyper.activation_property()
 
@@ -163,21 +180,24 @@ class _ConvNd(Layer):
     del _fixed
 
     # -- calls ---------------------------------------------------------------------------
-    def _geometry(self, x: Any) -> ConvGeometry:
-        geom = self._geoms.get(tuple(x.shape))
-        if geom is None:
+    def _geometry(self, x: Any) -> tuple[PadGeometry | None, ConvGeometry]:
+        """(explicit padding or None, the convolution), validated once per input shape:
+        a padding the input cannot take (reflect needs padding < size) raises here, before
+        any engine runs."""
+        found = self._geoms.get(tuple(x.shape))
+        if found is None:
             if x.ndim != self._rank + 2:
                 raise ValueError(
                     f"expects a {self._rank + 2}-d input ({self._layout}), got shape "
                     f"{tuple(x.shape)}"
                 )
-            geom = ConvGeometry.create(
+            found = padded_conv(
                 x.shape, self.weight.shape, self._stride, self._padding, self._dilation,
-                self._groups, self._layout,
+                self._groups, self._layout, self._padding_mode,
             )
-            check_conv(geom, self._dtype, self.device)
-            self._geoms[tuple(x.shape)] = geom
-        return geom
+            check_conv(found[1], self._dtype, self.device)
+            self._geoms[tuple(x.shape)] = found
+        return found
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
         """act(conv(x) + bias + residual_scale * residual). A non-C-contiguous x or residual
@@ -192,11 +212,11 @@ class _ConvNd(Layer):
             x = contiguous(x)
             if residual is not None:
                 residual = contiguous(residual)
-            geom = self._geometry(x)
+            pad, geom = self._geometry(x)
             bias = None if self.bias is None else self.bias.data
             y, ctx = conv_bias_act_forward(
                 x, self.weight.data, bias, activation=self.activation, residual=residual,
-                residual_scale=self.residual_scale, geom=geom,
+                residual_scale=self.residual_scale, geom=geom, pad=pad,
             )
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
@@ -230,10 +250,12 @@ class _ConvNd(Layer):
         return value
 
     def extra_repr(self) -> str:
+        # like torch.nn's, padding_mode shows only when it is not the default
+        mode = f"padding_mode={self._padding_mode!r}, " if self._padding_mode != "zeros" else ""
         return (
             f"{self._in}, {self._out}, kernel_size={self._kernel}, "
             f"stride={self._stride}, padding={self._padding}, dilation={self._dilation}, "
-            f"groups={self._groups}, bias={self.bias is not None}, "
+            f"groups={self._groups}, bias={self.bias is not None}, {mode}"
             f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
             f"device={self.device!r}"
         )

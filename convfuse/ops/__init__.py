@@ -26,6 +26,7 @@ from .conv import (
     conv_bias_act,
     conv_forward,
 )
+from .pad import pad_backward, pad_forward
 from .pooling import pool_backward, pool_forward
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "conv_backward_filter",
     "conv_bias_act",
     "conv_forward",
+    "pad_backward",
+    "pad_forward",
     "pool_backward",
     "pool_forward",
 ]
