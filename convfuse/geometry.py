@@ -95,6 +95,12 @@ def resolve_padding(padding: IntOrTuple | str, kernel: Sequence[int], dilation: 
     return as_tuple(padding, rank, "padding")
 
 
+def same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """PyTorch's padding='same': d*(k-1) zeros per dim, the odd one at the end (right/bottom)."""
+    return tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2)
+                 for k, d in zip(kernel, dilation))
+
+
 class LayoutShapes:
     """Shape answers shared by ConvGeometry and PoolGeometry, which both hold the user's
     `input_shape` in their layout, `channels_last`, and define `rank` and `output_shape_cf`."""

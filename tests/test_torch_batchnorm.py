@@ -101,8 +101,11 @@ def test_equivalence_over_steps_with_running_statistics(rank, shape, cl, act):
         for name, buf in theirs.named_buffers():
             torch.testing.assert_close(getattr(ours, name), buf, rtol=1e-13, atol=1e-13,
                                        msg=name)
-        if cl:
-            assert y.movedim(1, -1).is_contiguous()  # channels-last in, channels-last out
+        # torch.nn's memory format: channels-last in, channels-last out for 4-d and 5-d;
+        # contiguous for a transposed (N, L, C) input of BatchNorm1d; never a view
+        assert y._base is None and y.stride() == y_ref.stride()
+        if cl and len(shape) > 3:
+            assert y.movedim(1, -1).is_contiguous()
     assert int(ours.num_batches_tracked) == 3
     assert not torch.allclose(ours.running_var, torch.ones_like(ours.running_var))
 
