@@ -120,6 +120,7 @@ def batchnorm_training(
             activation, None if residual is None else to_array(physical(residual, cl)))
         out = _result(y, saved, cl, x)
     if cumulative:
+        assert num_batches_tracked is not None  # part of `cumulative`
         f = 1.0 / num_batches_tracked.clamp(min=1).to(cd)
         for target, batch in zip((running_mean, running_var), stats):
             assert target is not None and batch is not None  # both, checked by the op above
