@@ -5,6 +5,8 @@ input errors."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -25,10 +27,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+_TORCH_BN_HAS_BIAS = "bias" in inspect.signature(torch.nn.BatchNorm2d).parameters
+
+
 def _pair(rank, c, act=None, dtype=torch.float64, **kw):
     """A convfuse BatchNorm and torch.nn's, with the same (non-trivial) parameters."""
     ours = LAYERS[rank][0](c, activation=act, dtype=dtype, **kw)
-    theirs = LAYERS[rank][1](c, dtype=dtype, **kw)
+    bias = kw.pop("bias", True)
+    if bias or _TORCH_BN_HAS_BIAS:
+        theirs = LAYERS[rank][1](c, dtype=dtype, **kw, **({} if bias else {"bias": False}))
+    else:  # torch 2.11's BatchNorm has no `bias` keyword: the same module, bias removed
+        theirs = LAYERS[rank][1](c, dtype=dtype, **kw)
+        theirs.register_parameter("bias", None)
     if ours.weight is not None:
         with torch.no_grad():
             ours.weight.uniform_(0.5, 1.5)
