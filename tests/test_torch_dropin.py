@@ -316,7 +316,7 @@ MODELS = {"resnet": (_resnet, (4, 3, 8, 8)), "vgg": (_vgg, (2, 3, 8, 8)),
 def _check_converted(ref, model, x, *, grad=True, run=None):
     """`run` (default: the model itself, e.g. a compiled form of it) against `ref`."""
     xr, xm = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
-    y_ref, y = ref(xr), (run or model)(xm)
+    y_ref, y = ref(xr), (model if run is None else run)(xm)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     if grad:
         dy = torch.randn_like(y)
