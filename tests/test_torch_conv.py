@@ -247,3 +247,25 @@ def test_numpy_side_sees_bfloat16_through_an_int16_view():
     np.testing.assert_array_equal(a.astype(np.float32), t.float().numpy())
     back = to_tensor(a)
     assert back.dtype == torch.bfloat16 and back.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("case", ["cl-input", "cl-weight", "1d-transposed", "3d-cl-float64"])
+def test_opcheck_fake_layouts_match_the_real_ops(case):
+    """torch.library.opcheck of both conv ops: schema, the fake implementations' shapes
+    and strides (torch.nn's memory format) against the real ones, and AOT dispatch."""
+    rank = {"1d-transposed": 1, "3d-cl-float64": 3}.get(case, 2)
+    x = torch.randn(2, 3, *[5] * rank, dtype=torch.float64)
+    w = torch.randn(4, 3, *[3] * rank, dtype=torch.float64)
+    if case == "cl-weight":
+        w = w.to(memory_format=torch.channels_last)
+    else:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    b = torch.randn(4, dtype=torch.float64)
+    hyper = ([1] * rank, [1] * rank, [1] * rank, 1)
+    y, z = torch.ops.convfuse.conv_bias_act(x, w, b, None, *hyper, "silu")
+    ref = F.conv2d if rank == 2 else F.conv1d if rank == 1 else F.conv3d
+    assert y.stride() == ref(x, w, b, 1, 1).stride() and y._base is None
+    torch.library.opcheck(torch.ops.convfuse.conv_bias_act, (x, w, b, None, *hyper, "silu"))
+    torch.library.opcheck(torch.ops.convfuse.conv_bias_act_backward,
+                          (torch.randn_like(y), x, w, z, *hyper, "silu", True, True, True,
+                           True))
