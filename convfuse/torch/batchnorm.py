@@ -22,6 +22,7 @@ from torch import nn
 from .. import activations
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import BatchNormFunction
+from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -137,8 +138,8 @@ class _BatchNormNd(nn.Module):
         if x.dim() not in self._ndims:
             ranks = " or ".join(f"{n}-d" for n in self._ndims)
             raise ValueError(f"{name}: expected a {ranks} input, got shape {tuple(x.shape)}")
-        if x.shape[1] != self.num_features:
-            raise ValueError(f"{name}: input has {x.shape[1]} channels, the layer expects "
+        if x.shape[1] != self.num_features:  # torch.nn: a RuntimeError; this is both
+            raise InputShapeError(f"{name}: input has {x.shape[1]} channels, the layer expects "
                              f"{self.num_features}")
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
