@@ -105,7 +105,8 @@ def batchnorm_training(
     cd = _compute_dtype(x)
     cumulative = running_mean is not None and momentum is None \
         and num_batches_tracked is not None
-    factor = 1.0 if cumulative else as_factor(momentum, 1) if running_mean is not None else 0.0
+    # nothing to update / fresh statistics to fill / momentum (or 1 with no count, as torch)
+    factor = 0.0 if running_mean is None else 1.0 if cumulative else as_factor(momentum, 1)
     # Statistics not already contiguous in the compute dtype run on a copy, written back;
     # for the cumulative average the op writes the batch's statistics into fresh ones.
     stats = [s if s is None or (_usable(s, cd) and not cumulative)
