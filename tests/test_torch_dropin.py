@@ -313,23 +313,23 @@ MODELS = {"resnet": (_resnet, (4, 3, 8, 8)), "vgg": (_vgg, (2, 3, 8, 8)),
           "padded": (_padded, (2, 3, 10, 10)), "same1d3d": (_Same1d3d, (3, 2, 4, 4, 4))}
 
 
-def _check_converted(ref, model, x, *, grad=True, run=None):
+def _check_converted(ref, model, x, *, grad=True, run=None, tol=1e-10):
     """`run` (default: the model itself, e.g. a compiled form of it) against `ref`."""
     xr, xm = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
     y_ref, y = ref(xr), (model if run is None else run)(xm)
-    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
     if grad:
         dy = torch.randn_like(y)
         y_ref.backward(dy)
         y.backward(dy)
-        torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(xm.grad, xr.grad, rtol=10 * tol, atol=tol)
         named = dict(ref.named_parameters())
         for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, named[name].grad, rtol=1e-9, atol=1e-10,
+            torch.testing.assert_close(p.grad, named[name].grad, rtol=10 * tol, atol=tol,
                                        msg=name)
     mine = model.state_dict()
     for name, t in ref.state_dict().items():  # parameters and running statistics
-        torch.testing.assert_close(mine[name], t, rtol=1e-12, atol=1e-12, msg=name)
+        torch.testing.assert_close(mine[name], t, rtol=tol / 100, atol=tol / 100, msg=name)
     for m in (ref, model):
         m.zero_grad()
 
@@ -368,15 +368,18 @@ def test_convert_torchvision_style_models_train_eval_no_grad(name, channels_last
 
 @pytest.mark.slow  # inductor compiles C++ (tens of seconds here); still in the default run
 def test_compile_fullgraph_of_converted_models_with_padding_and_in_place_ops():
+    """In float32: in float64, torch 2.11's inductor generated C++ for this model (its own
+    pad kernels around the opaque convfuse ops) that g++ refused (a vectorised blend of
+    doubles); float32 compiles on torch 2.11 and 2.13."""
     torch.manual_seed(0)
-    ref = _padded().double()
-    block = BasicBlock(3, 3).double().to(memory_format=torch.channels_last)
+    ref = _padded()
+    block = BasicBlock(3, 3).to(memory_format=torch.channels_last)
     model, model_block = ct.convert(copy.deepcopy(ref)), ct.convert(copy.deepcopy(block))
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     compiled_block = torch.compile(model_block, fullgraph=True)
     for _ in range(2):
-        x = torch.randn(2, 3, 10, 10, dtype=D)
-        _check_converted(ref, model, x, run=compiled)
+        x = torch.randn(2, 3, 10, 10)
+        _check_converted(ref, model, x, run=compiled, tol=1e-4)
         _check_converted(block, model_block, x.to(memory_format=torch.channels_last),
-                         run=compiled_block)
+                         run=compiled_block, tol=1e-4)
