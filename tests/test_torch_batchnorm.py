@@ -5,6 +5,8 @@ input errors."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -25,10 +27,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+_TORCH_BN_HAS_BIAS = "bias" in inspect.signature(torch.nn.BatchNorm2d).parameters
+
+
 def _pair(rank, c, act=None, dtype=torch.float64, **kw):
     """A convfuse BatchNorm and torch.nn's, with the same (non-trivial) parameters."""
     ours = LAYERS[rank][0](c, activation=act, dtype=dtype, **kw)
-    theirs = LAYERS[rank][1](c, dtype=dtype, **kw)
+    bias = kw.pop("bias", True)
+    if bias or _TORCH_BN_HAS_BIAS:
+        theirs = LAYERS[rank][1](c, dtype=dtype, **kw, **({} if bias else {"bias": False}))
+    else:  # torch 2.11's BatchNorm has no `bias` keyword: the same module, bias removed
+        theirs = LAYERS[rank][1](c, dtype=dtype, **kw)
+        theirs.register_parameter("bias", None)
     if ours.weight is not None:
         with torch.no_grad():
             ours.weight.uniform_(0.5, 1.5)
@@ -101,8 +111,11 @@ def test_equivalence_over_steps_with_running_statistics(rank, shape, cl, act):
         for name, buf in theirs.named_buffers():
             torch.testing.assert_close(getattr(ours, name), buf, rtol=1e-13, atol=1e-13,
                                        msg=name)
-        if cl:
-            assert y.movedim(1, -1).is_contiguous()  # channels-last in, channels-last out
+        # torch.nn's memory format: channels-last in, channels-last out for 4-d and 5-d;
+        # contiguous for a transposed (N, L, C) input of BatchNorm1d; never a view
+        assert y._base is None and y.stride() == y_ref.stride()
+        if cl and len(shape) > 3:
+            assert y.movedim(1, -1).is_contiguous()
     assert int(ours.num_batches_tracked) == 3
     assert not torch.allclose(ours.running_var, torch.ones_like(ours.running_var))
 

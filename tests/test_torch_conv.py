@@ -92,8 +92,14 @@ def test_gradcheck_and_equivalence_geometry_grid(geo):
     want = torch.autograd.grad(y_ref, [x, res, theirs.weight, theirs.bias], dy)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
-    if cl:
-        assert y.movedim(1, -1).is_contiguous()  # channels-last in, channels-last out
+    # torch.nn's memory format: channels-last in, channels-last out for 2-d (and float32
+    # 3-d); contiguous for 1-d and float64 3-d, as torch.nn returns (so y.view works)
+    ref = theirs(x)
+    assert y._base is None and y.stride() == ref.stride()
+    if cl and rank == 2:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    if rank != 2:
+        assert y.is_contiguous()
 
 
 @pytest.mark.parametrize("act", ["relu", "silu", "identity"])
@@ -191,27 +197,32 @@ def test_channels_last_is_zero_copy(monkeypatch):
     assert seen["x_ptr"] == x.data_ptr()          # the input's memory, no copy
     assert seen["y_ptr"] == y.data_ptr()          # the engine's output is the tensor's memory
     assert y.is_contiguous(memory_format=torch.channels_last)
-    y2 = layer(x.contiguous())
-    assert seen["layout"] == "NCHW" and y2.is_contiguous()
+    y2 = layer(x.contiguous())  # a channels_last weight makes torch.nn's output channels_last
+    assert seen["layout"] == "NHWC" and y2.is_contiguous(memory_format=torch.channels_last)
+    y3 = layer.to(memory_format=torch.contiguous_format)(x.contiguous())
+    assert seen["layout"] == "NCHW" and y3.is_contiguous()
     torch.testing.assert_close(y, y2)
+    torch.testing.assert_close(y, y3)
 
 
 def test_errors_name_the_layer_and_argument():
-    with pytest.raises(ValueError, match="Conv2d: padding_mode='reflect'"):
-        ct.Conv2d(2, 2, 3, padding_mode="reflect")
+    with pytest.raises(ValueError, match="Conv2d: padding_mode must be one of"):
+        ct.Conv2d(2, 2, 3, padding_mode="mirror")
+    with pytest.raises(ValueError, match="Conv2d: padding='same' is not supported for strided"):
+        ct.Conv2d(2, 2, 3, stride=2, padding="same")
+    with pytest.raises(ValueError, match="Conv2d: invalid padding string 'full'"):
+        ct.Conv2d(2, 2, 3, padding="full")
     with pytest.raises(ValueError, match=r"Conv2d: .*divisible by groups"):
         ct.Conv2d(3, 4, 3, groups=2)
     with pytest.raises(ValueError, match="Conv2d: unknown activation"):
         ct.Conv2d(2, 2, 3, activation="softplus")
-    with pytest.raises(ValueError, match="asymmetric"):
-        ct.Conv2d(2, 2, 4, padding="same")
     with pytest.raises(TypeError, match=r"Conv1d: dtype torch\.int32"):
         ct.Conv1d(2, 2, 3, dtype=torch.int32)
     layer = ct.Conv2d(2, 3, 3)
     with pytest.raises(ValueError, match="Conv2d: input has 5 channels"):
         layer(torch.randn(1, 5, 4, 4))
-    with pytest.raises(ValueError, match="Conv2d: expected a 4-d input"):
-        layer(torch.randn(2, 4, 4))
+    with pytest.raises(ValueError, match=r"Conv2d: expected a 3-d \(unbatched\) or 4-d"):
+        layer(torch.randn(2, 4))
     with pytest.raises(TypeError, match=r"Conv2d: input dtype torch\.float64"):
         layer(torch.randn(1, 2, 4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="Conv2d: residual has shape"):
@@ -236,3 +247,25 @@ def test_numpy_side_sees_bfloat16_through_an_int16_view():
     np.testing.assert_array_equal(a.astype(np.float32), t.float().numpy())
     back = to_tensor(a)
     assert back.dtype == torch.bfloat16 and back.data_ptr() == t.data_ptr()
+
+
+@pytest.mark.parametrize("case", ["cl-input", "cl-weight", "1d-transposed", "3d-cl-float64"])
+def test_opcheck_fake_layouts_match_the_real_ops(case):
+    """torch.library.opcheck of both conv ops: schema, the fake implementations' shapes
+    and strides (torch.nn's memory format) against the real ones, and AOT dispatch."""
+    rank = {"1d-transposed": 1, "3d-cl-float64": 3}.get(case, 2)
+    x = torch.randn(2, 3, *[5] * rank, dtype=torch.float64)
+    w = torch.randn(4, 3, *[3] * rank, dtype=torch.float64)
+    if case == "cl-weight":
+        w = w.to(memory_format=torch.channels_last)
+    else:
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
+    b = torch.randn(4, dtype=torch.float64)
+    hyper = ([1] * rank, [1] * rank, [1] * rank, 1)
+    y, z = torch.ops.convfuse.conv_bias_act(x, w, b, None, *hyper, "silu")
+    ref = F.conv2d if rank == 2 else F.conv1d if rank == 1 else F.conv3d
+    assert y.stride() == ref(x, w, b, 1, 1).stride() and y._base is None
+    torch.library.opcheck(torch.ops.convfuse.conv_bias_act, (x, w, b, None, *hyper, "silu"))
+    torch.library.opcheck(torch.ops.convfuse.conv_bias_act_backward,
+                          (torch.randn_like(y), x, w, z, *hyper, "silu", True, True, True,
+                           True))

@@ -188,17 +188,36 @@ def test_convert_activation_table_and_bare_conv():
         ct.convert("model")
 
 
-def test_convert_keeps_what_convfuse_cannot_run(monkeypatch):
+def test_convert_warns_once_per_layer_it_leaves_to_torch():
     seq = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
-                        nn.Conv2d(2, 2, 4, padding="same"), nn.Conv2d(2, 2, 3))
+                        nn.Conv2d(2, 2, 4, padding="same"), nn.Conv2d(2, 2, 3),
+                        nn.ConvTranspose2d(2, 2, 3), nn.LazyConv2d(2, 3),
+                        nn.Conv2d(2, 2, 3, dtype=torch.complex64), nn.SyncBatchNorm(2),
+                        nn.Sequential(nn.ConvTranspose1d(2, 2, 3)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ct.convert(seq)
-    assert type(seq[0]) is nn.Conv2d and type(seq[1]) is nn.ReLU
-    assert type(seq[2]) is nn.Conv2d
+    # reflect padding and an even-kernel 'same' are convfuse's now (torch.nn's explicit pad)
+    assert isinstance(seq[0], ct.Conv2d) and seq[0].activation == "relu"
+    assert seq[0].padding_mode == "reflect" and isinstance(seq[1], nn.Identity)
+    assert isinstance(seq[2], ct.Conv2d) and seq[2].padding == "same"
     assert isinstance(seq[3], ct.Conv2d)
-    text = " ".join(str(w.message) for w in caught)
-    assert "padding_mode='reflect'" in text and "asymmetric" in text
+    texts = [str(w.message) for w in caught]
+    left = {5: "LazyConv2d", 6: "Conv2d", 7: "SyncBatchNorm"}
+    # ConvTranspose*d: warned about for as long as convfuse leaves them to torch.nn
+    if type(seq[4]) is nn.ConvTranspose2d:
+        left[4] = "ConvTranspose2d"
+    if type(seq[8][0]) is nn.ConvTranspose1d:
+        left[8] = "ConvTranspose1d"
+    for index, kind in left.items():
+        module = seq[index][0] if index == 8 else seq[index]
+        assert type(module).__name__ == kind  # kept as PyTorch's
+        mine = [t for t in texts if f"kept {kind}" in t or repr(module) in t]
+        assert len(mine) == 1, (kind, texts)  # once per layer, naming it and why
+    assert len(texts) == len(left)
+    assert any("complex" in t for t in texts)
+    assert any("no fused layer for LazyConv2d" in t for t in texts)
+    assert any("SyncBatchNorm is not torch.nn.BatchNorm" in t for t in texts)
 
 
 def test_converted_model_runs_convfuse(monkeypatch):

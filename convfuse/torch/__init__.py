@@ -22,8 +22,8 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
-from .conv import Conv1d, Conv2d, Conv3d
+from .conv import Conv1d, Conv2d, Conv3d, InputShapeError
 from .convert import activation_of, convert, fused_batchnorm, fused_conv
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
-           "activation_of", "convert", "fused_batchnorm", "fused_conv"]
+           "InputShapeError", "activation_of", "convert", "fused_batchnorm", "fused_conv"]

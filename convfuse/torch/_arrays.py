@@ -4,11 +4,18 @@ Note [layouts across the bridge]
 PyTorch keeps one logical order (N, C, *spatial) and expresses channels-last as strides;
 convfuse expresses it as the shape order (N, *spatial, C), C-contiguous. So a tensor whose
 `movedim(1, -1)` is contiguous (a `channels_last` / `channels_last_3d` tensor, or its 1-d
-analogue) *is* a contiguous NHWC array: `physical(t, True)` is a view, no copy. Results
-come back through `logical(a, True)` = `movedim(-1, 1)`, a channels-last tensor again.
-The layer's layout follows its input: contiguous -> NCHW, channels-last -> NHWC, anything
-else is made contiguous (one copy, as torch.nn.Conv2d does). The weight follows the input's
-layout; it is a view when the weight already has that memory format, else one copy.
+analogue) *is* a contiguous NHWC array: `physical(t, True)` is a view, no copy.
+The layout an op runs in is the memory format torch.nn would return for the same call
+(`conv_channels_last`, `batchnorm_channels_last`): torch's own choice, asked from torch
+(its convolution backend selection, which fake tensors use too; `suggest_memory_format`
+for batch norm). So channels_last in gives channels_last out, while Conv1d/BatchNorm1d on a
+transposed (N, L, C) input, or a float64 Conv3d with channels_last_3d, run channels-first
+and return contiguous tensors, as torch.nn's do. An input not already laid out that way is
+copied once (as torch.nn's conv does); the weight follows the layout (a view when it has
+that memory format already, else one copy of the weight).
+Results come back through `logical(a, cl)`: an ordinary tensor (not a view, so in-place
+ops on it work under autograd, e.g. ReLU(inplace=True) or `out += identity`) on the same
+memory, whose strides are those of `torch.empty(shape, memory_format=...)`.
 
 Note [bfloat16 on the CPU]
 CPU tensors of dtype bfloat16 do not cross DLPack (NumPy has no bfloat16), so they cross as
@@ -31,12 +38,13 @@ DLPack exchanges inside the context are on one stream, so they add no synchronis
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
+from torch._prims_common import suggest_memory_format
 
 from ..ops._checks import ALIGNMENT
 
@@ -52,6 +60,27 @@ def is_channels_last(t: torch.Tensor) -> bool:
     return t.movedim(1, -1).is_contiguous()
 
 
+def batchnorm_channels_last(x: torch.Tensor) -> bool:
+    """Whether torch.nn's batch norm returns a channels-last result for `x`: it allocates
+    its output with `x.suggest_memory_format()` (channels-last only for 4-d and 5-d)."""
+    return suggest_memory_format(x) != torch.contiguous_format
+
+
+def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
+                       padding: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
+    """Whether torch.nn's convolution returns a channels-last result for these tensors:
+    the memory format of the backend torch would pick (mkldnn, cuDNN, the slow kernels; no
+    channels-last float64 in cuDNN or mkldnn), asked the way torch's fake tensors ask it."""
+    rank = weight.dim() - 2
+    backend = torch._C._select_conv_backend(
+        x, weight, None, list(stride), list(padding), list(dilation), False, [0] * rank,
+        groups, None)
+    if rank == 1:  # torch decides 1-d convolutions on the 2-d problem it runs
+        x, weight = x.contiguous().unsqueeze(2), weight.unsqueeze(2)
+    fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
+    return fmt in (torch.channels_last, torch.channels_last_3d)
+
+
 def physical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """`t` in convfuse's order for the layout, C-contiguous (a view when strides allow)."""
     v = t.movedim(1, -1) if channels_last else t
@@ -62,8 +91,27 @@ def physical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 
 def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """A convfuse-ordered result as a PyTorch (N, C, ...) tensor (a view)."""
-    return t.movedim(-1, 1) if channels_last else t
+    """A convfuse-ordered result as a PyTorch (N, C, ...) tensor on the same memory, and
+    not a view (Note [layouts across the bridge])."""
+    return t.movedim(-1, 1).detach() if channels_last else t
+
+
+def empty_in_layout(shape: Sequence[int], channels_last: bool, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """A new (N, C, ...) tensor whose memory is C-contiguous in convfuse's order for the
+    layout: what `logical` returns, and what `physical` maps back with no copy."""
+    shape = [int(n) for n in shape]
+    if not channels_last:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if len(shape) in (4, 5):
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        return torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
+    phys = [shape[0], *shape[2:], shape[1]]
+    strides = [1] * len(phys)
+    for i in range(len(phys) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(phys[i + 1], 1)
+    logical_strides = [strides[0], strides[-1], *strides[1:-1]]
+    return torch.empty_strided(shape, logical_strides, dtype=dtype, device=device)
 
 
 def to_array(t: torch.Tensor) -> Any:

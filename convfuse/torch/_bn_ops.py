@@ -24,6 +24,15 @@ not carried across: it is no tensor of a size known before the call, which a fak
 implementation must give. The backward then takes cuDNN's plain path, which is exact after
 a fused forward too (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
 
+Note [the cumulative average on the device]
+With momentum=None, PyTorch's running statistics are the cumulative average, factor
+1/num_batches_tracked. The count is a tensor on the layer's device (incremented there by
+the layer, `num_batches_tracked.add_(1)` as torch.nn does), and convfuse's ops take the
+factor as a host float: reading the count would cost a device-to-host sync per layer and
+step, and break CUDA-graph capture. So the op runs with factor 1 into fresh statistics
+(which become the batch's mean and unbiased variance) and blends them into the running ones
+with 1/count computed on the device. With a float momentum nothing is read at all.
+
 Per-channel arrays cross in convfuse's compute dtype (float32 for float32/float16/
 bfloat16 data, float64 for float64). PyTorch keeps a float16/bfloat16 layer's parameters
 and statistics in its own dtype, so those are cast on the way in (C values) and the
@@ -39,7 +48,7 @@ import torch
 from .. import activations, ops
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
-from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
+from ._arrays import batchnorm_channels_last, engine_context, logical, physical, to_array, to_tensor
 from ._ops import _empty_like_layout
 
 
@@ -90,15 +99,19 @@ def batchnorm_training(
 
     running_mean/var (when given) take the update with factor `momentum`, or
     1/num_batches_tracked (already incremented by the caller, as PyTorch does) for
-    momentum=None. z is the pre-activation when the activation's backward needs it."""
-    cl = is_channels_last(x)
+    momentum=None (Note [the cumulative average on the device]). z is the pre-activation
+    when the activation's backward needs it."""
+    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
-    factor = 0.0
-    if running_mean is not None:
-        factor = as_factor(
-            momentum, int(num_batches_tracked) if num_batches_tracked is not None else 1)
-    # Statistics not already contiguous in the compute dtype run on a copy, written back.
-    stats = [s if s is None or _usable(s, cd) else s.to(cd, copy=True).contiguous()
+    cumulative = running_mean is not None and momentum is None \
+        and num_batches_tracked is not None
+    # nothing to update / fresh statistics to fill / momentum (or 1 with no count, as torch)
+    factor = 0.0 if running_mean is None else 1.0 if cumulative else as_factor(momentum, 1)
+    # Statistics not already contiguous in the compute dtype run on a copy, written back;
+    # for the cumulative average the op writes the batch's statistics into fresh ones.
+    stats = [s if s is None or (_usable(s, cd) and not cumulative)
+             else torch.zeros(s.shape, dtype=cd, device=s.device) if cumulative
+             else s.to(cd, copy=True).contiguous()
              for s in (running_mean, running_var)]
     with engine_context(x.device):
         y, saved = ops.batchnorm_forward_training(
@@ -107,6 +120,13 @@ def batchnorm_training(
             None if stats[1] is None else to_array(stats[1]), _layout(cl), eps, factor,
             activation, None if residual is None else to_array(physical(residual, cl)))
         out = _result(y, saved, cl, x)
+    if cumulative:
+        assert num_batches_tracked is not None  # part of `cumulative`
+        f = 1.0 / num_batches_tracked.clamp(min=1).to(cd)
+        for target, batch in zip((running_mean, running_var), stats):
+            assert target is not None and batch is not None  # both, checked by the op above
+            target.copy_(target.to(cd) * (1 - f) + batch * f)
+        return out
     for target, s in zip((running_mean, running_var), stats):
         if target is not None and s is not None and s is not target:
             target.copy_(s)
@@ -120,7 +140,7 @@ def batchnorm_inference(
     eps: float, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, invstd, z) as batchnorm_training, with the running statistics."""
-    cl = is_channels_last(x)
+    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
     with engine_context(x.device):
         y, saved = ops.batchnorm_forward_inference(
@@ -131,7 +151,7 @@ def batchnorm_inference(
 
 
 def _fake_forward(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
-    cl = is_channels_last(x)
+    cl = batchnorm_channels_last(x)
     c = x.shape[1]
     cd = _compute_dtype(x)
     y = _empty_like_layout(x, x.shape, cl)
@@ -161,7 +181,7 @@ def batchnorm_backward(
     dres only when asked for, else empty. dweight/dbias (in the parameters' dtype) come
     from the same pass whenever weight is given (cuDNN computes them together with dx);
     empty for affine=False."""
-    cl = is_channels_last(x)
+    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
     xp = physical(x, cl)
     # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad (affine only).
@@ -187,7 +207,7 @@ def batchnorm_backward(
 @batchnorm_backward.register_fake
 def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_dx,
       need_dres):
-    cl = is_channels_last(x)
+    cl = batchnorm_channels_last(x)
     empty = dy.new_empty(0)
     return (
         _empty_like_layout(x, x.shape, cl) if need_dx else empty,

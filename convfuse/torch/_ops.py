@@ -27,7 +27,15 @@ import torch
 
 from .. import activations, ops
 from ..geometry import ConvGeometry, conv_output_size, layout_name
-from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
+from ._arrays import (
+    conv_channels_last,
+    empty_in_layout,
+    engine_context,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -56,8 +64,9 @@ def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   dilation: Sequence[int], groups: int,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv(x, weight) + bias + residual); z is the pre-activation when the
-    activation's backward needs it (silu, gelu), else an empty tensor."""
-    cl = is_channels_last(x)
+    activation's backward needs it (silu, gelu), else an empty tensor. Both are in the
+    memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
     with engine_context(x.device):
@@ -81,13 +90,12 @@ def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int], channels_last: b
                        ) -> torch.Tensor:
     """A new tensor of logical `shape` laid out as convfuse writes it (contiguous in its
     physical order), on `ref`'s device and dtype."""
-    phys = [shape[0], *shape[2:], shape[1]] if channels_last else list(shape)
-    return logical(ref.new_empty(phys), channels_last)
+    return empty_in_layout(shape, channels_last, ref.dtype, ref.device)
 
 
 @conv_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     y = _empty_like_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
     if activations.saves(activation) == "preactivation":
         return y, _empty_like_layout(x, y.shape, cl)
@@ -103,13 +111,14 @@ def conv_bias_act_backward(
     """(dx, dw, db, dz) of conv_bias_act, each computed only when its `need_*` is set
     (else an empty tensor). dz is the pre-activation's gradient, which is the residual's;
     for identity it is dy itself, so the op never returns it then."""
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
     act = activations.normalize(activation)
-    # Outputs PyTorch owns: allocated here, written by convfuse through `out=`.
-    dx_t = torch.empty(xp.shape, dtype=x.dtype, device=x.device) if need_dx else None
-    dw_t = torch.empty(wp.shape, dtype=x.dtype, device=x.device) if need_dw else None
+    # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
+    # views), written by convfuse through `out=` on their physical views.
+    dx_t = _empty_like_layout(x, x.shape, cl) if need_dx else None
+    dw_t = _empty_like_layout(weight, weight.shape, cl) if need_dw else None
     db_t = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device) if need_db else None
     with engine_context(x.device):
         dya = to_array(physical(dy, cl))
@@ -124,14 +133,14 @@ def conv_bias_act_backward(
         else:
             dz = ops.activation_backward(dya, sa, act)
         if dw_t is not None:  # need_dw
-            ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
+            ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
         if dx_t is not None:  # need_dx
-            ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
+            ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)
     return (
-        logical(dx_t, cl) if dx_t is not None else empty,
-        logical(dw_t, cl) if dw_t is not None else empty.clone(),
+        dx_t if dx_t is not None else empty,
+        dw_t if dw_t is not None else empty.clone(),
         db_t if db_t is not None else empty.clone(),
         dz_t if dz_t is not None else empty.clone(),
     )
@@ -140,7 +149,7 @@ def conv_bias_act_backward(
 @conv_bias_act_backward.register_fake
 def _(dy, x, weight, saved, stride, padding, dilation, groups, activation, need_dx, need_dw,
       need_db, need_dz):
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     act = activations.normalize(activation)
     dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
     dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)

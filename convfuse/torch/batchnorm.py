@@ -13,6 +13,7 @@ not take them for PyTorch's own.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,8 +22,23 @@ from torch import nn
 from .. import activations
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import BatchNormFunction
+from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _torch_allows_zero_eps_in_eval() -> bool:
+    """Whether the installed torch.nn accepts eps=0 with running statistics (2.13 does,
+    2.11 refuses any eps <= 0)."""
+    try:
+        torch.nn.functional.batch_norm(torch.ones(2, 1), torch.zeros(1), torch.ones(1),
+                                       training=False, eps=0.0)
+    except ValueError:
+        return False
+    return True
+
+
+_ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
 
 
 class _BatchNormNd(nn.Module):
@@ -42,10 +58,10 @@ class _BatchNormNd(nn.Module):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        activation: str | None = None,
         device: Any = None,
         dtype: torch.dtype | None = None,
         *,
+        activation: str | None = None,
         bias: bool = True,
     ) -> None:
         super().__init__()
@@ -53,8 +69,8 @@ class _BatchNormNd(nn.Module):
         if not isinstance(num_features, int) or isinstance(num_features, bool) \
                 or num_features < 1:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
-        if not eps >= 0:
-            raise ValueError(f"{name}: eps must be >= 0, got {eps!r}")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps != eps:
+            raise ValueError(f"{name}: eps must be a number, got {eps!r}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f"{name}: momentum must lie in [0, 1] or be None, got {momentum!r}")
         factory = {"device": device, "dtype": dtype}
@@ -122,8 +138,8 @@ class _BatchNormNd(nn.Module):
         if x.dim() not in self._ndims:
             ranks = " or ".join(f"{n}-d" for n in self._ndims)
             raise ValueError(f"{name}: expected a {ranks} input, got shape {tuple(x.shape)}")
-        if x.shape[1] != self.num_features:
-            raise ValueError(f"{name}: input has {x.shape[1]} channels, the layer expects "
+        if x.shape[1] != self.num_features:  # torch.nn: a RuntimeError; this is both
+            raise InputShapeError(f"{name}: input has {x.shape[1]} channels, the layer expects "
                              f"{self.num_features}")
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
@@ -138,7 +154,18 @@ class _BatchNormNd(nn.Module):
                                 f"{t.dtype}")
             if t.device != x.device:
                 raise ValueError(f"{name}: input is on {x.device}, the {what} on {t.device}")
-        if use_batch_stats and x.numel() // x.shape[1] < 2:
+        # torch.nn's checks, made before anything runs: eps positive when normalising with
+        # the batch's statistics, non-negative otherwise (torch 2.11 wants it positive
+        # always: the rule of the installed torch is followed), and more than one value
+        # per channel (an empty batch is fine).
+        if use_batch_stats and not self.eps > 0:
+            raise ValueError(f"{name}: eps must be positive during training, but got "
+                             f"{self.eps!r}")
+        if not use_batch_stats and not (self.eps > 0 or (self.eps == 0 and _ZERO_EPS_IN_EVAL)):
+            raise ValueError(f"{name}: eps must be "
+                             f"{'non-negative' if _ZERO_EPS_IN_EVAL else 'positive'}, but got "
+                             f"{self.eps!r}")
+        if use_batch_stats and math.prod(x.shape) == x.shape[1]:
             raise ValueError(f"{name}: expected more than 1 value per channel when training, "
                              f"got input shape {tuple(x.shape)}")
         if residual is None:
@@ -169,10 +196,23 @@ class _BatchNormNd(nn.Module):
         stats = not self.training or self.track_running_stats
         rm = self.running_mean if stats else None
         rv = self.running_var if stats else None
+        if x.numel() == 0:
+            return self._empty_batch(x, residual, rm, rv, use_batch_stats)
         y, _, _, _ = BatchNormFunction.apply(
             x, self.weight, self.bias, residual, rm, rv, self.num_batches_tracked,
             use_batch_stats, factor_momentum, float(self.eps), self.activation)
         return y
+
+    def _empty_batch(self, x: torch.Tensor, residual: torch.Tensor | None, rm: Any, rv: Any,
+                     use_batch_stats: bool) -> torch.Tensor:
+        """An empty batch: nothing to compute. torch's own batch norm gives what torch.nn
+        gives (the empty output, zero weight and bias gradients; the running statistics
+        unchanged while num_batches_tracked counts the batch, as above)."""
+        keep = use_batch_stats  # batch statistics: the running ones are neither read nor written
+        y = torch.nn.functional.batch_norm(x, None if keep else rm, None if keep else rv,
+                                           self.weight, self.bias, use_batch_stats, 0.0,
+                                           float(self.eps))
+        return y if residual is None else y + residual
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "

@@ -2,8 +2,22 @@
 
 Parameters are created, named and initialised exactly as torch.nn.Conv{1,2,3}d's (same
 shapes, same RNG draws in the same order), so state dicts are interchangeable and a seeded
-construction gives the same numbers. `forward(x, residual=None)` is one call of the
-`convfuse::conv_bias_act` custom op (see _ops.py).
+construction gives the same numbers. The constructor takes torch.nn's arguments in
+torch.nn's order; convfuse's additions (`activation`) are keyword-only.
+`forward(x, residual=None)` is one call of the `convfuse::conv_bias_act` custom op
+(see _ops.py), after torch.nn's own handling of what cuDNN cannot pad
+(Note [padding convfuse leaves to torch]).
+
+Note [padding convfuse leaves to torch]
+cuDNN pads with zeros, the same amount on both sides. torch.nn's conv does the rest by
+padding explicitly first, and so does this layer, with the same calls: for
+padding_mode 'reflect' | 'replicate' | 'circular', `F.pad(x, _reversed_padding_repeated_twice,
+mode)` and a convolution without padding; for padding='same' with an even d*(k-1) (the
+extra zero at the end, geometry.same_padding), a zero `F.pad` of the difference on the
+right and the symmetric part in the convolution. The pad is a differentiable torch op, so
+autograd carries the gradient back through it. Inputs whose pad torch refuses (reflect
+wider than the input, circular wrapping more than once) are refused before it, naming the
+layer and the argument.
 """
 
 from __future__ import annotations
@@ -12,18 +26,29 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import activations
-from ..geometry import IntOrTuple, as_tuple, conv_output_size, resolve_padding
+from ..errors import ConvfuseError
+from ..geometry import IntOrTuple, as_tuple, same_padding
 from . import _ops  # noqa: F401  (registers torch.ops.convfuse.*)
 from ._arrays import SUPPORTED_DTYPES
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+_FUNCTIONAL = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+class InputShapeError(ConvfuseError, ValueError, RuntimeError):
+    """An input torch.nn's layer refuses for its shape (torch raises RuntimeError there,
+    convfuse's convention is ValueError: this is both)."""
 
 
 class _ConvNd(nn.Module):
     """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims."""
 
     _rank = 0
+    transposed = False
 
     def __init__(
         self,
@@ -35,10 +60,11 @@ class _ConvNd(nn.Module):
         dilation: IntOrTuple = 1,
         groups: int = 1,
         bias: bool = True,
-        activation: str | None = None,
+        padding_mode: str = "zeros",
         device: Any = None,
         dtype: torch.dtype | None = None,
-        padding_mode: str = "zeros",
+        *,
+        activation: str | None = None,
     ) -> None:
         super().__init__()
         name, rank = type(self).__name__, self._rank
@@ -51,11 +77,9 @@ class _ConvNd(nn.Module):
                 f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must "
                 f"both be divisible by groups ({groups})"
             )
-        if padding_mode != "zeros":
-            raise ValueError(
-                f"{name}: padding_mode={padding_mode!r} is not supported; convfuse pads with "
-                "zeros (cuDNN's only padding). Keep torch.nn's layer for other padding modes."
-            )
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"{name}: padding_mode must be one of {PADDING_MODES}, but got "
+                             f"padding_mode={padding_mode!r}")
         factory = {"device": device, "dtype": dtype}
         wdtype = torch.empty(0, **factory).dtype
         if wdtype not in SUPPORTED_DTYPES:
@@ -68,14 +92,15 @@ class _ConvNd(nn.Module):
             if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
                 raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
                                  f"{self.kernel_size}, {self.stride}, {self.dilation}")
-            self.padding = resolve_padding(padding, self.kernel_size, self.dilation, self.stride)
-            if any(p < 0 for p in self.padding):
-                raise ValueError(f"padding must be >= 0, got {padding!r}")
+            self.padding, self._pads = self._resolve_padding(padding)
             self.activation = activations.normalize(activation)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
+        self.output_padding = (0,) * rank
+        # torch.nn's name and order: (left, right) per spatial dim, last dim first (F.pad's)
+        self._reversed_padding_repeated_twice = [p for lr in reversed(self._pads) for p in lr]
         self.weight = nn.Parameter(
             torch.empty((out_channels, in_channels // groups, *self.kernel_size), **factory))
         if bias:
@@ -83,6 +108,24 @@ class _ConvNd(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+
+    def _resolve_padding(self, padding: IntOrTuple | str,
+                         ) -> tuple[tuple[int, ...] | str, tuple[tuple[int, int], ...]]:
+        """torch.nn's `padding` attribute and the (left, right) zeros per spatial dim."""
+        rank = self._rank
+        if isinstance(padding, str):
+            if padding not in ("same", "valid"):
+                raise ValueError(f"invalid padding string {padding!r}, should be one of "
+                                 "{'same', 'valid'}")
+            if padding == "same" and any(s != 1 for s in self.stride):
+                raise ValueError("padding='same' is not supported for strided convolutions")
+            if padding == "valid":
+                return padding, ((0, 0),) * rank
+            return padding, same_padding(self.kernel_size, self.dilation)
+        pad = as_tuple(padding, rank, "padding")
+        if any(p < 0 for p in pad):
+            raise ValueError(f"padding must be >= 0, got {padding!r}")
+        return pad, tuple((p, p) for p in pad)
 
     def reset_parameters(self) -> None:
         """torch.nn.Conv*d's initialisation, draw for draw."""
@@ -97,24 +140,45 @@ class _ConvNd(nn.Module):
         name, rank = type(self).__name__, self._rank
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != rank + 2:
-            raise ValueError(f"{name}: expected a {rank + 2}-d input (N, C, ...), got shape "
-                             f"{tuple(x.shape)}")
-        if x.shape[1] != self.in_channels:
-            raise ValueError(f"{name}: input has {x.shape[1]} channels, the layer expects "
-                             f"{self.in_channels}")
+        if x.dim() not in (rank + 1, rank + 2):
+            raise InputShapeError(f"{name}: expected a {rank + 1}-d (unbatched) or "
+                                  f"{rank + 2}-d (batched) input, got shape {tuple(x.shape)}")
+        channels = x.shape[-rank - 1]
+        if channels != self.in_channels:
+            raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
+                                  f"{self.in_channels}")
         if x.dtype != self.weight.dtype:
             raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                             f"{self.weight.dtype}")
         if x.device != self.weight.device:
             raise ValueError(f"{name}: input is on {x.device}, the weight on "
                              f"{self.weight.device}")
+        spatial = tuple(int(n) for n in x.shape[-rank:])
+        if any(n < 1 for n in spatial):
+            raise InputShapeError(f"{name}: input shape {tuple(x.shape)} has an empty "
+                                  "spatial dimension")
+        for (left, right), n in zip(self._pads, spatial):
+            if self.padding_mode == "reflect" and max(left, right) >= n:
+                raise InputShapeError(
+                    f"{name}: padding={self.padding!r} with padding_mode='reflect' needs "
+                    f"padding smaller than the input's spatial size, got input shape "
+                    f"{tuple(x.shape)} (as torch.nn.functional.pad)")
+            if self.padding_mode == "circular" and max(left, right) > n:
+                raise InputShapeError(
+                    f"{name}: padding={self.padding!r} with padding_mode='circular' would wrap "
+                    f"around more than once for input shape {tuple(x.shape)} (as "
+                    "torch.nn.functional.pad)")
+        out = self.output_shape(x.shape)
+        if any(n < 1 for n in out[-rank:]):
+            raise InputShapeError(
+                f"{name}: kernel larger than the padded input: input shape {tuple(x.shape)}, "
+                f"kernel_size={self.kernel_size}, dilation={self.dilation}, "
+                f"padding={self.padding!r}")
         if residual is None:
             return
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
                             f"{type(residual).__name__}")
-        out = self.output_shape(x.shape)
         if tuple(residual.shape) != out:
             raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the output "
                              f"has shape {out}")
@@ -123,24 +187,59 @@ class _ConvNd(nn.Module):
                             f"input {x.dtype} on {x.device}")
 
     def output_shape(self, input_shape: Any) -> tuple[int, ...]:
+        """The output's shape for an input of `input_shape`, batched or unbatched."""
+        rank = self._rank
         spatial = tuple(
-            conv_output_size(int(n), k, s, p, d) for n, k, s, p, d in
-            zip(input_shape[2:], self.kernel_size, self.stride, self.padding, self.dilation))
-        return (int(input_shape[0]), self.out_channels, *spatial)
+            (int(n) + left + right - d * (k - 1) - 1) // s + 1 for n, k, s, (left, right), d in
+            zip(input_shape[-rank:], self.kernel_size, self.stride, self._pads, self.dilation))
+        return (*(int(n) for n in input_shape[:-rank - 1]), self.out_channels, *spatial)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for
-        identity and relu on the GPU)."""
+        identity and relu on the GPU). x is (N, C, *spatial) or unbatched (C, *spatial)."""
+        return self._conv_forward(x, self.weight, self.bias, residual)
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+        """torch.nn's hook for subclasses that transform the weight (weight standardisation),
+        plus the residual."""
         self._check(x, residual)
-        y, _ = torch.ops.convfuse.conv_bias_act(
-            x, self.weight, self.bias, residual, list(self.stride), list(self.padding),
-            list(self.dilation), self.groups, self.activation)
-        return y
+        batched = x.dim() == self._rank + 2
+        if not batched:  # torch.nn's rule: run it as a batch of one, drop that dim again
+            x = x.unsqueeze(0)
+            residual = None if residual is None else residual.unsqueeze(0)
+        x, padding = self._pad(x)
+        if x.shape[0] == 0:
+            y = self._empty_batch(x, weight, bias, padding, residual)
+        else:
+            y, _ = torch.ops.convfuse.conv_bias_act(
+                x, weight, bias, residual, list(self.stride), padding, list(self.dilation),
+                self.groups, self.activation)
+        return y if batched else y.squeeze(0)
+
+    def _pad(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """x padded as torch.nn pads it before the convolution, and the symmetric zero
+        padding left for the convolution (Note [padding convfuse leaves to torch])."""
+        if self.padding_mode != "zeros":
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            return x, [0] * self._rank
+        extra = [p for left, right in reversed(self._pads) for p in (0, right - left)]
+        if any(extra):
+            x = F.pad(x, extra)
+        return x, [left for left, _ in self._pads]
+
+    def _empty_batch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     padding: list[int], residual: torch.Tensor | None) -> torch.Tensor:
+        """N = 0: nothing to compute. torch's own convolution gives what torch.nn gives
+        (the empty output in its memory format; zero weight and bias gradients)."""
+        y = _FUNCTIONAL[self._rank](x, weight, bias, self.stride, padding, self.dilation,
+                                    self.groups)
+        return y if residual is None else y + residual
 
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
              f"stride={self.stride}")
-        if any(self.padding):
+        if self.padding != (0,) * len(self.padding):
             s += f", padding={self.padding}"
         if any(d != 1 for d in self.dilation):
             s += f", dilation={self.dilation}"
@@ -148,23 +247,26 @@ class _ConvNd(nn.Module):
             s += f", groups={self.groups}"
         if self.bias is None:
             s += ", bias=False"
+        if self.padding_mode != "zeros":
+            s += f", padding_mode={self.padding_mode}"
         return s + f", activation={self.activation!r}"
 
 
 class Conv1d(_ConvNd):
-    """torch.nn.Conv1d + fused bias, activation and residual; input (N, C, L)."""
+    """torch.nn.Conv1d + fused bias, activation and residual; input (N, C, L) or (C, L)."""
 
     _rank = 1
 
 
 class Conv2d(_ConvNd):
     """torch.nn.Conv2d + fused bias, activation and residual; input (N, C, H, W), contiguous
-    or channels_last (which runs convfuse's NHWC layout with no copy)."""
+    or channels_last (which runs convfuse's NHWC layout with no copy), or (C, H, W)."""
 
     _rank = 2
 
 
 class Conv3d(_ConvNd):
-    """torch.nn.Conv3d + fused bias, activation and residual; input (N, C, D, H, W)."""
+    """torch.nn.Conv3d + fused bias, activation and residual; input (N, C, D, H, W) or
+    unbatched (C, D, H, W)."""
 
     _rank = 3

@@ -55,8 +55,8 @@ def fused_conv(conv: nn.Module, activation: str | None = None) -> _ConvNd | None
     try:
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                   conv.padding, conv.dilation, conv.groups, conv.bias is not None,
-                  activation, device="meta", dtype=conv.weight.dtype,
-                  padding_mode=conv.padding_mode)
+                  conv.padding_mode, device="meta", dtype=conv.weight.dtype,
+                  activation=activation)
     except (ValueError, TypeError) as exc:
         warnings.warn(f"convfuse.torch.convert: kept {conv!r} as PyTorch's ({exc})",
                       stacklevel=3)
@@ -76,9 +76,8 @@ def fused_batchnorm(bn: nn.Module, activation: str | None = None) -> _BatchNormN
     like = bn.weight if bn.weight is not None else bn.running_mean
     try:
         new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                  activation, device="meta",
-                  dtype=like.dtype if like is not None else None,
-                  bias=bn.bias is not None or not bn.affine)
+                  device="meta", dtype=like.dtype if like is not None else None,
+                  activation=activation, bias=bn.bias is not None or not bn.affine)
     except (ValueError, TypeError) as exc:
         warnings.warn(f"convfuse.torch.convert: kept {bn!r} as PyTorch's ({exc})",
                       stacklevel=3)
@@ -124,17 +123,37 @@ def convert(model: nn.Module) -> nn.Module:
     model (or the new layer, if `model` is a conv or a batch norm).
 
     The Parameters and buffers are the same objects, so an optimizer built before the
-    conversion keeps working. Layers convfuse cannot run (padding modes other than zeros,
-    asymmetric 'same' padding, integer dtypes) stay PyTorch's, with a warning; subclasses
-    (SyncBatchNorm, lazy modules) are left alone.
+    conversion keeps working. Every convolution or batch norm left in torch.nn's hands gets
+    one warning naming it and why: layers convfuse cannot run (integer or complex dtypes),
+    kinds it has no layer for (ConvTranspose*d, the lazy modules) and batch-norm
+    subclasses (SyncBatchNorm).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
     alone = _alone(model)
     if alone is not None:
         return alone
+    _warn_if_left(model)
     _convert_children(model)
     return model
+
+
+def _warn_if_left(module: nn.Module) -> None:
+    """Warn once for a module of a kind convert() would be expected to handle (a torch.nn
+    convolution or batch norm of any sort) that it leaves in torch.nn's hands, and why
+    (Note [conversion rules])."""
+    kind = type(module)
+    if kind in _CONVS or kind in _BATCHNORMS:
+        return  # converted, or already warned about by fused_conv/fused_batchnorm
+    if isinstance(module, nn.modules.conv._ConvNd):
+        why = f"convfuse has no fused layer for {kind.__name__}"
+    elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+        why = (f"{kind.__name__} is not torch.nn.BatchNorm1d/2d/3d itself (convfuse has no "
+               "cross-rank or lazy batch norm)")
+    else:
+        return
+    warnings.warn(f"convfuse.torch.convert: kept {kind.__name__} {module!r} as PyTorch's "
+                  f"({why})", stacklevel=4)
 
 
 def _convert_children(parent: nn.Module) -> None:
@@ -142,11 +161,13 @@ def _convert_children(parent: nn.Module) -> None:
     children = [m for m in parent._modules.values() if m is not None]  # names' order
     i = 0
     while i < len(children):
-        match = _match(children, i) if isinstance(parent, nn.Sequential) else None
-        if match is None:
+        if isinstance(parent, nn.Sequential):  # the rules also try each layer alone
+            match = _match(children, i)
+        else:
             fused = _alone(children[i])
             match = (fused, 1) if fused is not None else None
         if match is None:
+            _warn_if_left(children[i])
             _convert_children(children[i])
             i += 1
             continue

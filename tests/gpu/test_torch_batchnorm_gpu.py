@@ -169,3 +169,49 @@ def test_bfloat16_crosses_dlpack_natively_and_matches():
     torch.testing.assert_close(y.double().cpu(), want[0][0], rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(layer.running_mean.double().cpu(), ref.running_mean,
                                rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["m0.1", "cma"])
+def test_training_step_has_no_host_sync_and_captures_in_a_cuda_graph(momentum):
+    """Issue 18, 7.3: num_batches_tracked stays on the device (Note [the cumulative average
+    on the device]): torch's sync debug mode raises on any device-to-host sync during
+    eager training steps, and a torch.cuda.graph capture of forward + backward replays to
+    the same running statistics as eager steps (float64 CPU reference)."""
+    import convfuse.torch as ct
+
+    torch.manual_seed(0)
+    bn = ct.BatchNorm2d(8, momentum=momentum, activation="relu").cuda()
+    ref = copy.deepcopy(bn).cpu().double()
+    xs = [torch.randn(4, 8, 6, 6, device="cuda") for _ in range(4)]
+    # eager warm-up steps on a side stream (torch.cuda.graph's rule), no host sync allowed
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x in xs[:2]:
+                bn(x.requires_grad_()).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(side)
+    static_x = torch.empty_like(xs[0]).requires_grad_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = bn(static_x)
+        static_y.sum().backward()
+    # the capture itself ran no real step; replay the remaining batches through it
+    for x in xs[2:]:
+        with torch.no_grad():
+            static_x.copy_(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    for x in xs:
+        y_ref = ref(x.detach().cpu().double())
+    # the captured forward's kernels (the count's add_ included) run on each replay
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 4
+    torch.testing.assert_close(static_y.detach().double().cpu(), y_ref.detach(),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(bn.running_mean.double().cpu(), ref.running_mean,
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bn.running_var.double().cpu(), ref.running_var,
+                               rtol=1e-4, atol=1e-5)

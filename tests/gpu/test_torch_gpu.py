@@ -253,3 +253,111 @@ def test_allreduce_gradients_is_captured_in_a_graph_with_nccl(tmp_path):
             np.testing.assert_allclose(a.data.get(), b.data.get(), rtol=1e-6, atol=1e-7)
     finally:
         dist.destroy_process_group()
+
+
+# --- issue 19: a drop-in for torch.nn on the GPU ------------------------------------------
+
+@pytest.fixture
+def _no_torch_tf32():
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_memory_formats_and_in_place_ops_match_torch_nn_on_cuda(monkeypatch, rank, dtype,
+                                                                _no_torch_tf32):
+    """torch.nn on CUDA (cuDNN's memory-format rule: channels-last for non-float64 4-d and
+    5-d, never for float64) decides the output format; ours is an ordinary tensor in it,
+    in-place ops record under autograd, and the cuDNN engine ran."""
+    import convfuse.ops.cudnn.conv as cudnn_conv
+    import convfuse.torch as ct
+
+    calls: list = []
+    _spy(monkeypatch, cudnn_conv, "conv_bias_act", calls)
+    torch.manual_seed(0)
+    cls = {1: (ct.Conv1d, torch.nn.Conv1d), 2: (ct.Conv2d, torch.nn.Conv2d),
+           3: (ct.Conv3d, torch.nn.Conv3d)}[rank]
+    ours = cls[0](4, 8, 3, padding=1, dtype=dtype, device="cuda")
+    theirs = cls[1](4, 8, 3, padding=1, dtype=dtype, device="cuda")
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 4, *[6] * rank, dtype=dtype, device="cuda")
+    x = x.movedim(1, -1).contiguous().movedim(-1, 1)  # channels-last strides at any rank
+    _poison(x.numel() * 8 * 8)
+    xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yo, yt = ours(xo).relu_(), theirs(xt).relu_()
+    assert yo._base is None and yo.stride() == yt.stride()
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(yo, yt, rtol=tol, atol=tol)
+    yo.square().sum().backward()
+    yt.square().sum().backward()
+    torch.testing.assert_close(xo.grad, xt.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=10 * tol,
+                               atol=10 * tol)
+    assert calls and calls[-1]["stream"] == torch.cuda.current_stream().cuda_stream
+
+
+@pytest.mark.parametrize("mode", ["zeros", "reflect", "replicate", "circular"])
+def test_padding_modes_same_unbatched_and_empty_batches_on_cuda(mode, _no_torch_tf32):
+    import convfuse.torch as ct
+
+    torch.manual_seed(0)
+    ours = ct.Conv2d(3, 6, 4, padding="same", padding_mode=mode, device="cuda")
+    theirs = torch.nn.Conv2d(3, 6, 4, padding="same", padding_mode=mode, device="cuda")
+    theirs.load_state_dict(ours.state_dict())
+    for shape in ((2, 3, 7, 9), (3, 7, 9), (0, 3, 7, 9)):
+        x = torch.randn(shape, device="cuda")
+        xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yo, yt = ours(xo), theirs(xt)
+        assert yo.shape == yt.shape
+        torch.testing.assert_close(yo, yt, rtol=1e-4, atol=1e-4)
+        yo.sum().backward()
+        yt.sum().backward()
+        torch.testing.assert_close(xo.grad, xt.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=1e-3,
+                                   atol=1e-3)
+        ours.zero_grad()
+        theirs.zero_grad()
+
+
+def test_converted_basic_block_channels_last_on_cuda(_no_torch_tf32):
+    """torchvision's BasicBlock as written there (ReLU(inplace=True), `out += identity`),
+    converted, in channels_last, train then eval: equal to the unconverted block."""
+    import convfuse.torch as ct
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = torch.nn.Conv2d(16, 16, 3, 1, 1, bias=False)
+            self.bn1 = torch.nn.BatchNorm2d(16)
+            self.relu = torch.nn.ReLU(inplace=True)
+            self.conv2 = torch.nn.Conv2d(16, 16, 3, 1, 1, bias=False)
+            self.bn2 = torch.nn.BatchNorm2d(16)
+
+        def forward(self, x):
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.bn2(self.conv2(out))
+            out += x
+            return self.relu(out)
+
+    torch.manual_seed(0)
+    ref = Block().cuda().to(memory_format=torch.channels_last)
+    model = ct.convert(copy.deepcopy(ref))
+    assert isinstance(model.conv1, ct.Conv2d) and isinstance(model.bn2, ct.BatchNorm2d)
+    for training in (True, True, False):
+        ref.train(training)
+        model.train(training)
+        x = torch.randn(4, 16, 12, 12, device="cuda").to(memory_format=torch.channels_last)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yr, ym = ref(xr), model(xm)
+        assert ym.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(ym, yr, rtol=1e-4, atol=1e-4)
+        yr.square().sum().backward()
+        ym.square().sum().backward()
+        torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-3, atol=1e-3)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-3, msg=name)
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b, c, rtol=1e-4, atol=1e-5, msg=name)
