@@ -151,3 +151,15 @@ def test_double_backward_under_autocast_runs():
     gx.square().sum().backward()
     assert layer.weight.grad.dtype == torch.float32
     assert bool(torch.isfinite(layer.weight.grad).all())
+
+
+def test_compiled_model_under_autocast_matches_eager():
+    model = torch.nn.Sequential(ct.Conv2d(3, 4, 3, activation="relu"), ct.BatchNorm2d(4),
+                                ct.Conv2d(4, 4, 3, activation="gelu"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.autocast("cpu", dtype=BF16):
+        y, y_eager = compiled(x), model(x)
+    assert y.dtype == y_eager.dtype == BF16
+    torch.testing.assert_close(y, y_eager, rtol=0, atol=0)  # the same engine, same values
