@@ -150,22 +150,27 @@ def test_batchnorm_gradgradcheck_full_jacobian(mode):
 @pytest.mark.parametrize(("act", "shift"), [("relu", 0.0), ("relu6", 0.0), ("relu6", 6.0),
                                             ("leaky_relu", 0.0), ("elu", 0.0)])
 def test_kinks_take_torchs_values(act, shift):
-    """With a zero weight every pre-activation is exactly the bias (0, or relu6's 6): the
-    first and second derivatives there must be torch's, not a one-sided limit."""
-    ours = ct.Conv2d(2, 2, 2, activation=act, dtype=F64)
+    """Every pre-activation exactly at a kink (0, or relu6's 6), with nonzero weights: the
+    input is all ones and the weights small integers, so conv(x, w) = sum(w) exactly and
+    the bias moves it to the kink. First and second derivatives there must be torch's
+    (elu'' = 0 at 0, where the left limit is 1), not a one-sided limit."""
+    ours = ct.Conv2d(2, 3, 2, activation=act, dtype=F64)
     with torch.no_grad():
-        ours.weight.zero_()
-        ours.bias.fill_(shift)
-    x = _rand(2, 2, 3, 3)
-    v = torch.randn(2, 2, 2, 2, dtype=F64)
+        ours.weight.copy_(torch.randint(-2, 3, ours.weight.shape, dtype=F64))
+        ours.weight[:, 0, 0, 0] = 1.0  # no all-zero filter
+        ours.bias.copy_(shift - ours.weight.sum((1, 2, 3)))
+    x = torch.ones(2, 2, 4, 4, dtype=F64, requires_grad=True)
+    v = torch.randn(2, 3, 3, 3, dtype=F64)
     results = []
     for fn in (ours, lambda t: TORCH_ACT[act](F.conv2d(t, ours.weight, ours.bias))):
-        gx, = torch.autograd.grad((fn(x) * v).sum(), x, create_graph=True)
-        penalty = gx.square().sum() + (gx * x).sum()  # (gx * x) reaches act'' through w
-        results.append(torch.autograd.grad(penalty, (x, ours.weight, ours.bias),
-                                           allow_unused=True, materialize_grads=True))
+        y = fn(x)
+        assert bool((y == TORCH_ACT[act](torch.full_like(y, shift))).all())
+        gx, = torch.autograd.grad((y * v).sum(), x, create_graph=True)
+        penalty = gx.square().sum() + (gx * x).sum()
+        results.append([gx, *torch.autograd.grad(penalty, (x, ours.weight, ours.bias),
+                                                 allow_unused=True, materialize_grads=True)])
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-14)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
 # --- a gradient penalty against torch.nn -----------------------------------------------
