@@ -297,3 +297,26 @@ def test_primitives_with_an_empty_batch():
     assert torch.ops.convfuse.conv_data_grad(y, w, [0, 2, 4, 4], *hyper).shape == x.shape
     dw = torch.ops.convfuse.conv_filter_grad(x, y, list(w.shape), *hyper)
     assert torch.equal(dw, torch.zeros_like(w))
+
+
+def _channels_last(t):
+    return t.detach().movedim(1, -1).contiguous().movedim(-1, 1).requires_grad_()
+
+
+def test_opcheck_the_primitives():
+    """torch.library.opcheck: schema, autograd registration, fake implementations (shapes
+    and strides, channels-last included) of the four ops; AOT dispatch (torch.compile's
+    path) for conv_data_grad, a transposed convolution's forward, and its gradients."""
+    x, w = _rand(2, 3, 5, 5), _rand(4, 3, 3, 3)
+    dz = _rand(2, 4, 3, 3)
+    hyper = ([1, 1], [0, 0], [1, 1], 1)
+    ops = torch.ops.convfuse
+    quick = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(ops.conv_forward.default, (x, w, *hyper), test_utils=quick)
+    torch.library.opcheck(ops.conv_data_grad.default,
+                          (_channels_last(dz), w, [2, 3, 5, 5], *hyper))
+    torch.library.opcheck(ops.conv_filter_grad.default,
+                          (_channels_last(x), _channels_last(dz), [4, 3, 3, 3], *hyper),
+                          test_utils=quick)
+    torch.library.opcheck(ops.activation_grad.default, (dz, _rand(2, 4, 3, 3), "gelu"),
+                          test_utils=quick)

@@ -6,16 +6,20 @@ dtype: aten::conv1d/2d/3d, convolution, _convolution and cudnn_convolution are r
 for AutocastCPU and AutocastCUDA as lower-precision ops (their inputs cast to the context's
 dtype; float64 and other devices' tensors left alone). torch's activations and its
 batch_norm have no autocast rule on the CPU or CUDA (checked with
-torch._C._dispatch_dump in torch 2.13: batch_norm is registered for AutocastMPS only), so a
+torch._C._dispatch_dump in torch 2.13 and 2.11: batch_norm is registered for AutocastMPS
+only; conv_transpose1d/2d/3d are lower-precision like the convolutions), so a
 batch norm runs in its input's dtype, with float32 parameters and statistics allowed
 beside float16/bfloat16 data.
 
 So convfuse's convolution ops get an Autocast kernel for "cpu" and "cuda" that casts their
 floating tensor arguments the same way and runs the op with autocast excluded; a fused
 bias, activation and residual run in that dtype too, as torch.nn's activation would run on
-the convolution's output. The batch-norm ops get none: the dispatcher's fallthrough hands
-them their inputs unchanged, which is torch.nn's behaviour. Backward ops need none either:
-they see the tensors the forward saved, already in the autocast dtype.
+the convolution's output. The residual is an input of the fused op and is cast with the
+others, as torch casts the additive input of its own fused ops (conv's bias, addmm's
+input); an unfused `act(conv(x) + r)` with a float32 r would promote to float32 instead.
+The batch-norm ops get none: the dispatcher's fallthrough hands them their inputs
+unchanged, which is torch.nn's behaviour. Backward ops need none either: they see the
+tensors the forward saved, already in the autocast dtype.
 
 torch.library.register_autocast fixes the cast dtype when it is registered; a context can
 ask for float16 or bfloat16, so the kernel here reads torch.get_autocast_dtype at each call
