@@ -266,6 +266,31 @@ def test_first_order_backward_keeps_the_fused_ops(monkeypatch):
     assert calls == []
 
 
+def test_compiled_backward_keeps_the_fused_ops():
+    """torch.compile's backward graph holds the fused ops, also for silu and gelu, whose
+    pre-activation output is differentiable (Note [two backward paths])."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen = []
+
+    def backward_compiler(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes
+                    if n.op == "call_function" and "convfuse" in str(n.target))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, ex: make_boxed_func(gm.forward),
+                           bw_compiler=backward_compiler)
+    model = torch.nn.Sequential(ct.Conv2d(2, 3, 3, activation="silu"),
+                                ct.BatchNorm2d(3, activation="gelu"),
+                                ct.Conv2d(3, 3, 3, activation="relu"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled(torch.randn(2, 2, 8, 8, requires_grad=True)).sum().backward()
+    assert sorted(seen) == ["convfuse.batchnorm_backward.default",
+                            *["convfuse.conv_bias_act_backward.default"] * 2]
+
+
 # --- the primitives: a transposed convolution, empty inputs -----------------------------
 
 @pytest.mark.parametrize("channels_last", [False, True])
