@@ -84,7 +84,11 @@ def test_conv_under_cuda_autocast(monkeypatch, dtype_name, act, channels_last):
                    ours.bias.abs().double().cpu(), padding=1) + r.abs().double().cpu()
     ref = TORCH_ACT[act](z)
     err = (y.double().cpu() - ref).abs()
-    assert bool((err <= u * ref.abs() + 4 * u * u * mag).all())
+    # One rounding of y; for activations applied after the fused call (not identity or
+    # relu) one of the pre-activation too, through |act'| <= 1.13; float32 accumulation
+    # (any cuDNN algorithm, TF32 off) within 2^-16 of the sum of |terms|.
+    tol = u * ref.abs() + 1.13 * u * z.abs() + 2.0 ** -16 * mag
+    assert bool((err <= tol).all()), float((err - tol).max())
     y.float().square().sum().backward()
     assert xg.grad.dtype == torch.float32 and ours.weight.grad.dtype == torch.float32
     assert bool(torch.isfinite(ours.weight.grad).all())
@@ -132,4 +136,5 @@ def test_double_backward_on_cudnn_matches_the_cpu(monkeypatch, act):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
     layer = ct.Conv2d(2, 2, 2, activation=act, dtype=torch.float64).cuda()
     xs = torch.randn(1, 2, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
-    assert torch.autograd.gradgradcheck(lambda t: layer(t), (xs,))
+    # cuDNN's filter-gradient algorithms may accumulate with atomics: not bit-reentrant.
+    assert torch.autograd.gradgradcheck(lambda t: layer(t), (xs,), nondet_tol=1e-12)
