@@ -63,6 +63,14 @@ from ._arrays import engine_context, is_channels_last, physical, to_array, to_te
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
+def _layout(t: torch.Tensor) -> bool:
+    """The layout every op here runs in and returns (channels-last or not): its first
+    tensor argument's, so a channels-last tensor costs no copy. The one place to change
+    when an op must return another memory format (a transposed convolution's output
+    following torch.nn's rule, say); each op and its fake implementation call it."""
+    return is_channels_last(t)
+
+
 def physical_shape(shape: Sequence[int], channels_last: bool) -> list[int]:
     return [shape[0], *shape[2:], shape[1]] if channels_last else list(shape)
 
@@ -114,7 +122,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
                  padding: Sequence[int], dilation: Sequence[int],
                  groups: int) -> torch.Tensor:
     """conv(x, weight): no bias, no activation."""
-    cl = is_channels_last(x)
+    cl = _layout(x)
     shape = _out_size(x.shape, weight.shape, stride, padding, dilation)
     if x.numel() == 0 or 0 in shape:
         return new_output(x, shape, cl)
@@ -128,7 +136,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
 @conv_forward.register_fake
 def _(x, weight, stride, padding, dilation, groups):
     return new_output(x, _out_size(x.shape, weight.shape, stride, padding, dilation),
-                      is_channels_last(x))
+                      _layout(x))
 
 
 @torch.library.custom_op("convfuse::conv_data_grad", mutates_args=())
@@ -137,7 +145,7 @@ def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[
                    groups: int) -> torch.Tensor:
     """The gradient of conv(x, weight) with respect to x (of size `input_size`), given the
     output's gradient dz; also a transposed convolution of dz."""
-    cl = is_channels_last(dz)
+    cl = _layout(dz)
     out = new_output(dz, input_size, cl)
     if out.numel() == 0:
         return out
@@ -152,7 +160,7 @@ def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[
 
 @conv_data_grad.register_fake
 def _(dz, weight, input_size, stride, padding, dilation, groups):
-    return new_output(dz, input_size, is_channels_last(dz))
+    return new_output(dz, input_size, _layout(dz))
 
 
 @torch.library.custom_op("convfuse::conv_filter_grad", mutates_args=())
@@ -161,7 +169,7 @@ def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[in
                      groups: int) -> torch.Tensor:
     """The gradient of conv(x, w) with respect to w (of size `weight_size`), given the
     output's gradient dz."""
-    cl = is_channels_last(x)
+    cl = _layout(x)
     out = new_output(x, weight_size, cl)
     if x.numel() == 0 or dz.numel() == 0:
         return out.zero_()
@@ -174,7 +182,7 @@ def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[in
 
 @conv_filter_grad.register_fake
 def _(x, dz, weight_size, stride, padding, dilation, groups):
-    return new_output(x, weight_size, is_channels_last(x))
+    return new_output(x, weight_size, _layout(x))
 
 
 def _save_conv(ctx, inputs, output) -> None:
@@ -228,7 +236,7 @@ def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
                     activation: str) -> torch.Tensor:
     """dz = dy * act'(.) from the forward's saved tensor (y, or z for silu and gelu)."""
     act = activations.normalize(activation)
-    cl = is_channels_last(dy)
+    cl = _layout(dy)
     out = new_output(dy, dy.shape, cl)
     if out.numel() == 0:
         return out
@@ -243,7 +251,7 @@ def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
 
 @activation_grad.register_fake
 def _(dy, saved, activation):
-    return new_output(dy, dy.shape, is_channels_last(dy))
+    return new_output(dy, dy.shape, _layout(dy))
 
 
 def second_derivative_term(dy: torch.Tensor, saved: torch.Tensor, act: str
