@@ -256,8 +256,8 @@ def _(dy, saved, activation):
 
 def second_derivative_term(dy: torch.Tensor, saved: torch.Tensor, act: str
                            ) -> torch.Tensor | None:
-    """d(dz)/d(saved) times nothing: the tensor t with d<g, dz>/d(saved) = g * t, or None
-    where it is zero (Note [second derivatives of the activations])."""
+    """The elementwise factor t with d<g, dz>/d(saved) = g * t for dz = activation_grad(dy,
+    saved), or None where it is zero (Note [second derivatives of the activations])."""
     if act == "sigmoid":
         return dy * (1 - 2 * saved)
     if act == "tanh":
