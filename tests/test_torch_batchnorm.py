@@ -303,12 +303,16 @@ def test_no_grad_forward_still_updates_statistics_and_backward_twice():
     torch.testing.assert_close(g1, g2, rtol=0, atol=0)
 
 
-def test_double_backward_is_refused_clearly():
-    bn = ct.BatchNorm2d(3, activation="relu", dtype=torch.float64)
+def test_double_backward_matches_torch():
+    # Once refused (once_differentiable); the full grid is in test_torch_double_backward.py.
+    ours, theirs = _pair(2, 3, "relu")
     x = _input((2, 3, 4, 4))
-    g, = torch.autograd.grad(bn(x).square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        g.sum().backward()
+    grads = []
+    for layer, fn in ((ours, ours), (theirs, lambda t: F.relu(theirs(t)))):
+        g, = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad(g.square().sum(), (x, layer.weight)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_strided_running_statistics_are_written_back_in_place():

@@ -48,6 +48,7 @@ import torch
 from .. import activations, ops
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
+from . import _double
 from ._arrays import batchnorm_channels_last, engine_context, logical, physical, to_array, to_tensor
 from ._ops import _empty_like_layout
 
@@ -236,16 +237,25 @@ class BatchNormFunction(torch.autograd.Function):
         saved = {"none": None, "output": y, "preactivation": z}[kind]
         ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
         ctx.hyper = (bool(use_batch_stats), float(eps), activation)
-        ctx.mark_non_differentiable(mean, invstd, z)
+        # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
+        ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
+        ctx.set_materialize_grads(False)
         return y, mean, invstd, z
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward, said clearly
-    def backward(ctx, dy, _dmean, _dinvstd, _dz):
+    def backward(ctx, dy, _dmean, _dinvstd, dz_output):
         x, weight, bias, saved, mean, invstd = ctx.saved_tensors
         training, eps, activation = ctx.hyper
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         none7 = (None,) * 7
+        if _double.takes_recorded_path(dz_output):
+            # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
+            g = _double.preactivation_grad(dy, dz_output, saved, activation)
+            if g is None:
+                return (None,) * 4 + none7
+            dx, dw, db = _double.batchnorm_backward(
+                g, x, weight, mean, invstd, training, eps, (need_dx, need_dw, need_db))
+            return (dx, dw, db, g if need_dres else None, *none7)
         identity = activations.normalize(activation) == "identity"
         if dy is None:
             return (None,) * 4 + none7

@@ -27,6 +27,7 @@ import torch
 
 from .. import activations, ops
 from ..geometry import ConvGeometry, conv_output_size, layout_name
+from . import _autocast, _double, _grad_ops  # noqa: F401  (_grad_ops registers its ops)
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
@@ -167,12 +168,19 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, weight, saved)
     ctx.hyper = (list(stride), list(padding), list(dilation), int(groups), activation)
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(z)
+    # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
+    if kind != "preactivation":
+        ctx.mark_non_differentiable(z)
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, _dz_output):
+def _backward(ctx, dy, dz_output):
     x, weight, saved = ctx.saved_tensors
     stride, padding, dilation, groups, activation = ctx.hyper
+    if _double.takes_recorded_path(dz_output):
+        # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
+        return _double.conv_backward(ctx, dy, dz_output, x, weight, saved, stride, padding,
+                                     dilation, groups, activation)
     need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
     need_db = bool(need_db and ctx.has_bias)
     identity = activations.normalize(activation) == "identity"
@@ -188,3 +196,4 @@ def _backward(ctx, dy, _dz_output):
 
 
 conv_bias_act.register_autograd(_backward, setup_context=_setup_context)
+_autocast.register_conv(conv_bias_act)

@@ -32,7 +32,7 @@ from torch import nn
 from .. import activations
 from ..errors import ConvfuseError
 from ..geometry import IntOrTuple, as_tuple, same_padding
-from . import _ops  # noqa: F401  (registers torch.ops.convfuse.*)
+from . import _autocast, _ops  # noqa: F401  (_ops registers torch.ops.convfuse.*)
 from ._arrays import SUPPORTED_DTYPES
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -147,7 +147,7 @@ class _ConvNd(nn.Module):
         if channels != self.in_channels:
             raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
                                   f"{self.in_channels}")
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
             raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                             f"{self.weight.dtype}")
         if x.device != self.weight.device:
@@ -182,7 +182,8 @@ class _ConvNd(nn.Module):
         if tuple(residual.shape) != out:
             raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the output "
                              f"has shape {out}")
-        if residual.dtype != x.dtype or residual.device != x.device:
+        if residual.device != x.device or (residual.dtype != x.dtype
+                                           and not _autocast.casts(x, residual)):
             raise TypeError(f"{name}: residual is {residual.dtype} on {residual.device}, the "
                             f"input {x.dtype} on {x.device}")
 

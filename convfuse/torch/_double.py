@@ -1,0 +1,127 @@
+"""The layers' backward passes built from differentiable pieces (_grad_ops.py), used when
+autograd records the backward itself (create_graph=True): double backward and beyond.
+
+Note [two backward paths]
+Autograd runs a backward with grad mode equal to create_graph. When it is off (every
+ordinary training step, and torch.compile's traced backward), the layers keep their one
+fused backward op (`conv_bias_act_backward`, `batchnorm_backward`): one call, convfuse's
+fused activation-backward + bias kernel, only the gradients asked for. When it is on, the
+same gradients are composed from ops that have autograd formulas of their own:
+activation_grad, then conv_data_grad / conv_filter_grad (Conv) or the batch-norm formulas
+below (BatchNorm), so torch.autograd.grad(..., create_graph=True) returns gradients that
+can be differentiated again, to any order. The fused path is also left when the forward's
+pre-activation output z (silu and gelu keep it) received a gradient of its own: then the
+gradient at the pre-activation is act'(z) dy + dz, which the fused op does not take.
+
+The layers save y (or z, for silu and gelu) as their forward returned it, not a detached
+copy: in a recorded backward, a gradient reaching `saved` flows on through the forward's
+autograd node, which is how act'' meets the chain rule (Note [second derivatives of the
+activations] in _grad_ops.py). For the same reason z is a differentiable output for silu
+and gelu (the layers discard it; nothing reaches it in a first-order backward) and the
+forward's autograd node does not materialise zero gradients for unused outputs.
+
+Note [batch norm's backward with torch ops]
+In the recorded path the batch norm's own part of the backward (everything after the
+activation) is written with torch's reductions and elementwise ops, and the batch
+statistics are recomputed from x there (two reductions) instead of taking the forward's
+saved mean and invstd: the second derivative with respect to x runs through the
+statistics, and differentiating the statistics' formulas is exactly what autograd does
+for these ops. A convfuse op would buy nothing here: these are per-channel reductions and
+broadcasts, memory-bound, once per recorded backward, and the fused kernels of
+convfuse.ops.batchnorm_backward have no derivative of their own. In evaluation mode (running
+statistics) mean and invstd are the forward's, constants as in torch. Half-precision data
+computes in float32 (convfuse's compute dtype) and the results are rounded once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import activations
+
+
+def takes_recorded_path(dz_output: torch.Tensor | None) -> bool:
+    """Whether a layer's backward must leave its fused op (Note [two backward paths]).
+
+    Under torch.compile a gradient for z is only ever a placeholder: dynamo hands one for
+    every output of an autograd.Function's backward, and compiled graphs do not support
+    double backward, the only way a real one arises (z is discarded by the layers)."""
+    if torch.is_grad_enabled():
+        return True
+    return (dz_output is not None and bool(dz_output.numel())
+            and not torch.compiler.is_compiling())
+
+
+def _channel_dims(t: torch.Tensor) -> list[int]:
+    return [d for d in range(t.dim()) if d != 1]
+
+
+def _bias_grad(g: torch.Tensor) -> torch.Tensor:
+    return g.sum(_channel_dims(g))
+
+
+def preactivation_grad(dy: torch.Tensor | None, dz_out: torch.Tensor | None,
+                       saved: torch.Tensor | None, activation: str) -> torch.Tensor | None:
+    """The gradient at the pre-activation: act'(.) dy (+ the gradient that reached the
+    forward's z output), differentiable; None when neither gradient exists."""
+    g = None
+    if dy is not None:
+        act = activations.normalize(activation)
+        g = dy if act == "identity" else torch.ops.convfuse.activation_grad(dy, saved, act)
+    if dz_out is not None and dz_out.numel():
+        g = dz_out if g is None else g + dz_out
+    return g
+
+
+def conv_backward(ctx: Any, dy: torch.Tensor | None, dz_out: torch.Tensor | None,
+                  x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
+                  stride: list[int], padding: list[int], dilation: list[int], groups: int,
+                  activation: str) -> tuple[Any, ...]:
+    """conv_bias_act's input gradients (x, weight, bias, residual) from differentiable ops
+    (Note [two backward paths]); the 5 non-tensor arguments get None."""
+    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+    g = preactivation_grad(dy, dz_out, saved, activation)
+    if g is None:
+        return (None,) * 9
+    dx = torch.ops.convfuse.conv_data_grad(g, weight, list(x.shape), stride, padding,
+                                           dilation, groups) if need_dx else None
+    dw = torch.ops.convfuse.conv_filter_grad(x, g, list(weight.shape), stride, padding,
+                                             dilation, groups) if need_dw else None
+    db = _bias_grad(g) if need_db and ctx.has_bias else None
+    dres = g if need_dres else None
+    return (dx, dw, db, dres, None, None, None, None, None)
+
+
+def batchnorm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                       mean: torch.Tensor, invstd: torch.Tensor, use_batch_stats: bool,
+                       eps: float, need: tuple[bool, bool, bool]
+                       ) -> tuple[torch.Tensor | None, ...]:
+    """(dx, dweight, dbias) of batchnorm(x) given the gradient g at its output, in torch ops
+    (Note [batch norm's backward with torch ops])."""
+    need_dx, need_dw, need_db = need
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dims = _channel_dims(x)
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+    xf, gf = x.to(cd), g.to(cd)
+    if use_batch_stats:
+        mu = xf.mean(dims, keepdim=True)
+        invstd_t = ((xf - mu).square().mean(dims, keepdim=True) + eps).rsqrt()
+    else:
+        mu, invstd_t = mean.to(cd).view(shape), invstd.to(cd).view(shape)
+    xhat = (xf - mu) * invstd_t
+    dx = dw = db = None
+    if need_dx:
+        scale = invstd_t if weight is None else invstd_t * weight.to(cd).view(shape)
+        if use_batch_stats:
+            gx = gf - gf.mean(dims, keepdim=True) \
+                - xhat * (gf * xhat).mean(dims, keepdim=True)
+        else:
+            gx = gf
+        dx = (gx * scale).to(x.dtype)
+    if need_dw and weight is not None:
+        dw = (gf * xhat).sum(dims).to(weight.dtype)
+    if need_db and weight is not None:
+        db = gf.sum(dims).to(weight.dtype)
+    return dx, dw, db

@@ -1,0 +1,295 @@
+"""Differentiable pieces of convfuse's backward passes, for gradients of any order.
+
+The layers' first-order backward is one fused op each (`conv_bias_act_backward`,
+`batchnorm_backward`). Double backward (gradient penalties: WGAN-GP, R1) needs the backward
+itself to be differentiable, so with create_graph=True the layers build it from the ops
+below instead (Note [two backward paths] in _double.py):
+
+- `convfuse::conv_forward(x, w)`, `convfuse::conv_data_grad(dz, w, input_size)` and
+  `convfuse::conv_filter_grad(x, dz, weight_size)`: the three convolution primitives. They
+  are each other's derivatives (Note [three convolutions]), so each one's autograd formula
+  calls the other two and every order of derivative stays on convfuse's engines (NumPy or
+  cuDNN, through convfuse.ops). A transposed convolution is `conv_data_grad` of its input
+  with the transposed geometry, and gets its gradients from the same formulas.
+- `convfuse::activation_grad(dy, saved, activation)`: dz = dy * act'(.) from what the
+  forward saved (Note [what backward saves] in convfuse.activations), on convfuse's engine;
+  its derivative with respect to `saved` is written with torch elementwise ops
+  (Note [second derivatives of the activations]).
+
+Outputs are ordinary tensors (no views), laid out as the first tensor argument: channels
+last in, channels last out (Note [layouts across the bridge]). Empty inputs give empty
+outputs (and a zero filter gradient) without calling convfuse, which refuses zero sizes.
+
+Note [three convolutions]
+With B(x, w, dz) = <dz, conv(x, w)>, trilinear: conv(x, w) = dB/d(dz),
+conv_data_grad(dz, w) = dB/dx and conv_filter_grad(x, dz) = dB/dw. Differentiating
+<g, dB/dx> = B(g, w, dz) and <g, dB/dw> = B(x, g, dz) gives
+- conv_forward(x, w):      d/dx = data_grad(g, w),   d/dw = filter_grad(x, g);
+- conv_data_grad(dz, w):   d/ddz = conv(g, w),       d/dw = filter_grad(g, dz);
+- conv_filter_grad(x, dz): d/dx = data_grad(dz, g),  d/ddz = conv(x, g).
+data_grad takes the input's size: with stride > 1 several input sizes give one output size.
+
+Note [second derivatives of the activations]
+d(dz)/d(dy) is the activation's own backward (the op again, on convfuse's engine). The
+derivative with respect to `saved` is dy * h(saved), one or two elementwise products per
+activation, used only with create_graph=True:
+- relu, relu6, leaky_relu: 0 (act' is piecewise constant; torch's threshold_backward,
+  hardtanh_backward and leaky_relu_backward have zero derivative in `self` too, and the
+  kinks take act's first-derivative rule at exactly 0 and 6, which the op applies);
+- sigmoid (saved y): dy * (1 - 2y);  tanh (saved y): -2 dy y;
+- elu (saved y, dz = dy (y + 1) for y <= 0): dy where y < 0, else 0; strictly below 0 as
+  torch's elu_double_backward, so at z = 0 the second derivative is 0 as in torch;
+- silu (saved z): dy s (1 - s) (2 + z (1 - 2s)), s = sigmoid(z);
+- gelu (saved z, exact erf form): dy phi(z) (2 - z^2), phi the normal density.
+These are written with torch's elementwise ops rather than new convfuse kernels: each is a
+memory-bound product that a kernel would not speed up noticeably next to the convolutions
+of a double backward, and torch's ops are differentiable again, so third and higher
+derivatives come for free. Through `saved` = y the chain rule continues into the layer's
+forward (y = act(z)), which is why y itself, not a copy, is what the layers save.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .. import activations, ops
+from ..geometry import ConvGeometry, layout_name
+from . import _autocast
+from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
+
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _layout(t: torch.Tensor) -> bool:
+    """The layout every op here runs in and returns (channels-last or not): its first
+    tensor argument's, so a channels-last tensor costs no copy. The one place to change
+    when an op must return another memory format (a transposed convolution's output
+    following torch.nn's rule, say); each op and its fake implementation call it."""
+    return is_channels_last(t)
+
+
+def physical_shape(shape: Sequence[int], channels_last: bool) -> list[int]:
+    return [shape[0], *shape[2:], shape[1]] if channels_last else list(shape)
+
+
+def _logical_strides(shape: Sequence[int], channels_last: bool) -> list[int]:
+    phys = physical_shape(shape, channels_last)
+    strides, acc = [0] * len(phys), 1
+    for i in range(len(phys) - 1, -1, -1):
+        strides[i] = acc
+        acc *= max(int(phys[i]), 1)
+    return [strides[0], strides[-1], *strides[1:-1]] if channels_last else strides
+
+
+def new_output(ref: torch.Tensor, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+    """An ordinary (non-view) tensor of logical `shape`, laid out as convfuse writes it
+    (contiguous in its physical order), on `ref`'s device and dtype."""
+    return torch.empty_strided(list(shape), _logical_strides(shape, channels_last),
+                               dtype=ref.dtype, device=ref.device)
+
+
+def _as_output(t: torch.Tensor, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
+    """A contiguous physical-order tensor as an ordinary logical tensor on its memory
+    (a view would refuse later in-place ops under autograd)."""
+    out = t.new_empty(0)
+    return out.set_(t.untyped_storage(), t.storage_offset(), list(shape),
+                    _logical_strides(shape, channels_last))
+
+
+def _geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+              padding: Sequence[int], dilation: Sequence[int], groups: int,
+              channels_last: bool) -> ConvGeometry:
+    return ConvGeometry.create(physical_shape(x_shape, channels_last),
+                               physical_shape(w_shape, channels_last), tuple(stride),
+                               tuple(padding), tuple(dilation), int(groups),
+                               layout_name(channels_last, len(w_shape) - 2))
+
+
+def _out_size(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+              padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+               zip(x_shape[2:], w_shape[2:], stride, padding, dilation)]
+    return [int(x_shape[0]), int(w_shape[0]), *spatial]
+
+
+# --- convolution primitives ------------------------------------------------------------
+
+@torch.library.custom_op("convfuse::conv_forward", mutates_args=())
+def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
+                 padding: Sequence[int], dilation: Sequence[int],
+                 groups: int) -> torch.Tensor:
+    """conv(x, weight): no bias, no activation."""
+    cl = _layout(x)
+    shape = _out_size(x.shape, weight.shape, stride, padding, dilation)
+    if x.numel() == 0 or 0 in shape:
+        return new_output(x, shape, cl)
+    geom = _geometry(x.shape, weight.shape, stride, padding, dilation, groups, cl)
+    with engine_context(x.device):
+        y = to_tensor(ops.conv_forward(to_array(physical(x, cl)),
+                                       to_array(physical(weight, cl)), geom))
+    return _as_output(y, shape, cl)
+
+
+@conv_forward.register_fake
+def _(x, weight, stride, padding, dilation, groups):
+    return new_output(x, _out_size(x.shape, weight.shape, stride, padding, dilation),
+                      _layout(x))
+
+
+@torch.library.custom_op("convfuse::conv_data_grad", mutates_args=())
+def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[int],
+                   stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                   groups: int) -> torch.Tensor:
+    """The gradient of conv(x, weight) with respect to x (of size `input_size`), given the
+    output's gradient dz; also a transposed convolution of dz."""
+    cl = _layout(dz)
+    out = new_output(dz, input_size, cl)
+    if out.numel() == 0:
+        return out
+    if dz.numel() == 0:
+        return out.zero_()
+    geom = _geometry(input_size, weight.shape, stride, padding, dilation, groups, cl)
+    with engine_context(dz.device):
+        ops.conv_backward_data(to_array(physical(dz, cl)), to_array(physical(weight, cl)),
+                               geom, out=to_array(physical(out, cl)))
+    return out
+
+
+@conv_data_grad.register_fake
+def _(dz, weight, input_size, stride, padding, dilation, groups):
+    return new_output(dz, input_size, _layout(dz))
+
+
+@torch.library.custom_op("convfuse::conv_filter_grad", mutates_args=())
+def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[int],
+                     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                     groups: int) -> torch.Tensor:
+    """The gradient of conv(x, w) with respect to w (of size `weight_size`), given the
+    output's gradient dz."""
+    cl = _layout(x)
+    out = new_output(x, weight_size, cl)
+    if x.numel() == 0 or dz.numel() == 0:
+        return out.zero_()
+    geom = _geometry(x.shape, weight_size, stride, padding, dilation, groups, cl)
+    with engine_context(x.device):
+        ops.conv_backward_filter(to_array(physical(x, cl)), to_array(physical(dz, cl)),
+                                 geom, out=to_array(physical(out, cl)))
+    return out
+
+
+@conv_filter_grad.register_fake
+def _(x, dz, weight_size, stride, padding, dilation, groups):
+    return new_output(x, weight_size, _layout(x))
+
+
+def _save_conv(ctx, inputs, output) -> None:
+    a, b, *rest = inputs
+    ctx.save_for_backward(a, b)
+    ctx.hyper = [list(v) if isinstance(v, (list, tuple)) else int(v) for v in rest]
+
+
+def _conv_forward_backward(ctx, g):
+    x, w = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.hyper
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx = torch.ops.convfuse.conv_data_grad(g, w, list(x.shape), stride, padding, dilation,
+                                           groups) if need_x else None
+    dw = torch.ops.convfuse.conv_filter_grad(x, g, list(w.shape), stride, padding, dilation,
+                                             groups) if need_w else None
+    return dx, dw, None, None, None, None
+
+
+def _conv_data_grad_backward(ctx, g):
+    dz, w = ctx.saved_tensors
+    _, stride, padding, dilation, groups = ctx.hyper
+    need_dz, need_w = ctx.needs_input_grad[:2]
+    gdz = torch.ops.convfuse.conv_forward(g, w, stride, padding, dilation,
+                                          groups) if need_dz else None
+    gw = torch.ops.convfuse.conv_filter_grad(g, dz, list(w.shape), stride, padding, dilation,
+                                             groups) if need_w else None
+    return gdz, gw, None, None, None, None, None
+
+
+def _conv_filter_grad_backward(ctx, g):
+    x, dz = ctx.saved_tensors
+    _, stride, padding, dilation, groups = ctx.hyper
+    need_x, need_dz = ctx.needs_input_grad[:2]
+    gx = torch.ops.convfuse.conv_data_grad(dz, g, list(x.shape), stride, padding, dilation,
+                                           groups) if need_x else None
+    gdz = torch.ops.convfuse.conv_forward(x, g, stride, padding, dilation,
+                                          groups) if need_dz else None
+    return gx, gdz, None, None, None, None, None
+
+
+conv_forward.register_autograd(_conv_forward_backward, setup_context=_save_conv)
+conv_data_grad.register_autograd(_conv_data_grad_backward, setup_context=_save_conv)
+conv_filter_grad.register_autograd(_conv_filter_grad_backward, setup_context=_save_conv)
+
+
+# --- activation backward -----------------------------------------------------------------
+
+@torch.library.custom_op("convfuse::activation_grad", mutates_args=())
+def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
+                    activation: str) -> torch.Tensor:
+    """dz = dy * act'(.) from the forward's saved tensor (y, or z for silu and gelu)."""
+    act = activations.normalize(activation)
+    cl = _layout(dy)
+    out = new_output(dy, dy.shape, cl)
+    if out.numel() == 0:
+        return out
+    if act == "identity":
+        return out.copy_(dy)
+    with engine_context(dy.device):
+        ops.activation_backward(to_array(physical(dy, cl)),
+                                None if saved is None else to_array(physical(saved, cl)), act,
+                                out=to_array(physical(out, cl)))
+    return out
+
+
+@activation_grad.register_fake
+def _(dy, saved, activation):
+    return new_output(dy, dy.shape, _layout(dy))
+
+
+def second_derivative_term(dy: torch.Tensor, saved: torch.Tensor, act: str
+                           ) -> torch.Tensor | None:
+    """The elementwise factor t with d<g, dz>/d(saved) = g * t for dz = activation_grad(dy,
+    saved), or None where it is zero (Note [second derivatives of the activations])."""
+    if act == "sigmoid":
+        return dy * (1 - 2 * saved)
+    if act == "tanh":
+        return -2 * dy * saved
+    if act == "elu":
+        return dy * (saved < 0).to(dy.dtype)
+    if act == "silu":
+        s = torch.sigmoid(saved)
+        return dy * s * (1 - s) * (2 + saved * (1 - 2 * s))
+    if act == "gelu":
+        return dy * torch.exp(-0.5 * saved * saved) * _INV_SQRT_2PI * (2 - saved * saved)
+    return None  # identity, relu, relu6, leaky_relu
+
+
+def _save_activation(ctx, inputs, output) -> None:
+    dy, saved, activation = inputs
+    ctx.save_for_backward(dy, saved)
+    ctx.act = activations.normalize(activation)
+
+
+def _activation_grad_backward(ctx, g):
+    dy, saved = ctx.saved_tensors
+    need_dy, need_saved = ctx.needs_input_grad[:2]
+    gdy = torch.ops.convfuse.activation_grad(g, saved, ctx.act) if need_dy else None
+    gsaved = None
+    if need_saved and saved is not None:
+        term = second_derivative_term(dy, saved, ctx.act)
+        gsaved = None if term is None else g * term
+    return gdy, gsaved, None
+
+
+activation_grad.register_autograd(_activation_grad_backward, setup_context=_save_activation)
+
+for _op in (conv_forward, conv_data_grad, conv_filter_grad):
+    _autocast.register_conv(_op)  # conv_data_grad is also a transposed conv's forward
