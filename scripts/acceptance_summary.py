@@ -212,8 +212,7 @@ def render(out: Path, status_file: Path, stage: str, plan: list[str],
                      f"{text} |")
     lines += [f"| {title(name)} | not reached | | |" for name in plan
               if name not in done and name != running]
-    failed = [name for name, rc, *_ in rows if rc not in SKIP_CODES and rc not in (0, 125)
-              or rc == 126]
+    failed = [name for name, rc, *_ in rows if rc == 126 or rc not in (0, *SKIP_CODES)]
     big = [p.name for p in out.iterdir() if p.is_file() and p.stat().st_size >= MAX_BYTES]
     lines += ["", f"Failed parts: {', '.join(failed) or 'none'}. Full output of every part: "
               "log.txt; per-test results: tests.jsonl (one JSON line per test) and junit.xml."]
