@@ -57,8 +57,9 @@ class _Writer:
             return
         message = ""
         if report.failed:
-            message = str(report.longreprtext).strip().splitlines()[-1:] or [""]
-            message = message[0][:_MESSAGE_CHARS]
+            crash = getattr(report.longrepr, "reprcrash", None)
+            text = crash.message if crash is not None else str(report.longreprtext)
+            message = " ".join(text.split())[:_MESSAGE_CHARS]
         elif report.skipped and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2])[:_MESSAGE_CHARS]
         self.write({"id": report.nodeid, "outcome": outcome,
