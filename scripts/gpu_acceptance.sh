@@ -135,7 +135,15 @@ summary() {  # summary [running-part since]; never fails the run
   }
 }
 
-capped() { head -c "$PART_LOG_BYTES"; cat >/dev/null; }  # stream, and drain past the cap
+capped() {  # pass lines on as they come (head -c buffers), and drop those past the cap
+  local n=0 line
+  while IFS= read -r line || [ -n "$line" ]; do
+    n=$((n + ${#line} + 1))
+    [ "$n" -le "$PART_LOG_BYTES" ] && printf '%s\n' "$line"
+  done
+  [ "$n" -gt "$PART_LOG_BYTES" ] && echo "(output past $PART_LOG_BYTES bytes dropped)"
+  return 0
+}
 
 offline_install() {
   echo "python: $(command -v "$PY") ($("$PY" -V 2>&1))"

@@ -144,7 +144,7 @@ def test_summary_streams_and_a_part_past_its_cap_fails(tmp_path):
 
 def test_sigkill_leaves_a_summary_naming_the_part_that_was_cut(tmp_path):
     out = tmp_path / "out"
-    parts = _parts_file(tmp_path, ["install|20|no|true", "hang|60|no|sleep 50",
+    parts = _parts_file(tmp_path, ["install|20|no|true", "hang|60|no|echo hang-began; sleep 50",
                                    "later|20|no|true"])
     proc = subprocess.Popen(["bash", str(SCRIPT), "--stage", "2", str(out)],
                             env={**os.environ, **_env(tmp_path, parts)},
@@ -154,11 +154,14 @@ def test_sigkill_leaves_a_summary_naming_the_part_that_was_cut(tmp_path):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             summary = out / "summary.md"
-            if summary.is_file() and "running: hang" in summary.read_text():
+            log = out / "log.txt"
+            if (summary.is_file() and "running: hang" in summary.read_text()
+                    and "hang-began" in log.read_text()):  # the log streams, too
                 break
             time.sleep(0.2)
         else:
-            pytest.fail("the summary never said the part was running")
+            pytest.fail("the summary never said the part was running, or the log never "
+                        "showed its output")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
