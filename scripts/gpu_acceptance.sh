@@ -69,20 +69,20 @@ CHUNK_rest="tests/gpu/test_fused_fallback_gpu.py tests/gpu/test_binding_gpu_conv
 # cap: N (seconds), N-M (at least N, up to M when time is left) or N+ (at least N, and all
 # the time left). A part gets its maximum when the later parts can still have theirs, and
 # never less than its minimum while the later parts' minimums are kept. The install's cap
-# allows a busy 2-core machine (30-60 s idle, 100-160 s seen under load); on the GPU
-# machine's 16 cores it takes far less, and what it leaves goes to the later parts.
+# allows a busy 2-core machine (30-60 s idle, 150-250 s seen with 7 jobs on 2 cores); on
+# the GPU machine's 16 cores it takes far less, and what it leaves goes to the later parts.
 STAGE1=(
-  "install|200|no|offline_install"
-  "smoke|60-90|no|\"\$PY\" scripts/gpu_smoke.py --json \"\$OUT/smoke.json\""
-  "gpu-core|15+|yes|chunk gpu-core $CHUNK_core"
-  "gpu-ops|15+|yes|chunk gpu-ops $CHUNK_ops"
+  "install|240|no|offline_install"
+  "smoke|40-90|no|\"\$PY\" scripts/gpu_smoke.py --json \"\$OUT/smoke.json\""
+  "gpu-core|5+|yes|chunk gpu-core $CHUNK_core"
+  "gpu-ops|5+|yes|chunk gpu-ops $CHUNK_ops"
 )
 STAGE2=(
-  "install|200|no|offline_install"
-  "gpu-bn|10+|yes|chunk gpu-bn $CHUNK_bn"
-  "gpu-rest|10+|yes|chunk gpu-rest $CHUNK_rest"
-  "bench|50-110|yes|\"\$PY\" benchmarks/fused_vs_unfused.py --quick --quiet --sections forward,biasgrad,adam,train --resnet --stream \"\$OUT/bench.jsonl\" --out \"\$SCRATCH/bench.json\" --plot \"\$SCRATCH/bench.png\""
-  "syncs|15-25|yes|\"\$PY\" scripts/count_syncs.py --steps 5 --out \"\$OUT/syncs.json\""
+  "install|240|no|offline_install"
+  "gpu-bn|5+|yes|chunk gpu-bn $CHUNK_bn"
+  "gpu-rest|5+|yes|chunk gpu-rest $CHUNK_rest"
+  "bench|20-110|yes|\"\$PY\" benchmarks/fused_vs_unfused.py --quick --quiet --sections forward,biasgrad,adam,train --resnet --stream \"\$OUT/bench.jsonl\" --out \"\$SCRATCH/bench.json\" --plot \"\$SCRATCH/bench.png\""
+  "syncs|10-25|yes|\"\$PY\" scripts/count_syncs.py --steps 5 --out \"\$OUT/syncs.json\""
   "sanitizer|0+|yes|sanitizer"
 )
 FILES="summary.md log.txt smoke.json tests.jsonl junit.xml bench.jsonl syncs.json"
