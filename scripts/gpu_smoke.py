@@ -132,7 +132,8 @@ def versions() -> str:
         from cupy.cuda import runtime
 
         found["CUDA runtime"] = str(runtime.runtimeGetVersion())
-        found["driver"] = str(runtime.driverGetVersion())
+        driver = runtime.driverGetVersion()
+        found["driver"] = str(driver) if driver else "none (no CUDA driver)"
     except Exception as exc:  # no driver: say so, the versions above still count
         found["driver"] = f"unavailable ({type(exc).__name__})"
     if int(found["cuDNN"]) < 90000:

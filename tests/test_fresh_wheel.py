@@ -8,7 +8,7 @@ runs from an empty folder so the checkout's convfuse cannot be imported, and che
 NVRTC itself was loaded from the fresh environment's wheels. pip's cache (and the local
 package index where one is configured) keeps the install to about a minute after the first
 run; the test is marked `slow` (it still runs in the README's test command, which selects
-no marker). scripts/gpu_acceptance.sh runs this same file on GPU machines.
+no marker). It needs a package index, so the offline GPU acceptance run leaves it out.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_fresh_wheel_with_only_the_runtime_extra_compiles_every_kernel(tmp_path)
     flavour = _flavour()
     # --no-compile: byte-compiling CuPy and the nvidia packages is most of a cached install.
     # CONVFUSE_WHEELHOUSE: a folder of downloaded wheels, for machines without a package
-    # index (docs/VERIFYING.md section 7 says how to fill it).
+    # index (pip download the extra's requirements into it).
     offline = os.environ.get("CONVFUSE_WHEELHOUSE")
     pip_install = ["-m", "pip", "install", "-q", "--no-compile",
                    *(["--no-index", "--find-links", offline] if offline else [])]
