@@ -287,6 +287,7 @@ def test_stream_results_plugin_writes_a_line_per_test_as_it_happens(tmp_path):
     assert "not here" in results["test_skip"]["message"]
     counts, bad, running = acceptance_summary.chunk_results(tmp_path, "c1")
     assert counts == {"passed": 1, "failed": 1, "skipped": 1, "error": 1} and running is None
+    assert [b.split(" (")[0].split("::")[1] for b in bad] == ["test_bad", "test_setup_error"]
 
 
 @pytest.mark.skipif(not os.environ.get("CONVFUSE_REHEARSAL_PYTHON"),
