@@ -9,8 +9,9 @@
 # Each stage starts with an offline install (the machine may be fresh): the interpreter is
 # $PYTHON if set, else the machine's python3 (a .venv in the checkout is never used unless
 # PYTHON names it); `pip install --no-index --no-build-isolation --no-deps -e .` with
-# CONVFUSE_NO_WERROR=1 (the machine's g++ is unknown; CI keeps -Werror), and the checkout
-# first on PYTHONPATH. Without a usable GPU the GPU parts are skipped and say so.
+# CONVFUSE_NO_WERROR=1 (the machine's g++ is unknown; CI keeps -Werror) and
+# CONVFUSE_UNITY_BUILD=1 (csrc/ as one translation unit: a quarter of the CPU time), and
+# the checkout first on PYTHONPATH. Without a usable GPU the GPU parts are skipped and say so.
 #
 # Results stream into OUTDIR (at most 8 files, each under 16 MiB, no subfolders):
 #   summary.md   rewritten before and after every part; names the part running if cut
@@ -71,7 +72,8 @@ CHUNK_rest="--deselect tests/gpu/test_selfcheck_gpu.py::test_command_line_exits_
 # cap: N (seconds), N-M (at least N, up to M when time is left) or N+ (at least N, and all
 # the time left). A part gets its maximum when the later parts can still have theirs, and
 # never less than its minimum while the later parts' minimums are kept. The install's cap
-# allows a busy 2-core machine (30-60 s idle, 150-250 s seen with 7 jobs on 2 cores); on
+# allows a busy 2-core machine (the unity build: about 25 CPU-s; 8 files: 95 CPU-s, 150-250 s
+# wall seen with 7 jobs on 2 cores); on
 # the GPU machine's 16 cores it takes far less, and what it leaves goes to the later parts.
 STAGE1=(
   "install|240|no|offline_install"
@@ -118,7 +120,7 @@ LOG="$OUT/log.txt"
 : >"$STATUS"
 : >"$LOG"
 export OUT SCRATCH PY
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 CONVFUSE_NO_WERROR=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 CONVFUSE_NO_WERROR=1 CONVFUSE_UNITY_BUILD=1
 export PYTHONPATH="$ROOT:$ROOT/scripts${PYTHONPATH:+:$PYTHONPATH}"
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$SCRATCH/cupy-cache}
 START=$(date +%s)
