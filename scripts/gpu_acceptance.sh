@@ -176,7 +176,10 @@ chunk() {  # chunk NAME FILES...: one pytest chunk, streamed per test, then its 
   local name=$1; shift
   local timeout_opts=()
   if "$PY" -c 'import pytest_timeout' 2>/dev/null; then
-    timeout_opts=(--timeout "$TEST_TIMEOUT")
+    # thread method: a test hung inside C (an NCCL init, a wedged cuDNN call) never lets a
+    # SIGALRM handler run; the thread dumps every stack into log.txt and ends the chunk,
+    # tests.jsonl names the test, and the next chunk starts
+    timeout_opts=(--timeout "$TEST_TIMEOUT" --timeout-method thread)
   else
     echo "(pytest-timeout not installed: no per-test timeout, only the chunk's cap)"
   fi
