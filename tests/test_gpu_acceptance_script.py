@@ -142,6 +142,29 @@ def test_summary_streams_and_a_part_past_its_cap_fails(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["log.txt", "summary.md"]
 
 
+def test_a_pytest_chunk_streams_its_tests_and_merges_its_junit(tmp_path):
+    tests = tmp_path / "test_chunk.py"
+    tests.write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 2 + 2 == 5\n")
+    out = tmp_path / "out"
+    parts = _parts_file(tmp_path, [f"gpu-a|30|no|chunk gpu-a {tests}",
+                                   f"gpu-b|30|no|chunk gpu-b {tests}::test_ok"])
+    proc = _run(["--stage", "1", str(out)], env=_env(tmp_path, parts), timeout=300)
+    assert proc.returncode == 1  # gpu-a has a failing test
+    import xml.etree.ElementTree as ET
+
+    suites = {s.get("name"): s for s in ET.parse(out / "junit.xml").getroot().iter("testsuite")}
+    assert set(suites) == {"gpu-a", "gpu-b"}
+    assert suites["gpu-a"].get("tests") == "2" and suites["gpu-a"].get("failures") == "1"
+    assert suites["gpu-b"].get("tests") == "1" and suites["gpu-b"].get("failures") == "0"
+    counts, bad, running = acceptance_summary.chunk_results(out, "gpu-a")
+    assert counts == {"passed": 1, "failed": 1} and running is None
+    assert "assert (2 + 2) == 5" in bad[0] or "assert 4 == 5" in bad[0], bad
+    summary = (out / "summary.md").read_text()
+    assert "| pytest chunk gpu-a | FAIL |" in summary and "| pytest chunk gpu-b | PASS |" in summary
+    assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "log.txt", "summary.md",
+                                                     "tests.jsonl"]
+
+
 def test_sigkill_leaves_a_summary_naming_the_part_that_was_cut(tmp_path):
     out = tmp_path / "out"
     parts = _parts_file(tmp_path, ["install|20|no|true", "hang|60|no|echo hang-began; sleep 50",
