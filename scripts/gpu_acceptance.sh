@@ -64,9 +64,17 @@ TEST_TIMEOUT=${ACCEPT_TEST_TIMEOUT:-45}   # per test (pytest-timeout), where ins
 CHUNK_core="tests/gpu/test_binding_gpu_handle.py tests/gpu/test_fused_path_gpu.py tests/gpu/test_layers_gpu.py tests/gpu/test_graph_gpu.py tests/gpu/test_optim_gpu.py tests/gpu/test_torch_gpu.py tests/gpu/test_torch_batchnorm_gpu.py tests/gpu/test_models_gpu.py tests/gpu/test_loss_gpu.py"
 CHUNK_ops="tests/gpu/test_cudnn_ops.py"
 CHUNK_bn="tests/gpu/test_batchnorm_gpu.py tests/gpu/test_elementwise_gpu.py tests/gpu/test_edge_values_gpu.py tests/gpu/test_robust_gpu.py"
-# (the selfcheck's command-line test reruns the whole selfcheck in a subprocess; the CPU
-# suite covers the command line, the GPU cases run once in the same file)
-CHUNK_rest="--deselect tests/gpu/test_selfcheck_gpu.py::test_command_line_exits_zero_and_writes_json tests/gpu/test_fused_fallback_gpu.py tests/gpu/test_binding_gpu_conv.py tests/gpu/test_binding_gpu_conv_fused.py tests/gpu/test_binding_gpu_conv_layouts.py tests/gpu/test_binding_gpu_activation_pooling.py tests/gpu/test_selfcheck_gpu.py"
+# The last chunk also takes every tests/gpu file no chunk names (a file added later runs
+# without an edit here), with the whole selfcheck last. Its command-line test reruns the
+# whole selfcheck in a subprocess: the CPU suite covers the command line, so it stays out.
+CHUNK_rest="tests/gpu/test_fused_fallback_gpu.py tests/gpu/test_binding_gpu_conv.py tests/gpu/test_binding_gpu_conv_fused.py tests/gpu/test_binding_gpu_conv_layouts.py tests/gpu/test_binding_gpu_activation_pooling.py"
+for f in tests/gpu/test_*.py; do
+  case " $CHUNK_core $CHUNK_ops $CHUNK_bn $CHUNK_rest tests/gpu/test_selfcheck_gpu.py " in
+    *" $f "*) ;;
+    *) CHUNK_rest="$CHUNK_rest $f" ;;
+  esac
+done
+CHUNK_rest="$CHUNK_rest tests/gpu/test_selfcheck_gpu.py --deselect tests/gpu/test_selfcheck_gpu.py::test_command_line_exits_zero_and_writes_json"
 
 # name|cap|gpu (needs a GPU)|command (run from the checkout with OUT, PY set).
 # cap: N (seconds), N-M (at least N, up to M when time is left) or N+ (at least N, and all
