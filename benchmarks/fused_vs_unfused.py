@@ -83,6 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--from-json", type=Path, default=None,
                    help="measure nothing: print the tables and draw --plot from a saved JSON")
     p.add_argument("--quiet", action="store_true", help="no per-case progress on stderr")
+    p.add_argument("--stream", type=Path, default=None,
+                   help="append one JSON line per section as it finishes (with the "
+                        "environment), so a run cut short keeps every finished section")
     p.add_argument("--suite", action="store_true",
                    help="goals: also time the CPU test suite (about 90 s)")
     args = p.parse_args(argv)
@@ -130,7 +133,11 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                       suite=args.suite)
         print(f"peaks for the floors: {used_peaks.source}", flush=True)
         print(f"PyTorch: {torch_note or torch_side.label}", flush=True)
-        results = {name: SECTIONS[name](ctx) for name in SECTIONS if name in args.sections}
+        results = {}
+        for name in (n for n in SECTIONS if n in args.sections):
+            results[name] = SECTIONS[name](ctx)
+            if args.stream:
+                stream_section(args.stream, name, results[name], engine, argv, torch_note)
     return {
         "schema": 1,
         "engine": engine.kind,
@@ -167,10 +174,36 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                                      if "biasgrad" in results else None),
         "counts": report.counts(results),
         "results": results,
-        "torch_convert": torch_convert.run(args.quick) if args.torch_convert else None,
-        "resnet": resnet.run(args.quick) if args.resnet else None,
+        "torch_convert": _streamed(args, "torch_convert", engine, argv, torch_note,
+                                   lambda: torch_convert.run(args.quick))
+        if args.torch_convert else None,
+        "resnet": _streamed(args, "resnet", engine, argv, torch_note,
+                            lambda: resnet.run(args.quick)) if args.resnet else None,
         "forward_paths": _forward_paths(),
     }
+
+
+def stream_section(path: Path, name: str, result, engine: Engine, argv: list[str],
+                   torch_note: str) -> None:
+    """One JSON line for a finished section: its results, counts and the environment (the
+    device, driver and versions), appended and flushed at once."""
+    try:
+        counts = report.counts({name: result})
+    except (AttributeError, KeyError, TypeError):  # resnet, torch_convert: no case records
+        counts = {}
+    line = {"section": name, "environment": env.collect(engine, argv, torch_note),
+            "counts": counts, "results": result}
+    with path.open("a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+        f.flush()
+
+
+def _streamed(args: argparse.Namespace, name: str, engine: Engine, argv: list[str],
+              torch_note: str, run):
+    result = run()
+    if args.stream:
+        stream_section(args.stream, name, result, engine, argv, torch_note)
+    return result
 
 
 def _forward_paths() -> list[dict]:

@@ -1,72 +1,144 @@
-"""Write summary.md for scripts/gpu_acceptance.sh: pass or fail per part with its key
-numbers, read from the files the parts left in OUTDIR.
+"""Write summary.md for scripts/gpu_acceptance.sh: one row per part (done, running or still
+to come), with its verdict and key numbers read from the files the parts leave in OUTDIR.
 
-  python scripts/acceptance_summary.py OUTDIR STATUSFILE
+  python scripts/acceptance_summary.py OUTDIR STATUSFILE --stage N --plan "a b c"
+         [--running NAME --since EPOCH] [--gpu-reason TEXT] [--started EPOCH]
 
-STATUSFILE has one line per part: `name exit_code seconds`. Exit code 124 means the part
-ran out of its time share; 127 that it did not run (a tool is missing: skipped).
+The script calls it before the first part and after every part, so a run killed at any
+second leaves a summary naming the part that was cut. It writes summary.md atomically
+(a temporary file renamed over it) and uses only the standard library.
+
+STATUSFILE has one line per finished part: `name exit_code seconds [note...]`. Exit codes
+with a meaning of their own: 124 the part ran out of its time cap; 125 skipped, no usable
+GPU; 126 not run, because the install failed; 127 skipped, a tool is missing.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import datetime
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
-PARTS = {  # name -> (title, the file it leaves in OUTDIR)
-    "fresh-wheel": ("Fresh wheel with only the runtime extra compiles every kernel", None),
-    "selfcheck": ("convfuse selfcheck --json", "selfcheck.json"),
-    "pytest-gpu": ("pytest tests/gpu (fusion lost where documented = failure)", "pytest-gpu.xml"),
-    "benchmark": ("benchmarks/fused_vs_unfused.py (full)", "benchmark.json"),
-    "syncs": ("Device-to-host copies and syncs per training step", "syncs.json"),
-    "sanitizer": ("compute-sanitizer memcheck: one eager step and one replay", "sanitizer.txt"),
+TITLES = {
+    "install": "offline install (pip --no-index --no-build-isolation --no-deps -e .)",
+    "smoke": "scripts/gpu_smoke.py: does the core work?",
+    "collect": "pytest tests/gpu --collect-only",
+    "bench": "headline numbers (benchmarks/fused_vs_unfused.py --stream)",
+    "syncs": "device-to-host syncs per training step (scripts/count_syncs.py)",
+    "sanitizer": "compute-sanitizer memcheck: one eager step and one replay",
 }
+SKIP_CODES = {125: "SKIP (no usable GPU)", 126: "NOT RUN (install failed)",
+              127: "SKIP (tool missing)"}
 MAX_BYTES = 16 * 1024 * 1024
+
+
+def title(name: str) -> str:
+    if name.startswith("gpu-"):
+        return f"pytest chunk {name}"
+    return TITLES.get(name, name)
 
 
 def _load(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
-def details(name: str, out: Path) -> str:
+def _jsonl(path: Path) -> list[dict]:
+    """Every complete line of a streamed JSON-lines file (a cut last line is ignored)."""
+    rows = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+def chunk_results(out: Path, chunk: str) -> tuple[Counter, list[str], str | None]:
+    """Outcome counts, the failing test ids and the test still running (if any) of one
+    pytest chunk, from the streamed tests.jsonl."""
+    outcomes: dict[str, str] = {}
+    messages: dict[str, str] = {}
+    started: list[str] = []
+    for row in _jsonl(out / "tests.jsonl"):
+        if row.get("chunk") != chunk:
+            continue
+        if "start" in row:
+            started.append(str(row["start"]))
+        elif "id" in row:
+            test = str(row["id"])
+            new = str(row.get("outcome"))
+            if outcomes.get(test) not in ("failed", "error"):  # a teardown error keeps
+                outcomes[test] = new
+            if new in ("failed", "error"):
+                messages[test] = str(row.get("message", ""))
+    counts = Counter(outcomes.values())
+    bad = [f"{t} ({messages.get(t, '')[:120]})" for t, o in outcomes.items()
+           if o in ("failed", "error")]
+    running = started[-1] if started and started[-1] not in outcomes else None
+    return counts, bad, running
+
+
+def _junit_chunk(out: Path, chunk: str) -> str:
+    try:
+        root = ET.parse(out / "junit.xml").getroot()
+    except (OSError, ET.ParseError):
+        return ""
+    for suite in root.iter("testsuite"):
+        if suite.get("name") == chunk:
+            a = suite.attrib
+            return (f"JUnit: tests={a.get('tests')} failures={a.get('failures')} "
+                    f"errors={a.get('errors')} skipped={a.get('skipped')} time={a.get('time')}s")
+    return ""
+
+
+def details(name: str, out: Path, note: str = "") -> str:
     """The key numbers of one part, from its file."""
-    if name == "selfcheck" and (d := _load(out / "selfcheck.json")):
-        counts = d.get("counts", {})
-        failed = [f"{c.get('name')} [{c.get('dtype')}]" for c in d.get("checks", [])
-                  if c.get("status") == "fail"]
-        paths = [c.get("detail") for c in d.get("checks", [])
-                 if c.get("name") == "fused forward paths"]
-        text = f"ok={d.get('ok')} counts={counts}"
-        if failed:
-            text += f"; failed: {', '.join(failed[:20])}"
-        if paths:
-            text += f"; forward paths: {paths[0]}"
-        return text
-    if name == "pytest-gpu" and (out / "pytest-gpu.xml").is_file():
-        try:
-            root = ET.parse(out / "pytest-gpu.xml").getroot()
-        except ET.ParseError as exc:
-            return f"unreadable JUnit XML: {exc}"
-        suite = root if root.tag == "testsuite" else root.find("testsuite")
-        if suite is None:
-            return "no testsuite in the JUnit XML"
-        a = suite.attrib
-        bad = [f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
-               if c.find("failure") is not None or c.find("error") is not None]
-        text = (f"tests={a.get('tests')} failures={a.get('failures')} errors={a.get('errors')} "
-                f"skipped={a.get('skipped')} time={a.get('time')}s")
+    text = note
+    if name.startswith("gpu-"):
+        counts, bad, running = chunk_results(out, name)
+        parts = [", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no results"]
+        if running:
+            parts.append(f"cut while running {running}")
         if bad:
-            text += "; failing: " + ", ".join(bad[:15]) + (" ..." if len(bad) > 15 else "")
-        return text
-    if name == "benchmark" and (d := _load(out / "benchmark.json")):
-        rec = (d.get("bias_grad_recommendation") or {}).get("text")
-        return (f"engine={d.get('engine')} device={d.get('device_name')} "
-                f"cases={d.get('counts')}" + (f"; bias gradient: {rec}" if rec else ""))
-    if name == "syncs" and (d := _load(out / "syncs.json")):
+            parts.append("failing: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+        junit = _junit_chunk(out, name)
+        if junit:
+            parts.append(junit)
+        text = " ".join(filter(None, [text, "; ".join(parts)]))
+    elif name == "smoke" and (d := _load(out / "smoke.json")):
+        items = d.get("items", [])
+        counts = Counter(i.get("status") for i in items)
+        failed = [i.get("name") for i in items if i.get("status") == "FAIL"]
+        text = ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+        if failed:
+            text += "; failed: " + ", ".join(map(str, failed))
+        numbers = [f"{i.get('name')}: {i.get('detail')}" for i in items
+                   if i.get("name") in ("versions", "kernel compile", "syncs per step")]
+        if numbers:
+            text += "; " + "; ".join(numbers)
+    elif name == "bench":
+        rows = _jsonl(out / "bench.jsonl")
+        if rows:
+            env = rows[0].get("environment") or {}
+            gpu = env.get("gpu") or {}
+            text = (f"sections: {', '.join(str(r.get('section')) for r in rows)}; "
+                    f"device: {gpu.get('name') or env.get('label')}; "
+                    f"errors: {sum(int((r.get('counts') or {}).get('error', 0)) for r in rows)}")
+    elif name == "syncs" and (d := _load(out / "syncs.json")):
         parts = [f"method: {d.get('method')}"]
         for key in ("convfuse eager step", "convfuse captured step"):
             r = d.get(key) or {}
@@ -74,19 +146,19 @@ def details(name: str, out: Path) -> str:
                          f"D2H/step={r.get('d2h_copies_per_step')}"
                          + (f" {r.get('sync_calls')}" if r.get("sync_calls") else ""))
         parts.append(f"capture probe: {d.get('capture_probe')}")
-        return "; ".join(parts)
-    if name == "sanitizer" and (out / "sanitizer.txt").is_file():
-        lines = (out / "sanitizer.txt").read_text(errors="replace").splitlines()
-        summary = [ln for ln in lines if "ERROR SUMMARY" in ln]
-        return "; ".join(summary) or "no ERROR SUMMARY line (see sanitizer.txt)"
-    return ""
+        text = "; ".join(parts)
+    elif name == "sanitizer" and (out / "log.txt").is_file():
+        lines = (out / "log.txt").read_text(errors="replace").splitlines()
+        text = "; ".join(ln for ln in lines if "ERROR SUMMARY" in ln) or \
+            "no ERROR SUMMARY line (see log.txt)"
+    return text
 
 
 def verdict(name: str, rc: int, out: Path) -> str:
-    if rc == 127:
-        return "SKIP"
+    if rc in SKIP_CODES:
+        return SKIP_CODES[rc]
     if rc == 124:
-        return "FAIL (time share exhausted)"
+        return "FAIL (time cap reached)"
     if rc != 0:
         return "FAIL"
     if name == "syncs" and (d := _load(out / "syncs.json")):
@@ -100,27 +172,87 @@ def verdict(name: str, rc: int, out: Path) -> str:
     return "PASS"
 
 
-def write(out: Path, status_file: Path) -> str:
+def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
     rows = []
-    for line in status_file.read_text().splitlines():
-        name, rc, seconds = line.split()[:3]
-        rows.append((name, int(rc), float(seconds)))
-    lines = ["# convfuse GPU acceptance run", "",
-             "| part | result | seconds | key numbers |", "| --- | --- | --- | --- |"]
-    for name, rc, seconds in rows:
-        title = PARTS.get(name, (name, None))[0]
-        lines.append(f"| {title} | {verdict(name, rc, out)} | {seconds:.0f} | "
-                     f"{details(name, out).replace('|', '/')} |")
-    total = sum(s for _, _, s in rows)
+    with contextlib.suppress(OSError):
+        for line in status_file.read_text().splitlines():
+            fields = line.split(maxsplit=3)
+            if len(fields) >= 3:
+                rows.append((fields[0], int(fields[1]), float(fields[2]),
+                             fields[3] if len(fields) > 3 else ""))
+    return rows
+
+
+def _utc(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%H:%M:%S")
+
+
+def render(out: Path, status_file: Path, stage: str, plan: list[str],
+           running: str | None = None, since: float | None = None,
+           gpu_reason: str | None = None, started: float | None = None) -> str:
+    rows = read_status(status_file)
+    done = {name for name, *_ in rows}
+    lines = [f"# convfuse GPU acceptance run, stage {stage}", ""]
+    if started is not None:
+        lines.append(f"Started {_utc(started)} UTC; updated {_utc(_now())} UTC "
+                     f"({_now() - started:.0f} s in).")
+    if gpu_reason:
+        lines.append(f"**No usable GPU ({gpu_reason}): the GPU parts were skipped.** "
+                     "Nothing below is a GPU result.")
+    if running:
+        lines.append(f"**running: {running} since {_utc(since or _now())} UTC** "
+                     "(if this line is still here, the run was cut during this part).")
+    lines += ["", "| part | result | seconds | key numbers |", "| --- | --- | --- | --- |"]
+    for name, rc, seconds, note in rows:
+        text = note if rc in SKIP_CODES else details(name, out, note)
+        text = text.replace("|", "/").replace("\n", " ")
+        lines.append(f"| {title(name)} | {verdict(name, rc, out)} | {seconds:.0f} | {text} |")
+    if running and running not in done:
+        text = details(running, out).replace("|", "/").replace("\n", " ")
+        lines.append(f"| {title(running)} | RUNNING | {(_now() - (since or _now())):.0f} | "
+                     f"{text} |")
+    lines += [f"| {title(name)} | not reached | | |" for name in plan
+              if name not in done and name != running]
+    failed = [name for name, rc, *_ in rows if rc == 126 or rc not in (0, *SKIP_CODES)]
     big = [p.name for p in out.iterdir() if p.is_file() and p.stat().st_size >= MAX_BYTES]
-    lines += ["", f"Total: {total:.0f} s. Exit codes: 124 = out of time, 127 = tool missing "
-              "(skipped). Full logs: log.txt."]
+    lines += ["", f"Failed parts: {', '.join(failed) or 'none'}. Full output of every part: "
+              "log.txt; per-test results: tests.jsonl (one JSON line per test) and junit.xml."]
     if big:
-        lines.append(f"Files at the 16 MB cap (truncated): {', '.join(big)}")
-    text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
+        lines.append(f"Files at the 16 MiB cap (truncated): {', '.join(big)}")
+    return "\n".join(lines) + "\n"
+
+
+def _now() -> float:
+    return datetime.datetime.now(datetime.timezone.utc).timestamp()
+
+
+def write(out: Path, status_file: Path, stage: str = "?", plan: list[str] | None = None,
+          **kw) -> str:
+    text = render(out, status_file, stage, plan or [], **kw)
+    tmp = out / ".summary.md.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, out / "summary.md")
     return text
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("status", type=Path)
+    p.add_argument("--stage", default="?")
+    p.add_argument("--plan", default="")
+    p.add_argument("--running")
+    p.add_argument("--since", type=float)
+    p.add_argument("--started", type=float)
+    p.add_argument("--gpu-reason")
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    text = write(a.out, a.status, a.stage, a.plan.split(), running=a.running, since=a.since,
+                 gpu_reason=a.gpu_reason, started=a.started)
+    if not a.quiet:
+        print(text, end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print(write(Path(sys.argv[1]), Path(sys.argv[2])), end="")
+    sys.exit(main())

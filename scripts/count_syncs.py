@@ -26,6 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+if (REPO / "convfuse" / "__init__.py").is_file():
+    # measure the checkout's convfuse, installed or not (the acceptance run builds in place)
+    sys.path.insert(0, str(REPO))
+
 RANGES = ("convfuse eager step", "convfuse captured step")
 _SYNC_API = re.compile(r"^cuda(Device|Stream|Event|Ctx)Synchronize|^cudaMemcpy(2D|3D)?(_v\d+)?$|"
                        r"^cudaMemcpy(ToSymbol|FromSymbol)?(_v\d+)?$|^cudaFree(_v\d+)?$|"
@@ -135,10 +140,14 @@ def capture_probe(cp, step, x, y) -> str:  # pragma: gpu
     from cupy_backends.cuda.api import runtime
 
     stream = cp.cuda.Stream(non_blocking=True)
-    # The default pool, warm from the eager steps, serves the recording from cached blocks:
-    # a fresh cudaMalloc could itself count as an unsafe call under global mode.
+    # CuPy's pool keeps its free blocks per stream: the first allocations on a brand-new
+    # stream call cudaMalloc, which global capture mode refuses (a false failure). One
+    # eager step on this stream first fills its arena (and convfuse's per-stream caches);
+    # the recorded step then allocates only from cached blocks, as a real step would.
     try:
         with stream:
+            step(x, y)
+            stream.synchronize()
             stream.begin_capture(runtime.streamCaptureModeGlobal)
             try:
                 step(x, y)

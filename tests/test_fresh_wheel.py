@@ -8,7 +8,7 @@ runs from an empty folder so the checkout's convfuse cannot be imported, and che
 NVRTC itself was loaded from the fresh environment's wheels. pip's cache (and the local
 package index where one is configured) keeps the install to about a minute after the first
 run; the test is marked `slow` (it still runs in the README's test command, which selects
-no marker). scripts/gpu_acceptance.sh runs this same file on GPU machines.
+no marker). It needs a package index, so the offline GPU acceptance run leaves it out.
 """
 
 from __future__ import annotations
@@ -38,10 +38,17 @@ _CHECK = textwrap.dedent("""
         assert "#include" not in src.replace("// ", ""), name  # every include pasted in
         for arch in kernels.CHECKED_ARCHS:
             cubins[f"{{name}}/{{arch}}"] = len(kernels.nvrtc_compile(name, arch))
+    # CuPy's own kernels (astype, fill, arithmetic) need the runtime headers: this raises
+    # "Failed to find CUDA headers" unless the extra brought them (Note [kernels need no
+    # CUDA headers]); the -I folders it adds are listed
+    import cupy._core.core as cupy_core
+    cupy_includes = [o[2:] for o in cupy_core.assemble_cupy_compiler_options(())
+                     if o.startswith("-I")]
     maps = open("/proc/self/maps").read().split("\\n")
     nvrtc = sorted({{line.split()[-1] for line in maps if "libnvrtc" in line}})
     print(json.dumps({{"module": convfuse.__file__, "cubins": cubins, "nvrtc": nvrtc,
                       "options": kernels.compile_options("sm_90"),
+                      "cupy_includes": cupy_includes,
                       "prefix": sys.prefix}}))
 """)
 
@@ -102,7 +109,7 @@ def test_fresh_wheel_with_only_the_runtime_extra_compiles_every_kernel(tmp_path)
     flavour = _flavour()
     # --no-compile: byte-compiling CuPy and the nvidia packages is most of a cached install.
     # CONVFUSE_WHEELHOUSE: a folder of downloaded wheels, for machines without a package
-    # index (docs/VERIFYING.md section 7 says how to fill it).
+    # index (pip download the extra's requirements into it).
     offline = os.environ.get("CONVFUSE_WHEELHOUSE")
     pip_install = ["-m", "pip", "install", "-q", "--no-compile",
                    *(["--no-index", "--find-links", offline] if offline else [])]
@@ -140,3 +147,7 @@ def test_fresh_wheel_with_only_the_runtime_extra_compiles_every_kernel(tmp_path)
     # NVRTC came from the fresh environment's wheels, not from a toolkit.
     assert report["nvrtc"], "libnvrtc was never loaded"
     assert all(p.startswith(str(env_dir)) for p in report["nvrtc"]), report["nvrtc"]
+    # ...and CuPy finds the CUDA runtime headers in the same environment
+    headers = [d for d in report["cupy_includes"] if d.startswith(str(env_dir))
+               and (Path(d) / "cuda_fp16.h").is_file()]
+    assert headers, report["cupy_includes"]

@@ -89,7 +89,7 @@ def test_narrow_dtypes_compute_in_float_not_double(name, launched):
     lib = kernels.nvrtc()
     prog = lib.createProgram(kernels.source(name), f"{name}.cu", [], [])
     try:
-        lib.compileProgram(prog, kernels.compile_options("compute_80"))  # PTX only
+        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))  # PTX only
         ptx = lib.getPTX(prog)
     finally:
         lib.destroyProgram(prog)
@@ -360,7 +360,7 @@ def test_half_conversions_are_the_ptx_instructions():
     lib = kernels.nvrtc()
     prog = lib.createProgram(kernels.source("activation"), "activation.cu", [], [])
     try:
-        lib.compileProgram(prog, kernels.compile_options("compute_80"))
+        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
         ptx = lib.getPTX(prog)
     finally:
         lib.destroyProgram(prog)
@@ -461,3 +461,73 @@ def test_kernel_activation_rules_match_the_reference_on_the_host(act, dtype, tmp
         np.testing.assert_allclose(got, want, rtol=tol, atol=0, equal_nan=True)
     if act in ("relu", "relu6", "elu"):  # Note [edge values]: a NaN y passes dy on
         assert dz[-1] == dy[-1]
+
+
+# ---- Note [CuPy compiles with -ftz=true] ----
+
+def test_cupy_appends_ftz_to_every_kernel_and_the_checks_compile_with_it():
+    """The installed CuPy still appends -ftz=true in its one compile path (RawModule
+    included), so the CPU-side NVRTC checks above compile exactly what the GPU runs."""
+    import inspect
+
+    from cupy.cuda import compiler
+
+    src = inspect.getsource(compiler._compile_with_cache_cuda)
+    assert "options += ('-ftz=true',)" in src
+    assert kernels.CUPY_ADDED_OPTIONS == ("-ftz=true",)
+    assert kernels.nvrtc_options("sm_90") == [*kernels.compile_options("sm_90"), "-ftz=true"]
+
+
+_F32_ARITH = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|div|rcp|sqrt|ex2|lg2|neg|abs|"
+                        r"min|max|setp|tanh)(?:\.\w+)*\.f32)\b", re.M)
+
+
+@pytest.mark.parametrize("name", ["activation", "loss", "optim"])
+def test_float_arithmetic_flushes_subnormals_to_zero(name):
+    """With CuPy's options every float32 arithmetic instruction is .ftz: a subnormal
+    float32 (or bfloat16, same exponent range) operand or result is read as, or becomes,
+    zero of the same sign; loads, stores and conversions are untouched, so float16 data
+    (whose subnormals are normal floats) and float64 keep every value."""
+    if name not in kernels.names():
+        pytest.skip(f"no {name}.cu")
+    lib = kernels.nvrtc()
+
+    def ptx(options):
+        prog = lib.createProgram(kernels.source(name), f"{name}.cu", [], [])
+        try:
+            lib.compileProgram(prog, options)
+            out = lib.getPTX(prog)
+        finally:
+            lib.destroyProgram(prog)
+        return out.decode() if isinstance(out, bytes) else out
+
+    flushed = _F32_ARITH.findall(ptx(kernels.nvrtc_options("compute_80")))
+    assert flushed and all(".ftz" in ins for ins in flushed), \
+        sorted({ins for ins in flushed if ".ftz" not in ins})
+    # ...and it is the option that does it: without it the same kernels keep subnormals
+    plain = _F32_ARITH.findall(ptx(kernels.compile_options("compute_80")))
+    assert any(".ftz" not in ins for ins in plain)
+
+
+SUBNORMAL = np.array([1e-40, -1e-40, 1e-45, -3e-39, 1.1e-38], np.float32)
+
+
+@pytest.mark.parametrize("act", list(activations.ACTIVATIONS))
+def test_flush_to_zero_changes_activations_by_less_than_the_smallest_normal(act,
+                                                                            tmp_path_factory):
+    """What -ftz=true does to the activation kernels at subnormal inputs, emulated on the
+    host: inputs and outputs flushed to signed zero. Every result moves by less than
+    float32's smallest normal (1.18e-38), which is why the GPU edge-value tests compare
+    with atol=1e-30 and not bit for bit."""
+    lib = _host_activation_lib(str(tmp_path_factory.mktemp("ftz")))
+    tiny = np.finfo(np.float32).tiny
+
+    def flush(a):
+        return np.where(np.abs(a) < tiny, np.copysign(np.float32(0), a), a).astype(np.float32)
+
+    z = SUBNORMAL.copy()
+    dy = np.ones_like(z)
+    exact = _run_host(lib, act, False, z, z)
+    flushed = flush(_run_host(lib, act, False, dy, flush(z)))
+    assert np.all(np.abs(exact.astype(np.float64) - flushed) < tiny)
+    assert np.all(np.abs(flushed) < tiny) or act in ("sigmoid",)  # sigmoid(0) = 0.5

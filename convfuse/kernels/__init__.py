@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from importlib import resources
 from types import ModuleType
 from typing import Any
@@ -70,21 +71,40 @@ def nvrtc() -> ModuleType:
     return mod
 
 
+#: Options CuPy appends to every kernel it compiles, RawModule included (CuPy 14.2,
+#: cupy/cuda/compiler.py `_compile_with_cache_cuda`: `options += ('-ftz=true',)`).
+#: Note [CuPy compiles with -ftz=true]: float32 arithmetic in convfuse's kernels flushes
+#: subnormal inputs and results to zero (sign kept). float64 is untouched; float16 data is
+#: converted to float exactly and its whole range is normal in float; bfloat16 shares
+#: float's exponent range, so a bfloat16 subnormal becomes 0 as soon as it is computed
+#: with. Any change this makes is below float's smallest normal, 1.18e-38, in absolute
+#: terms: edge-value tests compare with an absolute tolerance above that.
+CUPY_ADDED_OPTIONS = ("-ftz=true",)
+
+
 def compile_options(arch: str | None = None) -> list[str]:
-    """NVRTC options: no include folders (Note [kernels need no CUDA headers])."""
+    """The options convfuse passes to CuPy: no include folders (Note [kernels need no CUDA
+    headers]). NVRTC sees these plus CUPY_ADDED_OPTIONS (see nvrtc_options)."""
     opts = ["--std=c++17"]
     if arch:
         opts.append(f"-arch={arch}")
     return opts
 
 
+def nvrtc_options(arch: str | None = None) -> list[str]:
+    """What NVRTC really receives when CuPy compiles a kernel: compile_options plus what
+    CuPy adds (Note [CuPy compiles with -ftz=true]); the CPU-side checks compile with it."""
+    return [*compile_options(arch), *CUPY_ADDED_OPTIONS]
+
+
 def nvrtc_compile(name: str, arch: str = "sm_90") -> bytes:
-    """Compile a shipped kernel source to a cubin with NVRTC; works without a GPU."""
+    """Compile a shipped kernel source to a cubin with NVRTC, with the options CuPy uses;
+    works without a GPU."""
     lib = nvrtc()
     prog = lib.createProgram(source(name), f"{name}.cu", [], [])
     try:
         try:
-            lib.compileProgram(prog, compile_options(arch))
+            lib.compileProgram(prog, nvrtc_options(arch))
         except lib.NVRTCError as exc:
             log = lib.getProgramLog(prog)
             raise KernelCompileError(f"{name}.cu failed to compile for {arch}:\n{log}") from exc
@@ -98,6 +118,24 @@ def _module(name: str, device_id: int) -> Any:  # pragma: gpu
     import cupy
 
     return cupy.RawModule(code=source(name), options=tuple(compile_options()))
+
+
+def compile_all() -> dict[str, float]:  # pragma: gpu
+    """Compile every shipped source for the current device now; seconds per source.
+
+    Each source compiles once per process (`_module` is cached) and once per machine:
+    CuPy keeps the cubin in its on-disk cache (CUPY_CACHE_DIR), keyed by source and
+    options, so later processes (pytest-xdist workers, the next test chunk) load it.
+    """
+    import cupy
+
+    device = cupy.cuda.Device().id
+    seconds = {}
+    for name in names():
+        t0 = time.perf_counter()
+        _module(name, device).compile()
+        seconds[name] = time.perf_counter() - t0
+    return seconds
 
 
 def function(module: str, kernel: str) -> Any:  # pragma: gpu

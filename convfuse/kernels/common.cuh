@@ -4,10 +4,18 @@
 //
 // Note [kernels need no CUDA headers]
 // NVRTC ships no cuda_fp16.h / cuda_bf16.h; they come from a CUDA toolkit or the
-// nvidia-cuda-runtime wheel, and a user who installed convfuse with its cu12/cu13 extra
-// has neither. The kernels use only storage types and four conversions, so this file
-// defines those itself (under the CUDA names, bit-compatible with the toolkit's types),
-// and kernels.source() pastes it into each source: NVRTC needs no -I at all.
+// nvidia-cuda-runtime wheel. The kernels use only storage types and four conversions, so
+// this file defines those itself (under the CUDA names, bit-compatible with the toolkit's
+// types), and kernels.source() pastes it into each source: NVRTC needs no -I at all, and
+// a RawModule compile passes CuPy no include folder.
+// CuPy itself still needs both NVRTC and the headers. CuPy 14.2 compiles its own
+// elementwise and reduction kernels (astype, fill, arithmetic: convfuse's layers use
+// them) through assemble_cupy_compiler_options, which raises "Failed to find CUDA
+// headers" when no cuda_runtime.h is found (CUDA_PATH, a toolkit, or the runtime wheel
+// located through the NVRTC that cuda.pathfinder loads), and it loads NVRTC from a wheel
+// or a toolkit; nvidia-cudnn-cu13 depends on cuBLAS only, and CuPy on numpy and
+// cuda-pathfinder only. So the cu12/cu13 extras add cuda-toolkit[cudart,nvrtc]
+// (pyproject.toml): without them a user's first CuPy kernel fails, not convfuse's.
 // Conversions match cuda_fp16.hpp / cuda_bf16.hpp: half through PTX cvt (exact, and
 // round-to-nearest-even on store); bfloat16 by shifting (exact) and, on store, the
 // round-to-nearest-even with NaN -> 0x7fff that cuda_bf16.hpp uses below sm_80.

@@ -231,7 +231,7 @@ def kernels_compile(arch: str = "compute_80") -> Outcome:
         prog = lib.createProgram(kernels.source(name), f"{name}.cu", [], [])
         try:
             try:
-                lib.compileProgram(prog, kernels.compile_options(arch))
+                lib.compileProgram(prog, kernels.nvrtc_options(arch))
             except lib.NVRTCError as exc:
                 raise CheckFailed(f"{name}.cu failed to compile for {arch}: "
                                   f"{lib.getProgramLog(prog)}") from exc
