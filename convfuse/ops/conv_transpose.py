@@ -1,0 +1,87 @@
+"""Transposed-convolution ops: validate, then run on the engine of the arrays (DESIGN.md
+"Ops"). Each is one of the forward convolution G's calls with x and y swapped (Note
+[transposed convolution as a swapped convolution] in convfuse/transpose_geometry.py).
+
+The bias gradient (and, with an activation, dz) comes from the activation-backward +
+bias-gradient op (`activation_backward_bias`) over the output: the fused kernel on the GPU,
+never a generic reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import activations
+from ..transpose_geometry import ConvTransposeGeometry
+from . import _checks
+from ._checks import Arg, check_beta, check_scalar, validate
+from .activation import activation_backward_bias
+
+
+def check_transpose_geometry(op: str, tgeom: Any) -> ConvTransposeGeometry:
+    if not isinstance(tgeom, ConvTransposeGeometry):
+        raise TypeError(
+            f"{op}: tgeom must be a ConvTransposeGeometry (ConvTransposeGeometry.create(...)), "
+            f"got {type(tgeom).__name__}")
+    return tgeom
+
+
+def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: Any,
+                            activation: str | None = "identity", residual: Any = None,
+                            residual_scale: float = 1.0) -> tuple[Any, Any]:
+    """y = act(conv_transpose(x, w) + b + residual_scale * residual); returns (y, z), z the
+    pre-activation when the activation's backward needs it (silu, gelu), else None."""
+    op = "conv_transpose_bias_act"
+    g = check_transpose_geometry(op, tgeom)
+    act = activations.normalize(activation)
+    scale = check_scalar(op, "residual_scale", residual_scale)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),
+        Arg("b", b, g.bias_shape, optional=True),
+        Arg("residual", residual, g.output_shape, optional=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv_transpose").conv_transpose_bias_act(
+        x, w, b, g, act, residual, scale)
+
+
+def conv_transpose_forward(x: Any, w: Any, tgeom: Any) -> Any:
+    """y = conv_transpose(x, w), no bias and no activation (cudnnConvolutionBackwardData)."""
+    op = "conv_transpose_forward"
+    g = check_transpose_geometry(op, tgeom)
+    xp = validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+    return _checks.engine(xp, "conv_transpose").conv_transpose_forward(x, w, g)
+
+
+def conv_transpose_backward_data(dz: Any, w: Any, tgeom: Any, out: Any = None,
+                                 beta: float = 0.0) -> Any:
+    """dx = beta * out + conv(dz, w): the forward convolution G of the output gradient."""
+    op = "conv_transpose_backward_data"
+    g = check_transpose_geometry(op, tgeom)
+    bt = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
+        Arg("out", out, g.input_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv_transpose").conv_transpose_backward_data(dz, w, g, out, bt)
+
+
+def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
+                                   beta: float = 0.0) -> Any:
+    """dw = beta * out + G's filter gradient with x and dz swapped."""
+    op = "conv_transpose_backward_filter"
+    g = check_transpose_geometry(op, tgeom)
+    bt = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
+        Arg("out", out, g.weight_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv_transpose").conv_transpose_backward_filter(
+        x, dz, g, out, bt)
+
+
+def conv_transpose_backward_bias(dz: Any, tgeom: Any, out: Any = None,
+                                 beta: float = 0.0) -> Any:
+    """db = beta * out + dz summed over all axes but the channels; shape (out_channels,).
+    The bias-only mode of the activation-backward + bias-gradient kernel on the GPU."""
+    g = check_transpose_geometry("conv_transpose_backward_bias", tgeom)
+    return activation_backward_bias(dz, None, "identity", g.epilogue, db_out=out, beta=beta)[1]
