@@ -30,8 +30,6 @@ from ..transpose_geometry import ConvTransposeGeometry
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
-_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
-
 
 class _ConvTransposeNd(Layer):
     """The shared body of ConvTranspose1d/2d/3d; `_rank` is the number of spatial dims.
@@ -94,10 +92,7 @@ class _ConvTransposeNd(Layer):
             raise ValueError("in_channels must be divisible by groups")
         if d["_out"] % d["_groups"]:
             raise ValueError("out_channels must be divisible by groups")
-        if padding_mode not in _PADDING_MODES:  # torch.nn's two checks, in its order
-            raise ValueError(f"padding_mode must be one of {set(_PADDING_MODES)}, but got "
-                             f"padding_mode={padding_mode!r}")
-        if padding_mode != "zeros":
+        if padding_mode != "zeros":  # torch.nn's check and words
             raise ValueError(
                 f"Only \"zeros\" padding mode is supported for {type(self).__name__}")
         d["_kernel"] = _hyper.int_tuple(kernel_size, rank, "kernel_size", 1,
