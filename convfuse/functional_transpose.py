@@ -144,8 +144,8 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
         if ctx.has_bias:
             db = ops.conv_transpose_backward_bias(dz, geom, out=dbias, beta=beta)
     elif ctx.has_bias:
-        dz, db = ops.activation_backward_bias(dy, ctx.saved, ctx.activation, geom.epilogue,
-                                              db_out=dbias, beta=beta)
+        dz, db = ops.conv_transpose_activation_backward_bias(
+            dy, ctx.saved, ctx.activation, geom, db_out=dbias, beta=beta)
     else:
         dz = ops.activation_backward(dy, ctx.saved, ctx.activation)
     dw = ops.conv_transpose_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)

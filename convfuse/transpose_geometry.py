@@ -221,13 +221,11 @@ class ConvTransposeGeometry(LayoutShapes):
         for n, k, s, p, d, op, out in zip(
                 self.input_shape_cf[2:], self.kernel_size, self.stride, self.padding,
                 self.dilation, self.output_padding, self.output_spatial):
-            if op < s:  # G's own output: core + op rows with op <= s - 1
-                pads.append(p), sizes.append(out), offsets.append(0)
-            else:
-                q = max(0, p - op)
-                pads.append(q)
-                sizes.append(transpose_output_size(n, k, s, q, d, 0))
-                offsets.append(p - q)
+            q = p if op < s else max(0, p - op)
+            pads.append(q)
+            # op < s: G's own output, core + op rows with op <= s - 1
+            sizes.append(out if op < s else transpose_output_size(n, k, s, q, d, 0))
+            offsets.append(p - q)
         return tuple(pads), tuple(sizes), tuple(offsets)
 
     @property

@@ -28,6 +28,7 @@ from .conv import (
     conv_forward,
 )
 from .conv_transpose import (
+    conv_transpose_activation_backward_bias,
     conv_transpose_backward_bias,
     conv_transpose_backward_data,
     conv_transpose_backward_filter,
@@ -49,6 +50,7 @@ __all__ = [
     "conv_backward_filter",
     "conv_bias_act",
     "conv_forward",
+    "conv_transpose_activation_backward_bias",
     "conv_transpose_backward_bias",
     "conv_transpose_backward_data",
     "conv_transpose_backward_filter",

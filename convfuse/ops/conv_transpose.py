@@ -15,7 +15,6 @@ from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry
 from . import _checks
 from ._checks import Arg, check_beta, check_scalar, validate
-from .activation import activation_backward_bias
 
 
 def check_transpose_geometry(op: str, tgeom: Any) -> ConvTransposeGeometry:
@@ -79,9 +78,30 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
         x, dz, g, out, bt)
 
 
+def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str | None,
+                                            tgeom: Any, db_out: Any = None,
+                                            beta: float = 0.0) -> tuple[Any, Any]:
+    """(dz, db): the activation's backward and db = beta * db_out + dz summed per channel,
+    over the transposed convolution's output. On the GPU always convfuse's fused
+    activation-backward + bias-gradient kernel: one read of dy and the saved tensor (for
+    identity, db alone and dz is dy), whatever config.bias_grad says for convolutions."""
+    op = "conv_transpose_activation_backward_bias"
+    g = check_transpose_geometry(op, tgeom)
+    act = activations.normalize(activation)
+    if activations.saves(act) != "none" and saved is None:
+        raise ValueError(f"{op}: activation {act!r} needs saved (what the forward saved), "
+                         "got None")
+    bt = check_beta(op, beta, db_out, "db_out")
+    xp = validate(op, [
+        Arg("dy", dy, g.output_shape), Arg("saved", saved, g.output_shape, optional=True),
+        Arg("db_out", db_out, g.bias_shape, optional=True, output=True),
+    ], g.layout)
+    return _checks.engine(xp, "conv_transpose").conv_transpose_activation_backward_bias(
+        dy, saved, act, g, db_out, bt)
+
+
 def conv_transpose_backward_bias(dz: Any, tgeom: Any, out: Any = None,
                                  beta: float = 0.0) -> Any:
     """db = beta * out + dz summed over all axes but the channels; shape (out_channels,).
     The bias-only mode of the activation-backward + bias-gradient kernel on the GPU."""
-    g = check_transpose_geometry("conv_transpose_backward_bias", tgeom)
-    return activation_backward_bias(dz, None, "identity", g.epilogue, db_out=out, beta=beta)[1]
+    return conv_transpose_activation_backward_bias(dz, None, "identity", tgeom, out, beta)[1]

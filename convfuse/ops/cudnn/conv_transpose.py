@@ -11,10 +11,13 @@ their pre-activation, so they write it with that pass and apply the activation i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ... import activations
 from ..._binding import cudnn
+from ...errors import CudnnError
 from ...plan import Candidate, get_transpose_plan
 from ...transpose_geometry import ConvTransposeGeometry
 from .. import elementwise
@@ -22,7 +25,22 @@ from .handle import Workspace, get_handle
 from .ranked import forward_into, run_ranked
 
 
+@contextlib.contextmanager
+def _named(op: str, tgeom: ConvTransposeGeometry) -> Iterator[None]:
+    """cuDNN errors (G's algorithm queries included) name the transposed op and geometry,
+    not only G's, whose x is the user's output."""
+    try:
+        yield
+    except CudnnError as err:
+        raise err.with_context(f"in {op} of the {tgeom.describe()}") from None
+
+
 def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
+    with _named("conv_transpose_forward", tgeom):
+        return _forward(x, w, tgeom)
+
+
+def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
     import cupy as cp
 
     handle = get_handle()
@@ -37,7 +55,7 @@ def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:
             core.data.ptr)
 
     run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), call,
-               f"conv_transpose_forward ({tgeom.describe()})")
+               "conv_transpose_forward")
     return tgeom.from_conv_output(core, cp)
 
 
@@ -62,6 +80,12 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry
 
 def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any = None,
                                  beta: float = 0.0) -> Any:  # pragma: gpu
+    with _named("conv_transpose_backward_data", tgeom):
+        return _backward_data(dz, w, tgeom, out, beta)
+
+
+def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
+                   beta: float) -> Any:  # pragma: gpu
     import cupy as cp
 
     handle = get_handle()
@@ -69,8 +93,7 @@ def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, 
     dx = out if out is not None else cp.empty(tgeom.input_shape, dtype=dz.dtype)
     src = tgeom.to_conv_output(dz, cp)
     if out is None or float(beta) == 0.0:
-        forward_into(plan, handle, src, w, dx, f"conv_transpose_backward_data "
-                     f"({tgeom.describe()})")
+        forward_into(plan, handle, src, w, dx, "conv_transpose_backward_data")
         return dx
     b = float(beta)
 
@@ -80,12 +103,18 @@ def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, 
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.y_desc, dx.data.ptr)
 
     run_ranked(plan, "fwd", handle, (src.data.ptr, w.data.ptr), call,
-               f"conv_transpose_backward_data ({tgeom.describe()})")
+               "conv_transpose_backward_data")
     return dx
 
 
 def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry,
                                    out: Any = None, beta: float = 0.0) -> Any:  # pragma: gpu
+    with _named("conv_transpose_backward_filter", tgeom):
+        return _backward_filter(x, dz, tgeom, out, beta)
+
+
+def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
+                     beta: float) -> Any:  # pragma: gpu
     import cupy as cp
 
     handle = get_handle()
@@ -100,5 +129,21 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.w_desc, dw.data.ptr)
 
     run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), call,
-               f"conv_transpose_backward_filter ({tgeom.describe()})")
+               "conv_transpose_backward_filter")
     return dw
+
+
+def conv_transpose_activation_backward_bias(
+    dy: Any, saved: Any, activation: str, tgeom: ConvTransposeGeometry, db_out: Any = None,
+    beta: float = 0.0,
+) -> tuple[Any, Any]:  # pragma: gpu
+    """One launch of the fused activation-backward + bias-gradient kernel (Note [fused
+    activation-backward + bias gradient] in activation.cu); for identity it writes db only
+    and dz is dy itself."""
+    import cupy as cp
+
+    db = db_out if db_out is not None else cp.empty(tgeom.bias_shape, dtype=dy.dtype)
+    b = float(beta) if db_out is not None else 0.0
+    dz = None if activation == "identity" else cp.empty_like(dy)
+    elementwise.activation_backward_bias(dy, saved, activation, tgeom.epilogue, dz, db, b)
+    return (dy if dz is None else dz), db

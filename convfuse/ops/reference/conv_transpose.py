@@ -10,7 +10,7 @@ from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...transpose_geometry import ConvTransposeGeometry
 from . import conv as ref
-from .activation import apply_activation, finish
+from .activation import activation_backward_bias, apply_activation, finish
 
 
 def conv_transpose_forward(x: np.ndarray, w: np.ndarray,
@@ -53,3 +53,10 @@ def conv_transpose_backward_filter(x: np.ndarray, dz: np.ndarray,
                                    tgeom: ConvTransposeGeometry, out: np.ndarray | None = None,
                                    beta: float = 0.0) -> np.ndarray:
     return ref.conv_backward_filter(tgeom.to_conv_output(dz, np), x, tgeom.conv, out, beta)
+
+
+def conv_transpose_activation_backward_bias(
+    dy: np.ndarray, saved: np.ndarray | None, activation: str, tgeom: ConvTransposeGeometry,
+    db_out: np.ndarray | None = None, beta: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    return activation_backward_bias(dy, saved, activation, tgeom.epilogue, db_out, beta)
