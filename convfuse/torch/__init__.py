@@ -23,7 +23,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d
-from .convert import activation_of, convert, fused_batchnorm, fused_conv
+from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
+from .convert import activation_of, convert, fused_batchnorm, fused_conv, fused_conv_transpose
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
-           "activation_of", "convert", "fused_batchnorm", "fused_conv"]
+           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "activation_of", "convert",
+           "fused_batchnorm", "fused_conv", "fused_conv_transpose"]
