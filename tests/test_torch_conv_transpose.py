@@ -4,7 +4,8 @@ same inputs: PyTorch's catalogue cases (common_nn's ConvTranspose entries and mo
 module_inputs_torch_nn_ConvNd(transposed=True), written out here because module_db needs
 `expecttest`), in float32 and float64, with variants (channels_last, non-contiguous input,
 no_grad, inference_mode, frozen weights, repeated calls with other shapes, unbatched
-inputs, output_size=, an in-place op on the output); gradcheck; convert(); torch.compile."""
+inputs, output_size=, an in-place op on the output, also of a channels_last input: outputs
+are ordinary tensors, not views); gradcheck; convert(); torch.compile."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _pair(rank, args, kwargs, dtype, activation=None):
 def _run(module, x, variant, output_size=None):
     """Forward (and backward when autograd records): (output, input grad, param grads)."""
     x = x.detach().clone()
-    if variant == "channels_last" and x.dim() in (4, 5):
+    if variant.startswith("channels_last") and x.dim() in (4, 5):
         x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
     if variant == "non_contiguous":
         x = torch.cat([x, x], dim=-1)[..., ::2]
@@ -66,7 +67,7 @@ def _run(module, x, variant, output_size=None):
             p.requires_grad_(False)
     x.requires_grad_()
     y = module(x, output_size) if output_size else module(x)
-    if variant == "inplace":
+    if variant.endswith("inplace"):
         y = y.mul_(2).add_(1)
     torch.manual_seed(1)
     y.backward(torch.randn(y.shape, dtype=y.dtype))  # logical order, whatever the strides
@@ -74,7 +75,7 @@ def _run(module, x, variant, output_size=None):
 
 
 VARIANTS = ["plain", "channels_last", "non_contiguous", "no_grad", "inference_mode", "frozen",
-            "inplace"]
+            "inplace", "channels_last_inplace"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)

@@ -26,8 +26,32 @@ import torch
 from .. import activations, ops
 from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from ._arrays import engine_context, is_channels_last, logical, physical, to_array, to_tensor
-from ._ops import _array_or_none, _empty_like_layout
+from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
+from ._ops import _array_or_none
+
+
+def _plain(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """A convfuse-ordered result as an ordinary (N, C, ...) tensor on the same memory: not
+    a view (so in-place ops on it work under autograd, as on torch.nn's outputs), with
+    channels-last strides for a channels-last result."""
+    if not channels_last:
+        return t
+    v = t.movedim(-1, 1)
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), v.shape, v.stride())
+
+
+def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int],
+                       channels_last: bool) -> torch.Tensor:
+    """What `_plain` returns, for the fake implementations: a new (N, C, ...) tensor with
+    the strides convfuse writes it in."""
+    if not channels_last:
+        return ref.new_empty(list(shape))
+    phys = [shape[0], *shape[2:], shape[1]]
+    strides = [1] * len(phys)
+    for i in range(len(phys) - 2, -1, -1):
+        strides[i] = strides[i + 1] * phys[i + 1]
+    logical_strides = [strides[0], strides[-1], *strides[1:-1]]
+    return torch.empty_strided(list(shape), logical_strides, dtype=ref.dtype, device=ref.device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -71,8 +95,8 @@ def conv_transpose_bias_act(
         y, z = ops.conv_transpose_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
             activation=activation, residual=_array_or_none(residual, cl))
-        yt = logical(to_tensor(y), cl)
-        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
+        yt = _plain(to_tensor(y), cl)
+        zt = _plain(to_tensor(z), cl) if z is not None else x.new_empty(0)
     return yt, zt
 
 
@@ -119,11 +143,11 @@ def conv_transpose_bias_act_backward(
             ops.conv_transpose_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
         if dx_t is not None:
             ops.conv_transpose_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
-        dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
+        dz_t = _plain(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)
     return (
-        logical(dx_t, cl) if dx_t is not None else empty,
-        logical(dw_t, cl) if dw_t is not None else empty.clone(),
+        _plain(dx_t, cl) if dx_t is not None else empty,
+        _plain(dw_t, cl) if dw_t is not None else empty.clone(),
         db_t if db_t is not None else empty.clone(),
         dz_t if dz_t is not None else empty.clone(),
     )
