@@ -85,7 +85,8 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_p
                                             output_padding, dilation, groups, layout,
                                             output_size)
         check_bytes(geom.output_shape, x.dtype, device_of(x), "output")
-        check_conv(geom.conv, x.dtype, device_of(x))
+        if geom.batch:
+            check_conv(geom.conv, x.dtype, device_of(x))
     elif not isinstance(geom, ConvTransposeGeometry):
         raise TypeError(f"{op}: geom must be a ConvTransposeGeometry or None, got "
                         f"{type(geom).__name__}")

@@ -146,7 +146,9 @@ class ConvTransposeGeometry(LayoutShapes):
 
     def _validate(self) -> None:
         x, w = self.input_shape_cf, self.weight_shape_cf
-        if any(v <= 0 for v in self.input_shape):
+        # An empty batch is allowed, as in torch.nn: the ops return empty outputs and zero
+        # weight gradients without any engine call (`conv` needs a batch).
+        if self.input_shape[0] < 0 or any(v <= 0 for v in x[1:]):
             raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
         if any(v <= 0 for v in self.weight_shape):
             raise ValueError(f"weight shape {self.weight_shape} has a non-positive dimension")

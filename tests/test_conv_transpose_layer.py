@@ -178,3 +178,20 @@ def test_geometry_is_the_swapped_forward_convolution():
     assert g.conv.input_shape == g.output_shape and g.conv.output_shape == g.input_shape
     assert g.conv.weight_shape == g.weight_shape and g.conv.groups == 2
     assert g.epilogue.output_shape == g.output_shape and g.epilogue.out_channels == 4
+
+
+def test_empty_batch_as_torch_nn():
+    """N = 0: empty output and dx, gradients untouched (zero), no engine call."""
+    m = convfuse.ConvTranspose2d(4, 6, 3, 2, 1, 1, 2, activation="relu", dtype="float64",
+                                 seed=0)
+    y = m(np.zeros((0, 4, 5, 5)))
+    assert y.shape == (0, 6, 10, 10)
+    dx = m.backward(np.zeros(y.shape))
+    assert dx.shape == (0, 4, 5, 5)
+    assert not np.any(m.weight.grad) and not np.any(m.bias.grad)
+    g = ConvTransposeGeometry.create((0, 4, 5, 5), (4, 3, 3, 3), 2)
+    out = np.full((4, 3, 3, 3), np.nan)
+    assert not np.any(convfuse.ops.conv_transpose_backward_filter(
+        np.zeros((0, 4, 5, 5)), np.zeros(g.output_shape), g, out=out))  # beta 0: no NaN read
+    with pytest.raises(ValueError, match="non-positive dimension"):
+        ConvTransposeGeometry.create((1, 4, 0, 5), (4, 3, 3, 3))

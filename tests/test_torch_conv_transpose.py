@@ -245,3 +245,17 @@ def test_compile_fullgraph_matches_eager(monkeypatch):
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad)
     assert ref_conv is not None
+
+
+@pytest.mark.parametrize("act", [None, "relu", "gelu"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_empty_batch_gives_empty_outputs_and_zero_gradients(act, channels_last):
+    ref, ours = _pair(2, (4, 6, 3, 2, 1, 1, 2), {}, torch.float64, activation=act)
+    x = torch.randn(0, 4, 5, 5, dtype=torch.float64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    y_ref, dx_ref, g_ref = _run(ref, x, "plain")
+    y, dx, g = _run(ours, x, "plain")
+    assert y.shape == y_ref.shape == (0, 6, 10, 10) and dx.shape == dx_ref.shape
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # zeros

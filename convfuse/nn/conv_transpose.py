@@ -213,7 +213,8 @@ class _ConvTransposeNd(Layer):
                 x.shape, self.weight.shape, self._stride, self._padding, self._output_padding,
                 self._dilation, self._groups, self._layout, output_size)
             check_bytes(geom.output_shape, self._dtype, self.device, "output")
-            check_conv(geom.conv, self._dtype, self.device)
+            if geom.batch:
+                check_conv(geom.conv, self._dtype, self.device)
             self._geoms[key] = geom
         return geom
 

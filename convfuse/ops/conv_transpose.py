@@ -17,6 +17,18 @@ from . import _checks
 from ._checks import Arg, check_beta, check_scalar, validate
 
 
+def _zero_filled(xp: Any, out: Any, shape: tuple[int, ...], dtype: Any, beta: float) -> Any:
+    """An empty batch's weight or bias gradient: beta * out (cuDNN's rule: beta = 0 never
+    reads out), or zeros."""
+    if out is None:
+        return xp.zeros(shape, dtype)
+    if beta == 0.0:
+        out.fill(0)
+    elif beta != 1.0:
+        out *= beta
+    return out
+
+
 def check_transpose_geometry(op: str, tgeom: Any) -> ConvTransposeGeometry:
     if not isinstance(tgeom, ConvTransposeGeometry):
         raise TypeError(
@@ -39,6 +51,10 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: Any,
         Arg("b", b, g.bias_shape, optional=True),
         Arg("residual", residual, g.output_shape, optional=True),
     ], g.layout)
+    if g.batch == 0:
+        z = xp.empty(g.output_shape, x.dtype) if activations.saves(act) == "preactivation" \
+            else None
+        return xp.empty(g.output_shape, x.dtype), z
     return _checks.engine(xp, "conv_transpose").conv_transpose_bias_act(
         x, w, b, g, act, residual, scale)
 
@@ -48,6 +64,8 @@ def conv_transpose_forward(x: Any, w: Any, tgeom: Any) -> Any:
     op = "conv_transpose_forward"
     g = check_transpose_geometry(op, tgeom)
     xp = validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+    if g.batch == 0:
+        return xp.empty(g.output_shape, x.dtype)
     return _checks.engine(xp, "conv_transpose").conv_transpose_forward(x, w, g)
 
 
@@ -61,6 +79,8 @@ def conv_transpose_backward_data(dz: Any, w: Any, tgeom: Any, out: Any = None,
         Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
         Arg("out", out, g.input_shape, optional=True, output=True),
     ], g.layout)
+    if g.batch == 0:
+        return out if out is not None else xp.empty(g.input_shape, dz.dtype)
     return _checks.engine(xp, "conv_transpose").conv_transpose_backward_data(dz, w, g, out, bt)
 
 
@@ -74,6 +94,8 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
         Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
         Arg("out", out, g.weight_shape, optional=True, output=True),
     ], g.layout)
+    if g.batch == 0:
+        return _zero_filled(xp, out, g.weight_shape, x.dtype, bt)
     return _checks.engine(xp, "conv_transpose").conv_transpose_backward_filter(
         x, dz, g, out, bt)
 
@@ -96,6 +118,9 @@ def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str
         Arg("dy", dy, g.output_shape), Arg("saved", saved, g.output_shape, optional=True),
         Arg("db_out", db_out, g.bias_shape, optional=True, output=True),
     ], g.layout)
+    if g.batch == 0:
+        return xp.empty(g.output_shape, dy.dtype), _zero_filled(xp, db_out, g.bias_shape,
+                                                                dy.dtype, bt)
     return _checks.engine(xp, "conv_transpose").conv_transpose_activation_backward_bias(
         dy, saved, act, g, db_out, bt)
 
