@@ -259,3 +259,22 @@ def test_empty_batch_gives_empty_outputs_and_zero_gradients(act, channels_last):
     assert y.shape == y_ref.shape == (0, 6, 10, 10) and dx.shape == dx_ref.shape
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # zeros
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_cpu_autocast_bfloat16_as_torch_nn(rank):
+    ref, ours = _pair(rank, (4, 6, 3, 2, 1, 1), {}, torch.float32, activation=None)
+    x = torch.randn(2, 4, *[5, 4, 3][:rank])
+    outs = []
+    for m in (ref, ours):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, m.weight.grad, m.bias.grad))
+    (y_ref, *g_ref), (y, *g) = outs
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g, g_ref):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * float(b.abs().max()))

@@ -112,7 +112,8 @@ class _ConvTransposeNd(nn.Module):
                                   self.kernel_size, self.dilation,
                                   non_spatial=x.dim() - self._rank)
 
-    def _check(self, x: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def _check(self, x: torch.Tensor, residual: torch.Tensor | None,
+               weight: torch.Tensor) -> None:
         name, rank = type(self).__name__, self._rank
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
@@ -122,9 +123,9 @@ class _ConvTransposeNd(nn.Module):
         if x.shape[-rank - 1] != self.in_channels:
             raise ValueError(f"{name}: input has {x.shape[-rank - 1]} channels, the layer "
                              f"expects {self.in_channels}")
-        if x.dtype != self.weight.dtype:
+        if x.dtype != weight.dtype:
             raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
-                            f"{self.weight.dtype}")
+                            f"{weight.dtype}")
         if x.device != self.weight.device:
             raise ValueError(f"{name}: input is on {x.device}, the weight on "
                              f"{self.weight.device}")
@@ -135,9 +136,17 @@ class _ConvTransposeNd(nn.Module):
     def forward(self, input: torch.Tensor, output_size: Sequence[int] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
-        output's size among those the stride allows, as in torch.nn."""
+        output's size among those the stride allows, as in torch.nn. Under torch.autocast
+        it runs in the autocast dtype (a residual is cast to it too)."""
         name = type(self).__name__
-        self._check(input, residual)
+        weight: torch.Tensor = self.weight
+        bias: torch.Tensor | None = self.bias
+        amp = _autocast_dtype(input)
+        if amp is not None:  # run in the autocast dtype, as torch.nn's layer would
+            input, weight = input.to(amp), weight.to(amp)
+            bias = None if bias is None else bias.to(amp)
+            residual = None if residual is None else residual.to(amp)
+        self._check(input, residual, weight)
         try:
             opad = self._output_padding(input, output_size)
         except (TypeError, ValueError) as exc:
@@ -164,7 +173,7 @@ class _ConvTransposeNd(nn.Module):
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
         y, _ = torch.ops.convfuse.conv_transpose_bias_act(
-            x, self.weight, self.bias, res, list(self.stride), list(self.padding), list(opad),
+            x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
             list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
 
@@ -182,6 +191,20 @@ class _ConvTransposeNd(nn.Module):
         if self.bias is None:
             s += ", bias=False"
         return s + f", activation={self.activation!r}"
+
+
+def _autocast_dtype(x: Any) -> torch.dtype | None:
+    """The dtype autocast runs torch.nn's ConvTranspose in for `x`'s device (float16 or
+    bfloat16), or None outside autocast. The casts (`.to`) are differentiable, so the
+    gradients reach float32 parameters in their dtype, as with torch.nn."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16,
+                                                            torch.bfloat16):
+        return None  # autocast leaves float64 alone
+    dev = x.device.type
+    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
+        return None
+    dtype = torch.get_autocast_dtype(dev)
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 class ConvTranspose1d(_ConvTransposeNd):
