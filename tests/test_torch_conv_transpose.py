@@ -278,3 +278,52 @@ def test_cpu_autocast_bfloat16_as_torch_nn(rank):
     for a, b in zip(g, g_ref):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-2 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", "sigmoid", "tanh", "elu", "relu6",
+                                 "leaky_relu", "silu", "gelu"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_double_backward_gradgradcheck(act, residual):
+    """Note [transposed convolution double backward]: gradgradcheck in float64 with every
+    activation, with and without a residual, through bias, weight, input and residual."""
+    torch.manual_seed(0)
+    m = ct.ConvTranspose2d(2, 4, 3, 2, 1, 1, 2, dtype=torch.float64, activation=act)
+    x = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(1, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    inputs = (x, m.weight, m.bias) + ((r,) if residual else ())
+
+    def f(x, w, b, r=None):
+        return m(x, residual=r)
+
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_gradient_penalty_matches_torch_nn():
+    """A WGAN-GP style penalty: the input gradient's norm, differentiated again."""
+    ref, ours = _pair(2, (3, 4, 3, 2, 1, 1), {}, torch.float64, activation="tanh")
+    results = []
+    for m, act in ((ref, torch.tanh), (ours, lambda t: t)):
+        x = torch.randn(2, 3, 4, 4, dtype=torch.float64, generator=torch.Generator()
+                        .manual_seed(0)).requires_grad_()
+        y = act(m(x))
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        penalty = (g.flatten(1).norm(dim=1) - 1).square().mean()
+        penalty.backward()
+        results.append((penalty.detach(), m.weight.grad.clone(), m.bias.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_first_order_backward_runs_the_fused_op(monkeypatch, act):
+    """Without create_graph, backward is the one fused backward op (db and dz from the
+    activation-backward + bias-gradient op), not the differentiable composition."""
+    from convfuse import ops
+
+    calls = []
+    real = ops.conv_transpose_activation_backward_bias
+    monkeypatch.setattr(ops, "conv_transpose_activation_backward_bias",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = ct.ConvTranspose2d(2, 4, 3, 2, dtype=torch.float64, activation=act)
+    m(torch.randn(1, 2, 3, 3, dtype=torch.float64)).sum().backward()
+    assert calls == [1]

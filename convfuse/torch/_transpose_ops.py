@@ -174,17 +174,32 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.hyper = (list(stride), list(padding), list(output_padding), list(dilation),
                  int(groups), act)
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(z)
+    # z is an output so that a double backward can differentiate through it; an unused z
+    # must not look like a gradient (then the fused backward op would be skipped).
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, _dz_output):
+def _backward(ctx, dy, dz_output):
     x, weight, saved = ctx.saved_tensors
     stride, padding, output_padding, dilation, groups, activation = ctx.hyper
     need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
     need_db = bool(need_db and ctx.has_bias)
     identity = activations.normalize(activation) == "identity"
     if dy is None:
-        return (None,) * 10
+        if dz_output is None:
+            return (None,) * 10
+        dy = torch.zeros_like(dz_output)
+    if torch.is_grad_enabled() or (dz_output is not None and dz_output.numel()):
+        # create_graph=True (or the pre-activation z was used): Note [transposed
+        # convolution double backward]
+        from ._transpose_grad import differentiable_backward
+
+        h = (stride, padding, output_padding, dilation, groups)
+        extra = dz_output if (dz_output is not None and dz_output.numel()) else None
+        dx, dw, db, dres = differentiable_backward(
+            dy, extra, x, weight, saved, h, activation,
+            (bool(need_dx), bool(need_dw), need_db, bool(need_dres)), ctx.has_bias)
+        return (dx, dw, db, dres, None, None, None, None, None, None)
     dx, dw, db, dz = torch.ops.convfuse.conv_transpose_bias_act_backward(
         dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
         bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity)
