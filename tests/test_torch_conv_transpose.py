@@ -327,3 +327,38 @@ def test_first_order_backward_runs_the_fused_op(monkeypatch, act):
     m = ct.ConvTranspose2d(2, 4, 3, 2, dtype=torch.float64, activation=act)
     m(torch.randn(1, 2, 3, 3, dtype=torch.float64)).sum().backward()
     assert calls == [1]
+
+
+def _format(t):
+    if t.is_contiguous():
+        return "contiguous"
+    for fmt in (torch.channels_last, torch.channels_last_3d):
+        if t.dim() == (4 if fmt == torch.channels_last else 5) and t.is_contiguous(
+                memory_format=fmt):
+            return "channels_last"
+    return "other"
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("which", ["input", "module"])
+def test_output_memory_format_is_torch_nns(rank, dtype, which):
+    """Channels-last in, channels-last out (input or module), except where torch.nn's CPU
+    path returns contiguous (float64 3-d, and 1-d with a transposed (N, L, C) input); the
+    output is an ordinary tensor that .view() works on when contiguous."""
+    ref, ours = _pair(rank, (4, 6, 3, 2), {}, dtype)
+    x = torch.randn(2, 4, *[5, 4, 3][:rank], dtype=dtype)
+    if rank == 1:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)  # an (N, L, C) tensor
+    else:
+        fmt = torch.channels_last if rank == 2 else torch.channels_last_3d
+        if which == "input":
+            x = x.to(memory_format=fmt)
+        else:
+            ref, ours = ref.to(memory_format=fmt), ours.to(memory_format=fmt)
+    y_ref, y = ref(x), ours(x)
+    assert _format(y) == _format(y_ref)
+    assert not y._is_view()
+    torch.testing.assert_close(y, y_ref, **(TOL.get(dtype) or dict(rtol=2e-2, atol=2e-2)))
+    if _format(y) == "contiguous":
+        assert y.view(2, -1).shape[1] == y[0].numel()

@@ -172,10 +172,30 @@ class _ConvTransposeNd(nn.Module):
             if res.dtype != x.dtype or res.device != x.device:
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
+        x = self._memory_format(x, weight)
         y, _ = torch.ops.convfuse.conv_transpose_bias_act(
             x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
             list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
+
+    def _memory_format(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x in the layout whose output has torch.nn's memory format: channels-last when
+        the input or the weight is channels_last (2-d and 3-d), except float64 3-d on the
+        CPU (torch's slow path returns contiguous); contiguous for 1-d, as torch.nn."""
+        from ._arrays import is_channels_last
+
+        if self._rank == 1 or x.dim() != self._rank + 2:
+            return x.contiguous() if is_channels_last(x) else x
+        fmt = torch.channels_last if self._rank == 2 else torch.channels_last_3d
+        want = (x.is_contiguous(memory_format=fmt) and not x.is_contiguous()) or (
+            weight.is_contiguous(memory_format=fmt) and not weight.is_contiguous())
+        if want and self._rank == 3 and x.dtype == torch.float64 and x.device.type == "cpu":
+            want = False
+        if want and not is_channels_last(x):
+            return x.contiguous(memory_format=fmt)
+        if not want and is_channels_last(x):
+            return x.contiguous()
+        return x
 
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
