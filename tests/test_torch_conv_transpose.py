@@ -362,3 +362,23 @@ def test_output_memory_format_is_torch_nns(rank, dtype, which):
     torch.testing.assert_close(y, y_ref, **(TOL.get(dtype) or dict(rtol=2e-2, atol=2e-2)))
     if _format(y) == "contiguous":
         assert y.view(2, -1).shape[1] == y[0].numel()
+
+
+@pytest.mark.slow  # inductor compiles C++
+def test_converted_unet_under_compile_equals_the_unconverted_model():
+    torch.manual_seed(0)
+    ref = UNet()
+    conv = UNet()
+    conv.load_state_dict(ref.state_dict())
+    convert(conv)
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, fullgraph=True)
+    x = torch.randn(4, 1, 8, 8)
+    y_ref, y = ref(x), compiled(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    y_ref.square().sum().backward()
+    y.square().sum().backward()
+    for (name, a), b in zip(conv.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for a, b in zip(conv.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
