@@ -288,8 +288,8 @@ def test_double_backward_gradgradcheck(act, residual):
     activation, with and without a residual, through bias, weight, input and residual."""
     torch.manual_seed(0)
     m = ct.ConvTranspose2d(2, 4, 3, 2, 1, 1, 2, dtype=torch.float64, activation=act)
-    x = torch.randn(1, 2, 3, 3, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(1, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(1, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(1, 4, 4, 4, dtype=torch.float64, requires_grad=True)
     inputs = (x, m.weight, m.bias) + ((r,) if residual else ())
 
     def f(x, w, b, r=None):
