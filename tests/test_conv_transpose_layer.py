@@ -195,3 +195,19 @@ def test_empty_batch_as_torch_nn():
         np.zeros((0, 4, 5, 5)), np.zeros(g.output_shape), g, out=out))  # beta 0: no NaN read
     with pytest.raises(ValueError, match="non-positive dimension"):
         ConvTransposeGeometry.create((1, 4, 0, 5), (4, 3, 3, 3))
+
+
+def test_sequential_hands_the_residual_to_a_final_conv_transpose(rng):
+    up = convfuse.ConvTranspose2d(4, 2, 2, 2, activation="relu", dtype="float64", seed=0)
+    seq = convfuse.Sequential(convfuse.Conv2d(3, 4, 3, padding=1, dtype="float64", seed=1), up)
+    x, skip = rng.standard_normal((1, 3, 4, 4)), rng.standard_normal((1, 2, 8, 8))
+    y = seq(x, residual=skip)
+    ref = torch.nn.ConvTranspose2d(4, 2, 2, 2, dtype=torch.float64)
+    ref.load_state_dict({k: torch.tensor(v) for k, v in up.state_dict().items()})
+    h = seq[0](x)
+    want = torch.relu(ref(torch.tensor(h)) + torch.tensor(skip)).detach().numpy()
+    np.testing.assert_allclose(y, want,
+                               rtol=1e-12, atol=1e-12)
+    dx, dskip = seq.backward(np.ones_like(y))
+    np.testing.assert_allclose(dskip, (y > 0).astype(float))
+    assert dx.shape == x.shape
