@@ -71,7 +71,7 @@ def test_the_catalogue_is_there():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("variant", VARIANTS + ["channels_last_module"])
+@pytest.mark.parametrize("variant", [*VARIANTS, "channels_last_module"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_catalogue_case_matches_torch_nn(case, variant, dtype):
     _, cls, args, kwargs, shape = case
