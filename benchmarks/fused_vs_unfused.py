@@ -173,8 +173,8 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "results": results,
         "torch_convert": torch_convert.run(args.quick) if args.torch_convert else None,
         "resnet": resnet.run(args.quick) if args.resnet else None,
-        "conv_transpose": None if args.no_conv_transpose else conv_transpose.run(args.quick),
         "forward_paths": _forward_paths(),
+        "conv_transpose": None if args.no_conv_transpose else conv_transpose.run(args.quick),
     }
 
 
