@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 if (HERE.parent / "convfuse" / "__init__.py").exists():
     # run from a checkout: measure that checkout's convfuse, not another installed one
     sys.path.insert(0, str(HERE.parent))
+import bench.conv_transpose as conv_transpose  # noqa: E402
 import bench.resnet as resnet  # noqa: E402
 import bench.torch_convert as torch_convert  # noqa: E402
 from bench import (  # noqa: E402
@@ -73,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--resnet", action="store_true",
                    help="also time ResNet-18 training steps: convfuse eager and captured "
                         "against PyTorch eager (cudnn.benchmark, channels_last, AMP on GPUs)")
+    p.add_argument("--no-conv-transpose", action="store_true",
+                   help="skip the ConvTranspose section (U-Net decoder layers: fused, unfused "
+                        "and PyTorch, forward and backward)")
     p.add_argument("--heuristics", action="store_true",
                    help="choose convfuse's algorithms by heuristics instead of autotuning "
                         "(PyTorch always runs with cudnn.benchmark=True)")
@@ -180,6 +184,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "resnet": _streamed(args, "resnet", engine, argv, torch_note,
                             lambda: resnet.run(args.quick)) if args.resnet else None,
         "forward_paths": _forward_paths(),
+        "conv_transpose": None if args.no_conv_transpose else conv_transpose.run(args.quick),
     }
 
 
@@ -232,6 +237,8 @@ def render(payload: dict, args: argparse.Namespace) -> None:
         print(torch_convert.format_table(payload["torch_convert"]))
     if payload.get("resnet"):
         print(resnet.table(payload["resnet"]))
+    if payload.get("conv_transpose"):
+        print(conv_transpose.format_table(payload["conv_transpose"]))
     paths = payload.get("forward_paths") or []
     if paths:
         print("\nfused forward paths (convfuse.plan.forward_paths()):")

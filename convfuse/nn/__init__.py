@@ -4,6 +4,7 @@ from .adaptive_pool import AdaptiveAvgPool2d
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .container import Flatten, Sequential
 from .conv import Conv1d, Conv2d, Conv3d
+from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .fold import fold_batchnorm
 from .linear import Linear
 from .module import Layer, Module
@@ -15,7 +16,8 @@ from .state import IncompatibleKeys
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
-    "Conv1d", "Conv2d", "Conv3d", "Dropout", "Flatten", "Identity",
+    "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
+    "Dropout", "Flatten", "Identity",
     "IncompatibleKeys", "Layer", "Linear", "MaxPool2d", "Module", "Parameter", "ReLU",
     "Residual", "Sequential", "fold_batchnorm",
 ]

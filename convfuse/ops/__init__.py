@@ -1,7 +1,8 @@
 """Stateless ops (DESIGN.md "Ops"): validate the arrays, then dispatch on their type.
 
 NumPy arrays run on the reference engine (`convfuse.ops.reference.<kind>`), CuPy arrays
-on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, activation, pooling or batchnorm. Every
+on cuDNN (`convfuse.ops.cudnn.<kind>`), kind being conv, conv_transpose, activation,
+pooling or batchnorm. Every
 check (convfuse.ops._checks) runs before any engine code, so bad input never reaches
 cuDNN. Arrays passed in are never modified; `out=` arguments are written.
 
@@ -26,6 +27,14 @@ from .conv import (
     conv_bias_act,
     conv_forward,
 )
+from .conv_transpose import (
+    conv_transpose_activation_backward_bias,
+    conv_transpose_backward_bias,
+    conv_transpose_backward_data,
+    conv_transpose_backward_filter,
+    conv_transpose_bias_act,
+    conv_transpose_forward,
+)
 from .pad import pad_backward, pad_forward
 from .pooling import pool_backward, pool_forward
 
@@ -42,6 +51,12 @@ __all__ = [
     "conv_backward_filter",
     "conv_bias_act",
     "conv_forward",
+    "conv_transpose_activation_backward_bias",
+    "conv_transpose_backward_bias",
+    "conv_transpose_backward_data",
+    "conv_transpose_backward_filter",
+    "conv_transpose_bias_act",
+    "conv_transpose_forward",
     "pad_backward",
     "pad_forward",
     "pool_backward",

@@ -21,6 +21,7 @@ from .algorithms import (
 from .batchnorm import batchnorm_plan_cache_info, clear_batchnorm_plan_cache
 from .cache import CacheInfo, PlanCache
 from .conv import BiasGradFallbackWarning, ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
+from .conv_transpose import transpose_plan_key
 from .pool import PoolPlan, PoolPlanKey
 
 _conv_plans = PlanCache(ConvPlan)
@@ -31,6 +32,12 @@ def get_plan(geom: Any, dtype: Any, activation: str | None = "identity",
              residual: bool = False) -> ConvPlan:
     """The cached plan for this convolution under the current flags."""
     return _conv_plans.get(PlanKey.create(geom, dtype, activation, residual, get_flags()))
+
+
+def get_transpose_plan(tgeom: Any, dtype: Any) -> ConvPlan:
+    """The cached plan of a transposed convolution: its forward convolution's plan, with
+    the roles of x and y swapped (plan/conv_transpose.py)."""
+    return _conv_plans.get(transpose_plan_key(tgeom, dtype, get_flags()))
 
 
 def get_pool_plan(pgeom: Any, dtype: Any) -> PoolPlan:
@@ -71,6 +78,7 @@ __all__ = [
     "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
     "FusedFallbackWarning", "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey",
     "WorkspaceFallbackWarning", "WorkspaceUnavailableError", "batchnorm_plan_cache_info",
-    "clear_plan_cache", "forward_paths", "get_plan", "get_pool_plan", "plan_cache_info",
+    "clear_plan_cache", "forward_paths", "get_plan", "get_pool_plan", "get_transpose_plan",
+    "plan_cache_info",
     "pool_plan_cache_info",
 ]

@@ -6,7 +6,8 @@ torch.nn.Modules.
 `Conv1d/2d/3d` take torch.nn.Conv*d's arguments plus `activation=` and compute
 act(conv(x) + bias + residual) in one convfuse op, forward and backward; `BatchNorm1d/2d/3d`
 take torch.nn.BatchNorm*d's plus `activation=` and compute act(batchnorm(x) + residual)
-(docs/PYTORCH.md). `convert(model)` swaps a model's convolutions and batch norms (and the
+(docs/PYTORCH.md); `ConvTranspose1d/2d/3d` take torch.nn.ConvTranspose*d's plus
+`activation=`. `convert(model)` swaps a model's convolutions and batch norms (and the
 activation right after each, inside an nn.Sequential) for them, keeping the same Parameters
 and buffers. `import convfuse` never imports torch; only this package does.
 """
@@ -23,7 +24,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
 
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d, InputShapeError
-from .convert import activation_of, convert, fused_batchnorm, fused_conv
+from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
+from .convert import activation_of, convert, fused_batchnorm, fused_conv, fused_conv_transpose
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
-           "InputShapeError", "activation_of", "convert", "fused_batchnorm", "fused_conv"]
+           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputShapeError",
+           "activation_of", "convert", "fused_batchnorm", "fused_conv", "fused_conv_transpose"]

@@ -24,8 +24,12 @@ from torch import nn
 
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d, _BatchNormNd
 from .conv import Conv1d, Conv2d, Conv3d, _ConvNd
+from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, _ConvTransposeNd
 
 _CONVS: dict[type, type[_ConvNd]] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
+_CONV_TRANSPOSES: dict[type, type[_ConvTransposeNd]] = {
+    nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
+    nn.ConvTranspose3d: ConvTranspose3d}
 _BATCHNORMS: dict[type, type[_BatchNormNd]] = {
     nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d}
 
@@ -56,6 +60,28 @@ def fused_conv(conv: nn.Module, activation: str | None = None) -> _ConvNd | None
         new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
                   conv.padding, conv.dilation, conv.groups, conv.bias is not None,
                   conv.padding_mode, device="meta", dtype=conv.weight.dtype,
+                  activation=activation)
+    except (ValueError, TypeError) as exc:
+        warnings.warn(f"convfuse.torch.convert: kept {conv!r} as PyTorch's ({exc})",
+                      stacklevel=3)
+        return None
+    new.weight = conv.weight
+    new.bias = conv.bias
+    new.train(conv.training)
+    return new
+
+
+def fused_conv_transpose(conv: nn.Module,
+                         activation: str | None = None) -> _ConvTransposeNd | None:
+    """fused_conv for nn.ConvTranspose1d/2d/3d: the same Parameters, or None (with a
+    warning saying why) when convfuse cannot run it."""
+    cls = _CONV_TRANSPOSES.get(type(conv))
+    if cls is None:
+        return None
+    try:
+        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
+                  conv.padding, conv.output_padding, conv.groups, conv.bias is not None,
+                  conv.dilation, conv.padding_mode, device="meta", dtype=conv.weight.dtype,
                   activation=activation)
     except (ValueError, TypeError) as exc:
         warnings.warn(f"convfuse.torch.convert: kept {conv!r} as PyTorch's ({exc})",
@@ -103,6 +129,17 @@ def _conv_activation(children: list[nn.Module], i: int) -> tuple[nn.Module, int]
     return fused, (2 if act is not None else 1)
 
 
+def _conv_transpose_activation(children: list[nn.Module],
+                               i: int) -> tuple[nn.Module, int] | None:
+    if type(children[i]) not in _CONV_TRANSPOSES:
+        return None
+    act = activation_of(children[i + 1]) if i + 1 < len(children) else None
+    fused = fused_conv_transpose(children[i], act)
+    if fused is None:
+        return None
+    return fused, (2 if act is not None else 1)
+
+
 def _batchnorm_activation(children: list[nn.Module], i: int) -> tuple[nn.Module, int] | None:
     if type(children[i]) not in _BATCHNORMS:
         return None
@@ -113,19 +150,19 @@ def _batchnorm_activation(children: list[nn.Module], i: int) -> tuple[nn.Module,
     return fused, (2 if act is not None else 1)
 
 
-RULES: list[Rule] = [_conv_activation, _batchnorm_activation]
+RULES: list[Rule] = [_conv_activation, _conv_transpose_activation, _batchnorm_activation]
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Replace, in place, every nn.Conv1d/2d/3d and nn.BatchNorm1d/2d/3d by convfuse's
-    fused layer with the same Parameters and buffers, folding an activation that
-    immediately follows it in an nn.Sequential (Note [conversion rules]); returns the
+    """Replace, in place, every nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d and
+    nn.BatchNorm1d/2d/3d by convfuse's fused layer with the same Parameters and buffers,
+    folding an activation that immediately follows it in an nn.Sequential (Note [conversion rules]); returns the
     model (or the new layer, if `model` is a conv or a batch norm).
 
     The Parameters and buffers are the same objects, so an optimizer built before the
     conversion keeps working. Every convolution or batch norm left in torch.nn's hands gets
     one warning naming it and why: layers convfuse cannot run (integer or complex dtypes),
-    kinds it has no layer for (ConvTranspose*d, the lazy modules) and batch-norm
+    kinds it has no layer for (the lazy modules) and batch-norm
     subclasses (SyncBatchNorm).
     """
     if not isinstance(model, nn.Module):
@@ -143,8 +180,8 @@ def _warn_if_left(module: nn.Module) -> None:
     convolution or batch norm of any sort) that it leaves in torch.nn's hands, and why
     (Note [conversion rules])."""
     kind = type(module)
-    if kind in _CONVS or kind in _BATCHNORMS:
-        return  # converted, or already warned about by fused_conv/fused_batchnorm
+    if kind in _CONVS or kind in _CONV_TRANSPOSES or kind in _BATCHNORMS:
+        return  # converted, or already warned about by fused_conv*/fused_batchnorm
     if isinstance(module, nn.modules.conv._ConvNd):
         why = f"convfuse has no fused layer for {kind.__name__}"
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -182,6 +219,8 @@ def _alone(module: nn.Module) -> nn.Module | None:
     """`module` converted on its own (no activation folded), or None."""
     if type(module) in _CONVS:
         return fused_conv(module)
+    if type(module) in _CONV_TRANSPOSES:
+        return fused_conv_transpose(module)
     if type(module) in _BATCHNORMS:
         return fused_batchnorm(module)
     return None

@@ -1,0 +1,149 @@
+"""Transposed convolution on cuDNN: the forward convolution G's calls with x and y swapped
+(Note [transposed convolution as a swapped convolution] in convfuse/transpose_geometry.py),
+through G's cached plan, so algorithm choice, workspace, the walk down the ranking on
+refusal or out-of-memory, and the capture rules are the convolution's (ranked.py).
+
+Forward: convolutionBackwardData writes y, then one pass of convfuse's bias + activation
+(+ scaled residual) kernel over y (Note [bias + activation pass] in kernels/activation.cu),
+none when there is no bias, no residual and the activation is identity. silu and gelu save
+their pre-activation, so they write it with that pass and apply the activation in a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ... import activations
+from ..._binding import cudnn
+from ...errors import CudnnError
+from ...plan import Candidate, get_transpose_plan
+from ...transpose_geometry import ConvTransposeGeometry
+from .. import elementwise
+from .handle import Workspace, get_handle
+from .ranked import forward_into, run_ranked
+
+
+@contextlib.contextmanager
+def _named(op: str, tgeom: ConvTransposeGeometry) -> Iterator[None]:
+    """cuDNN errors (G's algorithm queries included) name the transposed op and geometry,
+    not only G's, whose x is the user's output."""
+    try:
+        yield
+    except CudnnError as err:
+        raise err.with_context(f"in {op} of the {tgeom.describe()}") from None
+
+
+def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
+    with _named("conv_transpose_forward", tgeom):
+        return _forward(x, w, tgeom)
+
+
+def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_transpose_plan(tgeom, x.dtype)
+    g = tgeom.conv
+    core = cp.empty(g.input_shape, dtype=x.dtype)
+
+    def call(cand: Candidate, ws: Workspace) -> None:
+        cudnn().convolutionBackwardData(
+            handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, x.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.x_desc,
+            core.data.ptr)
+
+    run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), call,
+               "conv_transpose_forward")
+    return tgeom.from_conv_output(core, cp)
+
+
+def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry,
+                            activation: str = "identity", residual: Any = None,
+                            residual_scale: float = 1.0) -> tuple[Any, Any]:  # pragma: gpu
+    import cupy as cp
+
+    act = activations.normalize(activation)
+    y = conv_transpose_forward(x, w, tgeom)
+    if b is None and residual is None and act == "identity":
+        return y, None
+    epi = tgeom.epilogue
+    if activations.saves(act) != "preactivation":
+        elementwise.bias_act_forward(y, b, residual, float(residual_scale), act, epi)
+        return y, None
+    elementwise.bias_act_forward(y, b, residual, float(residual_scale), "identity", epi)
+    out = cp.empty_like(y)
+    elementwise.activation_forward(y, act, out)
+    return out, y
+
+
+def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any = None,
+                                 beta: float = 0.0) -> Any:  # pragma: gpu
+    with _named("conv_transpose_backward_data", tgeom):
+        return _backward_data(dz, w, tgeom, out, beta)
+
+
+def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
+                   beta: float) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_transpose_plan(tgeom, dz.dtype)
+    dx = out if out is not None else cp.empty(tgeom.input_shape, dtype=dz.dtype)
+    src = tgeom.to_conv_output(dz, cp)
+    if out is None or float(beta) == 0.0:
+        forward_into(plan, handle, src, w, dx, "conv_transpose_backward_data")
+        return dx
+    b = float(beta)
+
+    def call(cand: Candidate, ws: Workspace) -> None:
+        cudnn().convolutionForward(
+            handle, 1.0, plan.x_desc, src.data.ptr, plan.w_desc, w.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.y_desc, dx.data.ptr)
+
+    run_ranked(plan, "fwd", handle, (src.data.ptr, w.data.ptr), call,
+               "conv_transpose_backward_data")
+    return dx
+
+
+def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry,
+                                   out: Any = None, beta: float = 0.0) -> Any:  # pragma: gpu
+    with _named("conv_transpose_backward_filter", tgeom):
+        return _backward_filter(x, dz, tgeom, out, beta)
+
+
+def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
+                     beta: float) -> Any:  # pragma: gpu
+    import cupy as cp
+
+    handle = get_handle()
+    plan = get_transpose_plan(tgeom, x.dtype)
+    dw = out if out is not None else cp.empty(tgeom.weight_shape, dtype=x.dtype)
+    b = float(beta) if out is not None else 0.0
+    src = tgeom.to_conv_output(dz, cp)
+
+    def call(cand: Candidate, ws: Workspace) -> None:
+        cudnn().convolutionBackwardFilter(
+            handle, 1.0, plan.x_desc, src.data.ptr, plan.y_desc, x.data.ptr,
+            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.w_desc, dw.data.ptr)
+
+    run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), call,
+               "conv_transpose_backward_filter")
+    return dw
+
+
+def conv_transpose_activation_backward_bias(
+    dy: Any, saved: Any, activation: str, tgeom: ConvTransposeGeometry, db_out: Any = None,
+    beta: float = 0.0,
+) -> tuple[Any, Any]:  # pragma: gpu
+    """One launch of the fused activation-backward + bias-gradient kernel (Note [fused
+    activation-backward + bias gradient] in activation.cu); for identity it writes db only
+    and dz is dy itself."""
+    import cupy as cp
+
+    db = db_out if db_out is not None else cp.empty(tgeom.bias_shape, dtype=dy.dtype)
+    b = float(beta) if db_out is not None else 0.0
+    dz = None if activation == "identity" else cp.empty_like(dy)
+    elementwise.activation_backward_bias(dy, saved, activation, tgeom.epilogue, dz, db, b)
+    return (dy if dz is None else dz), db
