@@ -156,8 +156,8 @@ RULES: list[Rule] = [_conv_activation, _conv_transpose_activation, _batchnorm_ac
 def convert(model: nn.Module) -> nn.Module:
     """Replace, in place, every nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d and
     nn.BatchNorm1d/2d/3d by convfuse's fused layer with the same Parameters and buffers,
-    folding an activation that immediately follows it in an nn.Sequential (Note [conversion rules]); returns the
-    model (or the new layer, if `model` is a conv or a batch norm).
+    folding an activation that immediately follows it in an nn.Sequential (Note [conversion
+    rules]); returns the model (or the new layer, if `model` is a conv or a batch norm).
 
     The Parameters and buffers are the same objects, so an optimizer built before the
     conversion keeps working. Every convolution or batch norm left in torch.nn's hands gets
