@@ -184,7 +184,9 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "resnet": _streamed(args, "resnet", engine, argv, torch_note,
                             lambda: resnet.run(args.quick)) if args.resnet else None,
         "forward_paths": _forward_paths(),
-        "conv_transpose": None if args.no_conv_transpose else conv_transpose.run(args.quick),
+        "conv_transpose": None if args.no_conv_transpose else _streamed(
+            args, "conv_transpose", engine, argv, torch_note,
+            lambda: conv_transpose.run(args.quick)),
     }
 
 
