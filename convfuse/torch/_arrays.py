@@ -96,22 +96,23 @@ def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return t.movedim(-1, 1).detach() if channels_last else t
 
 
-def empty_in_layout(shape: Sequence[int], channels_last: bool, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
-    """A new (N, C, ...) tensor whose memory is C-contiguous in convfuse's order for the
-    layout: what `logical` returns, and what `physical` maps back with no copy."""
+def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
+                    channels_last: bool) -> torch.Tensor:
+    """A new (N, C, ...) tensor of `ref`'s dtype and device whose memory is C-contiguous in
+    convfuse's order for the layout: what `logical` returns (the fake implementations'
+    outputs), and what `physical` maps back with no copy (an `out=` for convfuse)."""
     shape = [int(n) for n in shape]
     if not channels_last:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return ref.new_empty(shape)
     if len(shape) in (4, 5):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-        return torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
+        return torch.empty(shape, dtype=ref.dtype, device=ref.device, memory_format=fmt)
     phys = [shape[0], *shape[2:], shape[1]]
     strides = [1] * len(phys)
     for i in range(len(phys) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(phys[i + 1], 1)
     logical_strides = [strides[0], strides[-1], *strides[1:-1]]
-    return torch.empty_strided(shape, logical_strides, dtype=dtype, device=device)
+    return torch.empty_strided(shape, logical_strides, dtype=ref.dtype, device=ref.device)
 
 
 def to_array(t: torch.Tensor) -> Any:

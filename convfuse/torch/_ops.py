@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -87,19 +88,12 @@ def _out_shape(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
     return [x.shape[0], weight.shape[0], *spatial]
 
 
-def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int], channels_last: bool,
-                       ) -> torch.Tensor:
-    """A new tensor of logical `shape` laid out as convfuse writes it (contiguous in its
-    physical order), on `ref`'s device and dtype."""
-    return empty_in_layout(shape, channels_last, ref.dtype, ref.device)
-
-
 @conv_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
-    y = _empty_like_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
+    y = empty_in_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
     if activations.saves(activation) == "preactivation":
-        return y, _empty_like_layout(x, y.shape, cl)
+        return y, empty_in_layout(x, y.shape, cl)
     return y, x.new_empty(0)
 
 
@@ -115,12 +109,32 @@ def conv_bias_act_backward(
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+                          (need_dx, need_dw, need_db, need_dz), CONV_BACKWARD)
+
+
+#: The convfuse.ops functions a fused backward calls, by name (looked up at each call):
+#: bias gradient, activation backward + bias gradient, filter gradient, data gradient.
+CONV_BACKWARD = ("conv_backward_bias", "activation_backward_bias", "conv_backward_filter",
+                 "conv_backward_data")
+
+
+def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   saved: torch.Tensor | None, xp: torch.Tensor, wp: torch.Tensor, geom: Any,
+                   cl: bool, activation: str, needs: tuple[bool, bool, bool, bool],
+                   names: tuple[str, str, str, str],
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of a fused backward op (conv_bias_act's or conv_transpose_bias_act's):
+    (dx, dw, db, dz), each only when asked (else an empty tensor), with convfuse's fused
+    activation-backward + bias-gradient kernel; `names` are the ops to call."""
+    bias_grad, act_bias_grad, filter_grad, data_grad = (getattr(ops, n) for n in names)
+    need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
     # views), written by convfuse through `out=` on their physical views.
-    dx_t = _empty_like_layout(x, x.shape, cl) if need_dx else None
-    dw_t = _empty_like_layout(weight, weight.shape, cl) if need_dw else None
-    db_t = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device) if need_db else None
+    dx_t = empty_in_layout(x, x.shape, cl) if need_dx else None
+    dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
+    db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with engine_context(x.device):
         dya = to_array(physical(dy, cl))
         sa = _array_or_none(saved, cl)
@@ -128,15 +142,15 @@ def conv_bias_act_backward(
         if act == "identity":
             dz = dya
             if need_db:
-                ops.conv_backward_bias(dz, geom, out=db_a)
+                bias_grad(dz, geom, out=db_a)
         elif need_db:
-            dz, _ = ops.activation_backward_bias(dya, sa, act, geom, db_out=db_a)
+            dz, _ = act_bias_grad(dya, sa, act, geom, db_out=db_a)
         else:
             dz = ops.activation_backward(dya, sa, act)
         if dw_t is not None:  # need_dw
-            ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
+            filter_grad(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
         if dx_t is not None:  # need_dx
-            ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
+            data_grad(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)
     return (
@@ -152,10 +166,10 @@ def _(dy, x, weight, saved, stride, padding, dilation, groups, activation, need_
       need_db, need_dz):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     act = activations.normalize(activation)
-    dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
-    dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
+    dx = empty_in_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
+    dw = empty_in_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
     db = dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0)
-    dz = _empty_like_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
+    dz = empty_in_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
         else dy.new_empty(0)
     return dx, dw, db, dz
 

@@ -27,7 +27,16 @@ from typing import Any
 import torch
 
 from .. import activations, ops
-from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
+from ..geometry import from_channels_first
+from ._arrays import (
+    empty_in_layout,
+    engine_context,
+    is_channels_last,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
 
 Hyper = tuple[list[int], list[int], list[int], list[int], int]
 
@@ -40,22 +49,16 @@ def _geom(x_shape: Sequence[int], w_shape: Sequence[int], h: Hyper, cl: bool) ->
                      tuple(output_padding), tuple(dilation), int(groups), cl)
 
 
-def _phys_shape(shape: Sequence[int], cl: bool) -> list[int]:
-    return [shape[0], *shape[2:], shape[1]] if cl else list(shape)
-
-
 @torch.library.custom_op("convfuse::conv_transpose_data", mutates_args=())
 def data(x: torch.Tensor, w: torch.Tensor, stride: Sequence[int], padding: Sequence[int],
          output_padding: Sequence[int], dilation: Sequence[int], groups: int) -> torch.Tensor:
     """conv_transpose(x, w), no bias, no activation."""
-    from ._transpose_ops import _plain
-
     cl = is_channels_last(x)
     h = (list(stride), list(padding), list(output_padding), list(dilation), int(groups))
     xp, wp = physical(x, cl), physical(w, cl)
     geom = _geom(xp.shape, wp.shape, h, cl)
     with engine_context(x.device):
-        return _plain(to_tensor(ops.conv_transpose_forward(to_array(xp), to_array(wp), geom)),
+        return logical(to_tensor(ops.conv_transpose_forward(to_array(xp), to_array(wp), geom)),
                       cl)
 
 
@@ -64,17 +67,15 @@ def grad_input(dy: torch.Tensor, w: torch.Tensor, x_size: Sequence[int],
                stride: Sequence[int], padding: Sequence[int], output_padding: Sequence[int],
                dilation: Sequence[int], groups: int) -> torch.Tensor:
     """The input gradient of conv_transpose for an input of size `x_size`."""
-    from ._transpose_ops import _plain
-
     cl = is_channels_last(dy)
     h = (list(stride), list(padding), list(output_padding), list(dilation), int(groups))
     wp = physical(w, cl)
-    geom = _geom(_phys_shape(x_size, cl), wp.shape, h, cl)
+    geom = _geom(from_channels_first(x_size, cl), wp.shape, h, cl)
     out = torch.empty(geom.input_shape, dtype=dy.dtype, device=dy.device)
     with engine_context(dy.device):
         ops.conv_transpose_backward_data(to_array(physical(dy, cl)), to_array(wp), geom,
                                          out=to_array(out))
-    return _plain(out, cl)
+    return logical(out, cl)
 
 
 @torch.library.custom_op("convfuse::conv_transpose_grad_weight", mutates_args=())
@@ -82,41 +83,33 @@ def grad_weight(x: torch.Tensor, dy: torch.Tensor, w_size: Sequence[int],
                 stride: Sequence[int], padding: Sequence[int], output_padding: Sequence[int],
                 dilation: Sequence[int], groups: int) -> torch.Tensor:
     """The weight gradient of conv_transpose for a weight of size `w_size`."""
-    from ._transpose_ops import _plain
-
     cl = is_channels_last(x)
     h = (list(stride), list(padding), list(output_padding), list(dilation), int(groups))
     xp = physical(x, cl)
-    geom = _geom(xp.shape, _phys_shape(w_size, cl), h, cl)
+    geom = _geom(xp.shape, from_channels_first(w_size, cl), h, cl)
     out = torch.empty(geom.weight_shape, dtype=x.dtype, device=x.device)
     with engine_context(x.device):
         ops.conv_transpose_backward_filter(to_array(xp), to_array(physical(dy, cl)), geom,
                                            out=to_array(out))
-    return _plain(out, cl)
-
-
-def _fake_like(ref: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
-    from ._transpose_ops import _empty_like_layout
-
-    return _empty_like_layout(ref, list(shape), is_channels_last(ref))
+    return logical(out, cl)
 
 
 @data.register_fake
 def _(x, w, stride, padding, output_padding, dilation, groups):
     from ._transpose_ops import output_shape
 
-    return _fake_like(x, output_shape(x.shape, w.shape, stride, padding, output_padding,
-                                      dilation, groups))
+    return empty_in_layout(x, output_shape(x.shape, w.shape, stride, padding, output_padding,
+                                           dilation, groups), is_channels_last(x))
 
 
 @grad_input.register_fake
 def _(dy, w, x_size, stride, padding, output_padding, dilation, groups):
-    return _fake_like(dy, x_size)
+    return empty_in_layout(dy, x_size, is_channels_last(dy))
 
 
 @grad_weight.register_fake
 def _(x, dy, w_size, stride, padding, output_padding, dilation, groups):
-    return _fake_like(x, w_size)
+    return empty_in_layout(x, w_size, is_channels_last(x))
 
 
 def _hyper_setup(ctx: Any, inputs: tuple, first: int) -> None:

@@ -26,32 +26,16 @@ import torch
 from .. import activations, ops
 from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
-from ._ops import _array_or_none
-
-
-def _plain(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """A convfuse-ordered result as an ordinary (N, C, ...) tensor on the same memory: not
-    a view (so in-place ops on it work under autograd, as on torch.nn's outputs), with
-    channels-last strides for a channels-last result."""
-    if not channels_last:
-        return t
-    v = t.movedim(-1, 1)
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), v.shape, v.stride())
-
-
-def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int],
-                       channels_last: bool) -> torch.Tensor:
-    """What `_plain` returns, for the fake implementations: a new (N, C, ...) tensor with
-    the strides convfuse writes it in."""
-    if not channels_last:
-        return ref.new_empty(list(shape))
-    phys = [shape[0], *shape[2:], shape[1]]
-    strides = [1] * len(phys)
-    for i in range(len(phys) - 2, -1, -1):
-        strides[i] = strides[i + 1] * phys[i + 1]
-    logical_strides = [strides[0], strides[-1], *strides[1:-1]]
-    return torch.empty_strided(list(shape), logical_strides, dtype=ref.dtype, device=ref.device)
+from ._arrays import (
+    empty_in_layout,
+    engine_context,
+    is_channels_last,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
+from ._ops import _array_or_none, fused_backward
 
 
 @functools.lru_cache(maxsize=1024)
@@ -95,8 +79,8 @@ def conv_transpose_bias_act(
         y, z = ops.conv_transpose_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
             activation=activation, residual=_array_or_none(residual, cl))
-        yt = _plain(to_tensor(y), cl)
-        zt = _plain(to_tensor(z), cl) if z is not None else x.new_empty(0)
+        yt = logical(to_tensor(y), cl)
+        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
     return yt, zt
 
 
@@ -105,9 +89,9 @@ def _(x, weight, bias, residual, stride, padding, output_padding, dilation, grou
     cl = is_channels_last(x)
     shape = output_shape(x.shape, weight.shape, stride, padding, output_padding, dilation,
                          groups)
-    y = _empty_like_layout(x, shape, cl)
+    y = empty_in_layout(x, shape, cl)
     if activations.saves(activation) == "preactivation":
-        return y, _empty_like_layout(x, shape, cl)
+        return y, empty_in_layout(x, shape, cl)
     return y, x.new_empty(0)
 
 
@@ -123,34 +107,12 @@ def conv_transpose_bias_act_backward(
     cl = is_channels_last(x)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = _geom_for(xp, wp, stride, padding, output_padding, dilation, groups, cl)
-    act = activations.normalize(activation)
-    dx_t = torch.empty(xp.shape, dtype=x.dtype, device=x.device) if need_dx else None
-    dw_t = torch.empty(wp.shape, dtype=x.dtype, device=x.device) if need_dw else None
-    db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
-    with engine_context(x.device):
-        dya = to_array(physical(dy, cl))
-        sa = _array_or_none(saved, cl)
-        db_a = None if db_t is None else to_array(db_t)
-        if act == "identity":
-            dz = dya
-            if need_db:
-                ops.conv_transpose_backward_bias(dz, geom, out=db_a)
-        elif need_db:
-            dz, _ = ops.conv_transpose_activation_backward_bias(dya, sa, act, geom, db_out=db_a)
-        else:
-            dz = ops.activation_backward(dya, sa, act)
-        if dw_t is not None:
-            ops.conv_transpose_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
-        if dx_t is not None:
-            ops.conv_transpose_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
-        dz_t = _plain(to_tensor(dz), cl) if (need_dz and act != "identity") else None
-    empty = dy.new_empty(0)
-    return (
-        _plain(dx_t, cl) if dx_t is not None else empty,
-        _plain(dw_t, cl) if dw_t is not None else empty.clone(),
-        db_t if db_t is not None else empty.clone(),
-        dz_t if dz_t is not None else empty.clone(),
-    )
+    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+                          (need_dx, need_dw, need_db, need_dz), _BACKWARD)
+
+
+_BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward_bias",
+             "conv_transpose_backward_filter", "conv_transpose_backward_data")
 
 
 @conv_transpose_bias_act_backward.register_fake
@@ -158,10 +120,10 @@ def _(dy, x, weight, saved, stride, padding, output_padding, dilation, groups, a
       need_dx, need_dw, need_db, need_dz):
     cl = is_channels_last(x)
     act = activations.normalize(activation)
-    dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
-    dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
+    dx = empty_in_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
+    dw = empty_in_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
     db = dy.new_empty(weight.shape[1] * groups) if need_db else dy.new_empty(0)
-    dz = _empty_like_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
+    dz = empty_in_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
         else dy.new_empty(0)
     return dx, dw, db, dz
 
