@@ -10,7 +10,8 @@ below instead (Note [two backward paths] in _double.py):
   are each other's derivatives (Note [three convolutions]), so each one's autograd formula
   calls the other two and every order of derivative stays on convfuse's engines (NumPy or
   cuDNN, through convfuse.ops). A transposed convolution is `conv_data_grad` of its input
-  with the transposed geometry, and gets its gradients from the same formulas.
+  with the transposed geometry, and gets its gradients from the same formulas (Note
+  [transposed convolution double backward] in _double.py).
 - `convfuse::activation_grad(dy, saved, activation)`: dz = dy * act'(.) from what the
   forward saved (Note [what backward saves] in convfuse.activations), on convfuse's engine;
   its derivative with respect to `saved` is written with torch elementwise ops

@@ -26,6 +26,7 @@ import torch
 from .. import activations, ops
 from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
+from . import _double
 from ._arrays import (
     empty_in_layout,
     engine_context,
@@ -144,24 +145,17 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy, dz_output):
     x, weight, saved = ctx.saved_tensors
     stride, padding, output_padding, dilation, groups, activation = ctx.hyper
+    if _double.takes_recorded_path(dz_output):
+        # Recorded backward (create_graph=True): Note [transposed convolution double
+        # backward] in _double.py.
+        return _double.conv_transpose_backward(ctx, dy, dz_output, x, weight, saved, stride,
+                                               padding, output_padding, dilation, groups,
+                                               activation)
     need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
     need_db = bool(need_db and ctx.has_bias)
     identity = activations.normalize(activation) == "identity"
-    if dy is None:
-        if dz_output is None:
-            return (None,) * 10
-        dy = torch.zeros_like(dz_output)
-    if torch.is_grad_enabled() or (dz_output is not None and dz_output.numel()):
-        # create_graph=True (or the pre-activation z was used): Note [transposed
-        # convolution double backward]
-        from ._transpose_grad import differentiable_backward
-
-        h = (stride, padding, output_padding, dilation, groups)
-        extra = dz_output if (dz_output is not None and dz_output.numel()) else None
-        dx, dw, db, dres = differentiable_backward(
-            dy, extra, x, weight, saved, h, activation,
-            (bool(need_dx), bool(need_dw), need_db, bool(need_dres)), ctx.has_bias)
-        return (dx, dw, db, dres, None, None, None, None, None, None)
+    if dy is None:  # y itself fed nothing that needs a gradient
+        return (None,) * 10
     dx, dw, db, dz = torch.ops.convfuse.conv_transpose_bias_act_backward(
         dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
         bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity)

@@ -22,7 +22,7 @@ from torch import nn
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import output_padding_for
-from . import _transpose_grad, _transpose_ops  # noqa: F401  (registers the custom ops)
+from . import _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
 from ._arrays import SUPPORTED_DTYPES
 
 
