@@ -11,9 +11,9 @@ forward is G's data gradient, the backward G's forward (dx) and filter gradient 
 db with dz from the fused activation-backward + bias-gradient kernel. Only the gradients
 autograd asks for are computed.
 
-The backward op has the same signature shape as the conv's, so a double-backward formula
-(registering autograd on it) or autocast registration can be added the same way as for
-conv_bias_act.
+As for conv_bias_act, a backward run with create_graph=True is composed of differentiable
+ops instead (Note [transposed convolution double backward] in _double.py), and the forward
+has an autocast kernel that casts like torch's conv_transpose (Note [autocast]).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from .. import activations, ops
 from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from . import _double
+from . import _autocast, _double
 from ._arrays import (
     empty_in_layout,
     engine_context,
@@ -165,3 +165,4 @@ def _backward(ctx, dy, dz_output):
 
 
 conv_transpose_bias_act.register_autograd(_backward, setup_context=_setup_context)
+_autocast.register_conv(conv_transpose_bias_act)

@@ -22,7 +22,7 @@ from torch import nn
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import output_padding_for
-from . import _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
+from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
 from ._arrays import SUPPORTED_DTYPES
 
 
@@ -123,7 +123,7 @@ class _ConvTransposeNd(nn.Module):
         if x.shape[-rank - 1] != self.in_channels:
             raise ValueError(f"{name}: input has {x.shape[-rank - 1]} channels, the layer "
                              f"expects {self.in_channels}")
-        if x.dtype != weight.dtype:
+        if x.dtype != weight.dtype and not _autocast.casts(x, weight):
             raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                             f"{weight.dtype}")
         if x.device != self.weight.device:
@@ -137,15 +137,10 @@ class _ConvTransposeNd(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
-        it runs in the autocast dtype (a residual is cast to it too)."""
+        it runs in the autocast dtype, a residual cast too (Note [autocast])."""
         name = type(self).__name__
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
-        amp = _autocast_dtype(input)
-        if amp is not None:  # run in the autocast dtype, as torch.nn's layer would
-            input, weight = input.to(amp), weight.to(amp)
-            bias = None if bias is None else bias.to(amp)
-            residual = None if residual is None else residual.to(amp)
         self._check(input, residual, weight)
         try:
             opad = self._output_padding(input, output_size)
@@ -169,7 +164,8 @@ class _ConvTransposeNd(nn.Module):
             if tuple(res.shape) != tuple(shape):
                 raise ValueError(f"{name}: residual has shape {given}, the "
                                  f"output has shape {tuple(shape[1:] if unbatched else shape)}")
-            if res.dtype != x.dtype or res.device != x.device:
+            if res.device != x.device or (res.dtype != x.dtype
+                                          and not _autocast.casts(x, res)):
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
         x = self._memory_format(x, weight, opad)
@@ -206,6 +202,9 @@ class _ConvTransposeNd(nn.Module):
         fallback = x.dtype != torch.float64
         if torch.compiler.is_compiling():
             return fallback
+        if _autocast.casts(x, weight):  # ask about the tensors the op will run on
+            amp = torch.get_autocast_dtype(x.device.type)
+            x, weight = torch.empty_like(x, dtype=amp), torch.empty_like(weight, dtype=amp)
         try:
             backend = torch._C._select_conv_backend(
                 x, weight, None, list(self.stride), list(self.padding), list(self.dilation),
@@ -237,20 +236,6 @@ def _suggests(t: torch.Tensor, fmt: torch.memory_format) -> bool:
     except ImportError:  # pragma: no cover - a torch without it
         return t.is_contiguous(memory_format=fmt) and not t.is_contiguous()
     return bool(suggest_memory_format(t) == fmt)
-
-
-def _autocast_dtype(x: Any) -> torch.dtype | None:
-    """The dtype autocast runs torch.nn's ConvTranspose in for `x`'s device (float16 or
-    bfloat16), or None outside autocast. The casts (`.to`) are differentiable, so the
-    gradients reach float32 parameters in their dtype, as with torch.nn."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16,
-                                                            torch.bfloat16):
-        return None  # autocast leaves float64 alone
-    dev = x.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
-        return None
-    dtype = torch.get_autocast_dtype(dev)
-    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 class ConvTranspose1d(_ConvTransposeNd):
