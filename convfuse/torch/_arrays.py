@@ -38,15 +38,19 @@ DLPack exchanges inside the context are on one stream, so they add no synchronis
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
 import torch
 from torch._prims_common import suggest_memory_format
 
+from ..geometry import layout_name
 from ..ops._checks import ALIGNMENT
+
+G = TypeVar("G")
 
 #: The tensor dtypes convfuse computes in (its four storage dtypes).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -113,6 +117,24 @@ def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
         strides[i] = strides[i + 1] * max(phys[i + 1], 1)
     logical_strides = [strides[0], strides[-1], *strides[1:-1]]
     return torch.empty_strided(shape, logical_strides, dtype=ref.dtype, device=ref.device)
+
+
+def geometry(cls: type[G], x_shape: Sequence[int], w_shape: Sequence[int],
+             channels_last: bool, *hyper: Sequence[int] | int) -> G:
+    """`cls.create(x_shape, w_shape, *hyper, layout)` for convfuse-ordered (physical) shapes,
+    with `hyper` the layer's (stride, padding, [output_padding,] dilation, groups): cached,
+    as a layer asks for the same geometry at every call."""
+    create: Any = cls  # a class is hashable; lru_cache's stub does not know type[G] is
+    return _geometry(create, tuple(int(n) for n in x_shape), tuple(int(n) for n in w_shape),
+                     bool(channels_last),
+                     tuple(int(h) if isinstance(h, int) else tuple(int(v) for v in h)
+                           for h in hyper))
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(cls: Any, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+              channels_last: bool, hyper: tuple[Any, ...]) -> Any:
+    return cls.create(x_shape, w_shape, *hyper, layout_name(channels_last, len(w_shape) - 2))
 
 
 def to_array(t: torch.Tensor) -> Any:

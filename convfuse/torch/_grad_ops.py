@@ -57,11 +57,12 @@ from collections.abc import Sequence
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, from_channels_first, layout_name
+from ..geometry import ConvGeometry, from_channels_first
 from . import _autocast
 from ._arrays import (
     empty_in_layout,
     engine_context,
+    geometry,
     is_channels_last,
     logical,
     physical,
@@ -83,10 +84,9 @@ def _layout(t: torch.Tensor) -> bool:
 def _geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
               padding: Sequence[int], dilation: Sequence[int], groups: int,
               channels_last: bool) -> ConvGeometry:
-    return ConvGeometry.create(from_channels_first(x_shape, channels_last),
-                               from_channels_first(w_shape, channels_last), tuple(stride),
-                               tuple(padding), tuple(dilation), int(groups),
-                               layout_name(channels_last, len(w_shape) - 2))
+    return geometry(ConvGeometry, from_channels_first(x_shape, channels_last),
+                    from_channels_first(w_shape, channels_last), channels_last, stride,
+                    padding, dilation, groups)
 
 
 def _out_size(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],

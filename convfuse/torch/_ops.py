@@ -20,40 +20,24 @@ back as empty tensors (never read), and the residual's gradient for an identity 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, conv_output_size, layout_name
+from ..geometry import ConvGeometry, conv_output_size
 from . import _autocast, _double, _grad_ops  # noqa: F401  (_grad_ops registers its ops)
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
     engine_context,
+    geometry,
     logical,
     physical,
     to_array,
     to_tensor,
 )
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...],
-              padding: tuple[int, ...], dilation: tuple[int, ...], groups: int,
-              channels_last: bool) -> ConvGeometry:
-    rank = len(w_shape) - 2
-    return ConvGeometry.create(x_shape, w_shape, stride, padding, dilation, groups,
-                               layout_name(channels_last, rank))
-
-
-def _geom_for(xp: torch.Tensor, wp: torch.Tensor, stride: Sequence[int],
-              padding: Sequence[int], dilation: Sequence[int], groups: int,
-              channels_last: bool) -> ConvGeometry:
-    return _geometry(tuple(xp.shape), tuple(wp.shape), tuple(stride), tuple(padding),
-                     tuple(dilation), int(groups), channels_last)
 
 
 def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
@@ -70,7 +54,7 @@ def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
     with engine_context(x.device):
         y, z = ops.conv_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
@@ -108,7 +92,7 @@ def conv_bias_act_backward(
     for identity it is dy itself, so the op never returns it then."""
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
     return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
                           (need_dx, need_dw, need_db, need_dz), CONV_BACKWARD)
 

@@ -18,18 +18,17 @@ has an autocast kernel that casts like torch's conv_transpose (Note [autocast]).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from .. import activations, ops
-from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
 from . import _autocast, _double
 from ._arrays import (
     empty_in_layout,
     engine_context,
+    geometry,
     is_channels_last,
     logical,
     physical,
@@ -37,23 +36,6 @@ from ._arrays import (
     to_tensor,
 )
 from ._ops import _array_or_none, fused_backward
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...],
-              padding: tuple[int, ...], output_padding: tuple[int, ...],
-              dilation: tuple[int, ...], groups: int,
-              channels_last: bool) -> ConvTransposeGeometry:
-    rank = len(w_shape) - 2
-    return ConvTransposeGeometry.create(x_shape, w_shape, stride, padding, output_padding,
-                                        dilation, groups, layout_name(channels_last, rank))
-
-
-def _geom_for(xp: torch.Tensor, wp: torch.Tensor, stride: Sequence[int],
-              padding: Sequence[int], output_padding: Sequence[int], dilation: Sequence[int],
-              groups: int, channels_last: bool) -> ConvTransposeGeometry:
-    return _geometry(tuple(xp.shape), tuple(wp.shape), tuple(stride), tuple(padding),
-                     tuple(output_padding), tuple(dilation), int(groups), channels_last)
 
 
 def output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -75,7 +57,8 @@ def conv_transpose_bias_act(
     pre-activation when the activation's backward needs it (silu, gelu), else empty."""
     cl = is_channels_last(x)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, output_padding, dilation, groups, cl)
+    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
+                    output_padding, dilation, groups)
     with engine_context(x.device):
         y, z = ops.conv_transpose_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
@@ -107,7 +90,8 @@ def conv_transpose_bias_act_backward(
     pre-activation's gradient (the residual's); for identity it is dy, never returned."""
     cl = is_channels_last(x)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, output_padding, dilation, groups, cl)
+    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
+                    output_padding, dilation, groups)
     return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
                           (need_dx, need_dw, need_db, need_dz), _BACKWARD)
 

@@ -12,24 +12,20 @@ residual). Unbatched inputs (C, *spatial) give unbatched outputs, as in torch.nn
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import output_padding_for
 from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
-from ._arrays import SUPPORTED_DTYPES
+from .conv import _ConvLayer
 
 
-class _ConvTransposeNd(nn.Module):
+class _ConvTransposeNd(_ConvLayer):
     """The shared body of ConvTranspose1d/2d/3d; `_rank` is the number of spatial dims."""
-
-    _rank = 0
 
     def __init__(
         self,
@@ -52,19 +48,12 @@ class _ConvTransposeNd(nn.Module):
         name, rank = type(self).__name__, self._rank
         if padding_mode != "zeros":  # torch.nn's check and words
             raise ValueError(f'Only "zeros" padding mode is supported for {name}')
-        for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
-                            ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
+        self._check_counts(in_channels, out_channels, groups)
         if in_channels % groups:
             raise ValueError(f"{name}: in_channels must be divisible by groups")
         if out_channels % groups:
             raise ValueError(f"{name}: out_channels must be divisible by groups")
-        factory = {"device": device, "dtype": dtype}
-        wdtype = torch.empty(0, **factory).dtype
-        if wdtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {wdtype} is not supported; convfuse computes in "
-                            "float32, float64, float16 or bfloat16")
+        factory = self._factory(device, dtype)
         try:
             op = "transposed convolution"
             if isinstance(padding, str):
@@ -86,22 +75,8 @@ class _ConvTransposeNd(nn.Module):
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
         self.transposed = True
-        self.weight = nn.Parameter(
-            torch.empty((in_channels, out_channels // groups, *self.kernel_size), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """torch.nn.ConvTranspose*d's initialisation, draw for draw."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
-            if fan_in != 0:
-                bound = 1 / math.sqrt(fan_in)
-                nn.init.uniform_(self.bias, -bound, bound)
+        self._make_parameters((in_channels, out_channels // groups, *self.kernel_size), bias,
+                              out_channels, factory)
 
     def _output_padding(self, x: torch.Tensor,
                         output_size: Sequence[int] | None) -> tuple[int, ...]:
@@ -112,27 +87,6 @@ class _ConvTransposeNd(nn.Module):
                                   self.kernel_size, self.dilation,
                                   non_spatial=x.dim() - self._rank)
 
-    def _check(self, x: torch.Tensor, residual: torch.Tensor | None,
-               weight: torch.Tensor) -> None:
-        name, rank = type(self).__name__, self._rank
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() not in (rank + 1, rank + 2):
-            raise ValueError(f"{name}: expected a {rank + 1}-d (unbatched) or {rank + 2}-d "
-                             f"(batched) input, got shape {tuple(x.shape)}")
-        if x.shape[-rank - 1] != self.in_channels:
-            raise ValueError(f"{name}: input has {x.shape[-rank - 1]} channels, the layer "
-                             f"expects {self.in_channels}")
-        if x.dtype != weight.dtype and not _autocast.casts(x, weight):
-            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
-                            f"{weight.dtype}")
-        if x.device != self.weight.device:
-            raise ValueError(f"{name}: input is on {x.device}, the weight on "
-                             f"{self.weight.device}")
-        if residual is not None and not isinstance(residual, torch.Tensor):
-            raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
-                            f"{type(residual).__name__}")
-
     def forward(self, input: torch.Tensor, output_size: Sequence[int] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
@@ -141,7 +95,10 @@ class _ConvTransposeNd(nn.Module):
         name = type(self).__name__
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
-        self._check(input, residual, weight)
+        self._check_input(input)
+        if residual is not None and not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
+                            f"{type(residual).__name__}")
         try:
             opad = self._output_padding(input, output_size)
         except (TypeError, ValueError) as exc:
