@@ -149,49 +149,69 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def _(dy, x, weight, saved, stride, padding, dilation, groups, activation, need_dx, need_dw,
       need_db, need_dz):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
+    return empty_backward(dy, x, weight, cl, activation, weight.shape[0],
+                          (need_dx, need_dw, need_db, need_dz))
+
+
+def empty_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cl: bool,
+                   activation: str, out_channels: int, needs: tuple[bool, bool, bool, bool],
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `fused_backward` returns, unwritten: the fake implementations' outputs."""
+    need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
     dx = empty_in_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
     dw = empty_in_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
-    db = dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0)
+    db = dy.new_empty(out_channels) if need_db else dy.new_empty(0)
     dz = empty_in_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
         else dy.new_empty(0)
     return dx, dw, db, dz
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _residual, stride, padding, dilation, groups, activation = inputs
-    y, z = output
-    kind = activations.saves(activation)
-    saved = {"none": None, "output": y, "preactivation": z}[kind]
-    ctx.save_for_backward(x, weight, saved)
-    ctx.hyper = (list(stride), list(padding), list(dilation), int(groups), activation)
-    ctx.has_bias = bias is not None
-    # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
-    if kind != "preactivation":
-        ctx.mark_non_differentiable(z)
-    ctx.set_materialize_grads(False)
+def register_fused_autograd(forward: Any, backward_op: Any, recorded: str) -> None:
+    """Autograd for a fused forward op `forward(x, weight, bias, residual, *hyper,
+    activation) -> (y, z)` (conv_bias_act, conv_transpose_bias_act): its fused backward op
+    `backward_op(dy, x, weight, saved, *hyper, activation, need_dx, need_dw, need_db,
+    need_dz)`, or _double's function named `recorded`, (ctx, dy, dz, x, weight, saved,
+    *hyper, activation), when the backward itself is recorded (Note [two backward paths]
+    in _double.py)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, weight, bias, _residual, *hyper, activation = inputs
+        y, z = output
+        kind = activations.saves(activation)
+        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        ctx.save_for_backward(x, weight, saved)
+        ctx.hyper = [list(h) if isinstance(h, (list, tuple)) else int(h) for h in hyper]
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        # z stays differentiable where it is saved (Note [two backward paths] in
+        # _double.py), and an unused z must not look like a gradient.
+        if kind != "preactivation":
+            ctx.mark_non_differentiable(z)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx: Any, dy: torch.Tensor | None,
+                 dz_output: torch.Tensor | None) -> tuple[Any, ...]:
+        x, weight, saved = ctx.saved_tensors
+        activation, rest = ctx.activation, (None,) * (len(ctx.hyper) + 1)
+        if _double.takes_recorded_path(dz_output):
+            return getattr(_double, recorded)(ctx, dy, dz_output, x, weight, saved,
+                                              *ctx.hyper, activation)
+        need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+        need_db = bool(need_db and ctx.has_bias)
+        identity = activations.normalize(activation) == "identity"
+        if dy is None:  # y itself fed nothing that needs a gradient
+            return (None,) * 4 + rest
+        dx, dw, db, dz = backward_op(dy, x, weight, saved, *ctx.hyper, activation,
+                                     bool(need_dx), bool(need_dw), need_db,
+                                     bool(need_dres) and not identity)
+        dres = (dy if identity else dz) if need_dres else None
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                dres, *rest)
+
+    forward.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, dy, dz_output):
-    x, weight, saved = ctx.saved_tensors
-    stride, padding, dilation, groups, activation = ctx.hyper
-    if _double.takes_recorded_path(dz_output):
-        # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
-        return _double.conv_backward(ctx, dy, dz_output, x, weight, saved, stride, padding,
-                                     dilation, groups, activation)
-    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
-    need_db = bool(need_db and ctx.has_bias)
-    identity = activations.normalize(activation) == "identity"
-    if dy is None:  # y itself fed nothing that needs a gradient
-        return (None,) * 9
-    dx, dw, db, dz = torch.ops.convfuse.conv_bias_act_backward(
-        dy, x, weight, saved, stride, padding, dilation, groups, activation,
-        bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity,
-    )
-    dres = (dy if identity else dz) if need_dres else None
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, dres,
-            None, None, None, None, None)
-
-
-conv_bias_act.register_autograd(_backward, setup_context=_setup_context)
+register_fused_autograd(conv_bias_act, torch.ops.convfuse.conv_bias_act_backward,
+                        "conv_backward")
 _autocast.register_conv(conv_bias_act)

@@ -24,7 +24,7 @@ import torch
 
 from .. import activations, ops
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from . import _autocast, _double
+from . import _autocast
 from ._arrays import (
     empty_in_layout,
     engine_context,
@@ -35,7 +35,7 @@ from ._arrays import (
     to_array,
     to_tensor,
 )
-from ._ops import _array_or_none, fused_backward
+from ._ops import _array_or_none, empty_backward, fused_backward, register_fused_autograd
 
 
 def output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -103,50 +103,11 @@ _BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward
 @conv_transpose_bias_act_backward.register_fake
 def _(dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
       need_dx, need_dw, need_db, need_dz):
-    cl = is_channels_last(x)
-    act = activations.normalize(activation)
-    dx = empty_in_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
-    dw = empty_in_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
-    db = dy.new_empty(weight.shape[1] * groups) if need_db else dy.new_empty(0)
-    dz = empty_in_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
-        else dy.new_empty(0)
-    return dx, dw, db, dz
+    return empty_backward(dy, x, weight, is_channels_last(x), activation,
+                          weight.shape[1] * groups, (need_dx, need_dw, need_db, need_dz))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _residual, stride, padding, output_padding, dilation, groups, act = inputs
-    y, z = output
-    saved = {"none": None, "output": y, "preactivation": z}[activations.saves(act)]
-    ctx.save_for_backward(x, weight, saved)
-    ctx.hyper = (list(stride), list(padding), list(output_padding), list(dilation),
-                 int(groups), act)
-    ctx.has_bias = bias is not None
-    # z is an output so that a double backward can differentiate through it; an unused z
-    # must not look like a gradient (then the fused backward op would be skipped).
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dy, dz_output):
-    x, weight, saved = ctx.saved_tensors
-    stride, padding, output_padding, dilation, groups, activation = ctx.hyper
-    if _double.takes_recorded_path(dz_output):
-        # Recorded backward (create_graph=True): Note [transposed convolution double
-        # backward] in _double.py.
-        return _double.conv_transpose_backward(ctx, dy, dz_output, x, weight, saved, stride,
-                                               padding, output_padding, dilation, groups,
-                                               activation)
-    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
-    need_db = bool(need_db and ctx.has_bias)
-    identity = activations.normalize(activation) == "identity"
-    if dy is None:  # y itself fed nothing that needs a gradient
-        return (None,) * 10
-    dx, dw, db, dz = torch.ops.convfuse.conv_transpose_bias_act_backward(
-        dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
-        bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity)
-    dres = (dy if identity else dz) if need_dres else None
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, dres,
-            None, None, None, None, None, None)
-
-
-conv_transpose_bias_act.register_autograd(_backward, setup_context=_setup_context)
+register_fused_autograd(conv_transpose_bias_act,
+                        torch.ops.convfuse.conv_transpose_bias_act_backward,
+                        "conv_transpose_backward")
 _autocast.register_conv(conv_transpose_bias_act)
