@@ -66,6 +66,18 @@ class _ConvLayer(nn.Module):
                             "convfuse computes in float32, float64, float16 or bfloat16")
         return factory
 
+    def _set_window(self, kernel_size: IntOrTuple, stride: IntOrTuple, dilation: IntOrTuple,
+                    op: str = "convolution") -> None:
+        """torch.nn's kernel_size, stride and dilation tuples, each entry >= 1 (a ValueError
+        the constructor prefixes with the layer's name otherwise)."""
+        rank = self._rank
+        self.kernel_size = as_tuple(kernel_size, rank, "kernel_size", op)
+        self.stride = as_tuple(stride, rank, "stride", op)
+        self.dilation = as_tuple(dilation, rank, "dilation", op)
+        if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
+            raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
+                             f"{self.kernel_size}, {self.stride}, {self.dilation}")
+
     def _make_parameters(self, weight_shape: tuple[int, ...], bias: bool, out_channels: int,
                          factory: dict[str, Any]) -> None:
         self.weight = nn.Parameter(torch.empty(weight_shape, **factory))
@@ -139,12 +151,7 @@ class _ConvNd(_ConvLayer):
                              f"padding_mode={padding_mode!r}")
         factory = self._factory(device, dtype)
         try:
-            self.kernel_size = as_tuple(kernel_size, rank, "kernel_size")
-            self.stride = as_tuple(stride, rank, "stride")
-            self.dilation = as_tuple(dilation, rank, "dilation")
-            if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
-                raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
-                                 f"{self.kernel_size}, {self.stride}, {self.dilation}")
+            self._set_window(kernel_size, stride, dilation)
             self.padding, self._pads = self._resolve_padding(padding)
             self.activation = activations.normalize(activation)
         except ValueError as exc:

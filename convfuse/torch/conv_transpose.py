@@ -58,14 +58,9 @@ class _ConvTransposeNd(_ConvLayer):
             op = "transposed convolution"
             if isinstance(padding, str):
                 raise ValueError(f"padding must be an int or {rank} ints, got {padding!r}")
-            self.kernel_size = as_tuple(kernel_size, rank, "kernel_size", op)
-            self.stride = as_tuple(stride, rank, "stride", op)
+            self._set_window(kernel_size, stride, dilation, op)
             self.padding = as_tuple(padding, rank, "padding", op)
             self.output_padding = as_tuple(output_padding, rank, "output_padding", op)
-            self.dilation = as_tuple(dilation, rank, "dilation", op)
-            if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
-                raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
-                                 f"{self.kernel_size}, {self.stride}, {self.dilation}")
             if any(v < 0 for v in (*self.padding, *self.output_padding)):
                 raise ValueError(f"padding and output_padding must be >= 0, got "
                                  f"{self.padding}, {self.output_padding}")
