@@ -26,9 +26,9 @@ A transposed convolution is the data gradient of the convolution G it is built o
 of its own: with gz the gradient at its pre-activation, dx = conv_forward(gz, w) and
 dw = conv_filter_grad(gz, x) of G (_grad_ops.py; torch's (in, out/groups, *k) weight is
 G's as it is), and their derivatives are Note [three convolutions]'s. An output_padding at
-or above the stride makes G's output larger than the transposed one: gz is then padded into
-G's output (and cropped where G's is shorter) with `F.pad`, a torch op whose derivative is
-the opposite crop and pad, to any order.
+or above the stride makes G's output larger than the transposed one: gz is then placed into
+G's output at ConvTransposeGeometry's `window_slices` with `F.pad` (cropping where a pad is
+negative), a torch op whose derivative is the opposite crop and pad, to any order.
 
 Note [batch norm's backward with torch ops]
 In the recorded path the batch norm's own part of the backward (everything after the
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import activations
-from ..transpose_geometry import transpose_output_size
+from ..transpose_geometry import ConvTransposeGeometry
+from ._arrays import geometry
 
 
 def takes_recorded_path(dz_output: torch.Tensor | None) -> bool:
@@ -121,18 +122,18 @@ def conv_transpose_backward(ctx: Any, dy: torch.Tensor | None, dz_out: torch.Ten
     """conv_transpose_bias_act's input gradients (x, weight, bias, residual) from
     differentiable ops (Note [transposed convolution double backward]); the 6 non-tensor
     arguments get None."""
-    g_pad: list[int] = []  # G's padding per dim
-    window: list[int] = []  # F.pad's (low, high) per dim, last dim first
-    for n, k, s, p, d, op in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation,
-                                 output_padding):
-        out = transpose_output_size(n, k, s, p, d, op)
-        q = p if op < s else max(0, p - op)  # as ConvTransposeGeometry's G
-        size = out if op < s else transpose_output_size(n, k, s, q, d, 0)
-        g_pad.append(q)
-        window[:0] = [p - q, size - (p - q) - out]
+    tgeom = geometry(ConvTransposeGeometry, x.shape, weight.shape, False, stride, padding,
+                     output_padding, dilation, groups)  # logical shapes: channels-first
+    g_pad = list(tgeom.conv.padding)
+    window: list[int] = []  # F.pad's (low, high) per spatial dim, last dim first
+    if tgeom.windowed:
+        _, theirs = tgeom.window_slices
+        for where, size, out in zip(theirs[2:], tgeom.conv.input_shape[2:],
+                                    tgeom.output_shape[2:]):
+            window[:0] = [where.start, size - where.start - out]
 
     def g_out(g: torch.Tensor) -> torch.Tensor:
-        return F.pad(g, window) if any(window) else g
+        return F.pad(g, window) if window else g
 
     return _conv_grads(
         ctx, preactivation_grad(dy, dz_out, saved, activation),
