@@ -57,7 +57,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, from_channels_first
+from ..geometry import ConvGeometry, conv_output_size, from_channels_first
 from . import _autocast
 from ._arrays import (
     empty_in_layout,
@@ -89,11 +89,12 @@ def _geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[i
                     padding, dilation, groups)
 
 
-def _out_size(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
-              padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+def conv_output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+                      padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """conv(x, w)'s logical (N, C, *spatial) shape (symbolic sizes stay symbolic)."""
+    spatial = [conv_output_size(n, k, s, p, d) for n, k, s, p, d in
                zip(x_shape[2:], w_shape[2:], stride, padding, dilation)]
-    return [int(x_shape[0]), int(w_shape[0]), *spatial]
+    return [x_shape[0], w_shape[0], *spatial]
 
 
 # --- convolution primitives ------------------------------------------------------------
@@ -104,7 +105,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
                  groups: int) -> torch.Tensor:
     """conv(x, weight): no bias, no activation."""
     cl = _layout(x)
-    shape = _out_size(x.shape, weight.shape, stride, padding, dilation)
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
     if x.numel() == 0 or 0 in shape:
         return empty_in_layout(x, shape, cl)
     geom = _geometry(x.shape, weight.shape, stride, padding, dilation, groups, cl)
@@ -116,8 +117,8 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
 
 @conv_forward.register_fake
 def _(x, weight, stride, padding, dilation, groups):
-    return empty_in_layout(x, _out_size(x.shape, weight.shape, stride, padding, dilation),
-                      _layout(x))
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
+    return empty_in_layout(x, shape, _layout(x))
 
 
 @torch.library.custom_op("convfuse::conv_data_grad", mutates_args=())

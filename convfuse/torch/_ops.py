@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, conv_output_size
-from . import _autocast, _double, _grad_ops  # noqa: F401  (_grad_ops registers its ops)
+from ..geometry import ConvGeometry
+from . import _autocast, _double
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
@@ -38,6 +38,7 @@ from ._arrays import (
     to_array,
     to_tensor,
 )
+from ._grad_ops import conv_output_shape  # and registers the differentiable ops
 
 
 def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
@@ -65,17 +66,11 @@ def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return yt, zt
 
 
-def _out_shape(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
-               padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    spatial = [conv_output_size(n, k, s, p, d) for n, k, s, p, d in
-               zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
-    return [x.shape[0], weight.shape[0], *spatial]
-
-
 @conv_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
-    y = empty_in_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
+    y = empty_in_layout(x, shape, cl)
     if activations.saves(activation) == "preactivation":
         return y, empty_in_layout(x, y.shape, cl)
     return y, x.new_empty(0)
