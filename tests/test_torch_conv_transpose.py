@@ -390,6 +390,23 @@ def test_output_memory_format_is_torch_nns(rank, dtype, which):
         assert y.view(2, -1).shape[1] == y[0].numel()
 
 
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("which", ["input", "module", "both"])
+def test_output_memory_format_with_one_input_channel_is_torch_nns(rank, which):
+    """A one-channel tensor is contiguous in both formats; the layout is torch's own
+    backend's choice (as for Conv), not a guess from the strides."""
+    ref, ours = _pair(rank, (1, 3, 1, 1), {}, torch.float32)
+    fmt = torch.channels_last if rank == 2 else torch.channels_last_3d
+    x = torch.randn(2, 1, *[5, 4, 3][:rank])
+    if which in ("input", "both"):
+        x = x.to(memory_format=fmt)
+    if which in ("module", "both"):
+        ref, ours = ref.to(memory_format=fmt), ours.to(memory_format=fmt)
+    y_ref, y = ref(x), ours(x)
+    assert _format(y) == _format(y_ref)
+    torch.testing.assert_close(y, y_ref, **TOL[torch.float32])
+
+
 @pytest.mark.slow  # inductor compiles C++
 def test_converted_unet_under_compile_equals_the_unconverted_model():
     torch.manual_seed(0)

@@ -71,14 +71,17 @@ def batchnorm_channels_last(x: torch.Tensor) -> bool:
 
 
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
-                       padding: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
-    """Whether torch.nn's convolution returns a channels-last result for these tensors:
-    the memory format of the backend torch would pick (mkldnn, cuDNN, the slow kernels; no
-    channels-last float64 in cuDNN or mkldnn), asked the way torch's fake tensors ask it."""
+                       padding: Sequence[int], dilation: Sequence[int], groups: int,
+                       output_padding: Sequence[int] | None = None) -> bool:
+    """Whether torch.nn's convolution (transposed when `output_padding` is given) returns a
+    channels-last result for these tensors: the memory format of the backend torch would
+    pick (mkldnn, cuDNN, the slow kernels; no channels-last float64 in cuDNN or mkldnn, nor
+    in the CPU's slow 3-d transposed path), asked the way torch's fake tensors ask it."""
     rank = weight.dim() - 2
+    transposed = output_padding is not None
     backend = torch._C._select_conv_backend(
-        x, weight, None, list(stride), list(padding), list(dilation), False, [0] * rank,
-        groups, None)
+        x, weight, None, list(stride), list(padding), list(dilation), transposed,
+        list(output_padding) if output_padding is not None else [0] * rank, groups, None)
     if rank == 1:  # torch decides 1-d convolutions on the 2-d problem it runs
         x, weight = x.contiguous().unsqueeze(2), weight.unsqueeze(2)
     fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)

@@ -26,10 +26,10 @@ from .. import activations, ops
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
 from . import _autocast
 from ._arrays import (
+    conv_channels_last,
     empty_in_layout,
     engine_context,
     geometry,
-    is_channels_last,
     logical,
     physical,
     to_array,
@@ -55,7 +55,7 @@ def conv_transpose_bias_act(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv_transpose(x, weight) + bias + residual); z is the
     pre-activation when the activation's backward needs it (silu, gelu), else empty."""
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
                     output_padding, dilation, groups)
@@ -70,7 +70,7 @@ def conv_transpose_bias_act(
 
 @conv_transpose_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, output_padding, dilation, groups, activation):
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     shape = output_shape(x.shape, weight.shape, stride, padding, output_padding, dilation,
                          groups)
     y = empty_in_layout(x, shape, cl)
@@ -88,7 +88,7 @@ def conv_transpose_bias_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db, dz), each computed only when its `need_*` is set (else empty). dz is the
     pre-activation's gradient (the residual's); for identity it is dy, never returned."""
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     xp, wp = physical(x, cl), physical(weight, cl)
     geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
                     output_padding, dilation, groups)
@@ -103,7 +103,8 @@ _BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward
 @conv_transpose_bias_act_backward.register_fake
 def _(dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
       need_dx, need_dw, need_db, need_dz):
-    return empty_backward(dy, x, weight, is_channels_last(x), activation,
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
+    return empty_backward(dy, x, weight, cl, activation,
                           weight.shape[1] * groups, (need_dx, need_dw, need_db, need_dz))
 
 

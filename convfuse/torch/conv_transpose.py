@@ -120,50 +120,10 @@ class _ConvTransposeNd(_ConvLayer):
                                           and not _autocast.casts(x, res)):
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
-        x = self._memory_format(x, weight, opad)
         y, _ = torch.ops.convfuse.conv_transpose_bias_act(
             x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
             list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
-
-    def _memory_format(self, x: torch.Tensor, weight: torch.Tensor,
-                       output_padding: Sequence[int]) -> torch.Tensor:
-        """x in the layout whose output has torch.nn's memory format: channels-last when
-        the input or the weight is channels_last (2-d and 3-d) and torch's backend keeps
-        it, which its CPU slow 3-d path does not (`_keeps_channels_last`); contiguous for
-        1-d, as torch.nn."""
-        from ._arrays import is_channels_last
-
-        if self._rank == 1:
-            return x.contiguous() if is_channels_last(x) else x
-        fmt = torch.channels_last if self._rank == 2 else torch.channels_last_3d
-        want = (_suggests(x, fmt) or _suggests(weight, fmt)) and self._keeps_channels_last(
-            x, weight, output_padding)
-        if want and not is_channels_last(x):
-            return x.contiguous(memory_format=fmt)
-        if not want and is_channels_last(x):
-            return x.contiguous()
-        return x
-
-    def _keeps_channels_last(self, x: torch.Tensor, weight: torch.Tensor,
-                             output_padding: Sequence[int]) -> bool:
-        if self._rank == 2 or x.device.type != "cpu":
-            return True  # cuDNN, oneDNN and the slow 2-d path all return channels-last
-        # 3-d on the CPU: oneDNN returns channels-last, the slow path contiguous, and which
-        # one runs depends on dtype, sizes, threads and the CPU: ask torch's own selector.
-        fallback = x.dtype != torch.float64
-        if torch.compiler.is_compiling():
-            return fallback
-        if _autocast.casts(x, weight):  # ask about the tensors the op will run on
-            amp = torch.get_autocast_dtype(x.device.type)
-            x, weight = torch.empty_like(x, dtype=amp), torch.empty_like(weight, dtype=amp)
-        try:
-            backend = torch._C._select_conv_backend(
-                x, weight, None, list(self.stride), list(self.padding), list(self.dilation),
-                True, list(output_padding), self.groups, None)
-        except (AttributeError, RuntimeError, TypeError):
-            return fallback
-        return str(backend) != "_ConvBackend.SlowTranspose3d"
 
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
@@ -179,15 +139,6 @@ class _ConvTransposeNd(_ConvLayer):
         if self.bias is None:
             s += ", bias=False"
         return s + f", activation={self.activation!r}"
-
-
-def _suggests(t: torch.Tensor, fmt: torch.memory_format) -> bool:
-    """torch's suggest_memory_format(t) == fmt (for a dense tensor)."""
-    try:
-        from torch._prims_common import suggest_memory_format
-    except ImportError:  # pragma: no cover - a torch without it
-        return t.is_contiguous(memory_format=fmt) and not t.is_contiguous()
-    return bool(suggest_memory_format(t) == fmt)
 
 
 class ConvTranspose1d(_ConvTransposeNd):
