@@ -314,6 +314,32 @@ def test_gradient_penalty_matches_torch_nn():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("rank,args", [
+    (1, (2, 3, 3, 1, 2, 1, 1, True, 2)),  # output_padding 1 >= stride 1 (< dilation 2)
+    (2, (2, 4, 3, (1, 2), 2, (1, 1), 2, True, (2, 2))),  # the same along H only
+])
+def test_double_backward_with_output_padding_at_the_stride(rank, args, channels_last):
+    """Note [transposed convolution double backward]: where G's output is larger than the
+    transposed one (output_padding >= stride), the second derivatives (weight gradient of
+    an input-gradient penalty, and gradgradcheck) still match torch.nn's in float64."""
+    ref, ours = _pair(rank, args, {}, torch.float64, activation="tanh")
+    x = torch.randn(2, 2, *[4, 3][:rank], dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
+    if channels_last and rank == 2:
+        x = x.to(memory_format=torch.channels_last)
+    results = []
+    for m, act in ((ref, torch.tanh), (ours, lambda t: t)):
+        xi = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(act(m(xi)).square().sum(), xi, create_graph=True)
+        (g.square().sum() + g.sum()).backward()
+        results.append((g.detach(), xi.grad, m.weight.grad, m.bias.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    xs = x[:1].clone().requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda x, w: ours(x), (xs, ours.weight))
+
+
 @pytest.mark.parametrize("act", ["relu", "gelu"])
 def test_first_order_backward_runs_the_fused_op(monkeypatch, act):
     """Without create_graph, backward is the one fused backward op (db and dz from the
@@ -362,6 +388,23 @@ def test_output_memory_format_is_torch_nns(rank, dtype, which):
     torch.testing.assert_close(y, y_ref, **(TOL.get(dtype) or dict(rtol=2e-2, atol=2e-2)))
     if _format(y) == "contiguous":
         assert y.view(2, -1).shape[1] == y[0].numel()
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("which", ["input", "module", "both"])
+def test_output_memory_format_with_one_input_channel_is_torch_nns(rank, which):
+    """A one-channel tensor is contiguous in both formats; the layout is torch's own
+    backend's choice (as for Conv), not a guess from the strides."""
+    ref, ours = _pair(rank, (1, 3, 1, 1), {}, torch.float32)
+    fmt = torch.channels_last if rank == 2 else torch.channels_last_3d
+    x = torch.randn(2, 1, *[5, 4, 3][:rank])
+    if which in ("input", "both"):
+        x = x.to(memory_format=fmt)
+    if which in ("module", "both"):
+        ref, ours = ref.to(memory_format=fmt), ours.to(memory_format=fmt)
+    y_ref, y = ref(x), ours(x)
+    assert _format(y) == _format(y_ref)
+    torch.testing.assert_close(y, y_ref, **TOL[torch.float32])
 
 
 @pytest.mark.slow  # inductor compiles C++

@@ -38,15 +38,19 @@ DLPack exchanges inside the context are on one stream, so they add no synchronis
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import ml_dtypes
 import numpy as np
 import torch
 from torch._prims_common import suggest_memory_format
 
+from ..geometry import layout_name
 from ..ops._checks import ALIGNMENT
+
+G = TypeVar("G")
 
 #: The tensor dtypes convfuse computes in (its four storage dtypes).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -67,14 +71,17 @@ def batchnorm_channels_last(x: torch.Tensor) -> bool:
 
 
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
-                       padding: Sequence[int], dilation: Sequence[int], groups: int) -> bool:
-    """Whether torch.nn's convolution returns a channels-last result for these tensors:
-    the memory format of the backend torch would pick (mkldnn, cuDNN, the slow kernels; no
-    channels-last float64 in cuDNN or mkldnn), asked the way torch's fake tensors ask it."""
+                       padding: Sequence[int], dilation: Sequence[int], groups: int,
+                       output_padding: Sequence[int] | None = None) -> bool:
+    """Whether torch.nn's convolution (transposed when `output_padding` is given) returns a
+    channels-last result for these tensors: the memory format of the backend torch would
+    pick (mkldnn, cuDNN, the slow kernels; no channels-last float64 in cuDNN or mkldnn, nor
+    in the CPU's slow 3-d transposed path), asked the way torch's fake tensors ask it."""
     rank = weight.dim() - 2
+    transposed = output_padding is not None
     backend = torch._C._select_conv_backend(
-        x, weight, None, list(stride), list(padding), list(dilation), False, [0] * rank,
-        groups, None)
+        x, weight, None, list(stride), list(padding), list(dilation), transposed,
+        list(output_padding) if output_padding is not None else [0] * rank, groups, None)
     if rank == 1:  # torch decides 1-d convolutions on the 2-d problem it runs
         x, weight = x.contiguous().unsqueeze(2), weight.unsqueeze(2)
     fmt = torch._C._conv_determine_backend_memory_format(x, weight, backend)
@@ -96,22 +103,41 @@ def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return t.movedim(-1, 1).detach() if channels_last else t
 
 
-def empty_in_layout(shape: Sequence[int], channels_last: bool, dtype: torch.dtype,
-                    device: torch.device) -> torch.Tensor:
-    """A new (N, C, ...) tensor whose memory is C-contiguous in convfuse's order for the
-    layout: what `logical` returns, and what `physical` maps back with no copy."""
+def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
+                    channels_last: bool) -> torch.Tensor:
+    """A new (N, C, ...) tensor of `ref`'s dtype and device whose memory is C-contiguous in
+    convfuse's order for the layout: what `logical` returns (the fake implementations'
+    outputs), and what `physical` maps back with no copy (an `out=` for convfuse)."""
     shape = [int(n) for n in shape]
     if not channels_last:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return ref.new_empty(shape)
     if len(shape) in (4, 5):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-        return torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
+        return torch.empty(shape, dtype=ref.dtype, device=ref.device, memory_format=fmt)
     phys = [shape[0], *shape[2:], shape[1]]
     strides = [1] * len(phys)
     for i in range(len(phys) - 2, -1, -1):
         strides[i] = strides[i + 1] * max(phys[i + 1], 1)
     logical_strides = [strides[0], strides[-1], *strides[1:-1]]
-    return torch.empty_strided(shape, logical_strides, dtype=dtype, device=device)
+    return torch.empty_strided(shape, logical_strides, dtype=ref.dtype, device=ref.device)
+
+
+def geometry(cls: type[G], x_shape: Sequence[int], w_shape: Sequence[int],
+             channels_last: bool, *hyper: Sequence[int] | int) -> G:
+    """`cls.create(x_shape, w_shape, *hyper, layout)` for convfuse-ordered (physical) shapes,
+    with `hyper` the layer's (stride, padding, [output_padding,] dilation, groups): cached,
+    as a layer asks for the same geometry at every call."""
+    create: Any = cls  # a class is hashable; lru_cache's stub does not know type[G] is
+    return _geometry(create, tuple(int(n) for n in x_shape), tuple(int(n) for n in w_shape),
+                     bool(channels_last),
+                     tuple(int(h) if isinstance(h, int) else tuple(int(v) for v in h)
+                           for h in hyper))
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(cls: Any, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+              channels_last: bool, hyper: tuple[Any, ...]) -> Any:
+    return cls.create(x_shape, w_shape, *hyper, layout_name(channels_last, len(w_shape) - 2))
 
 
 def to_array(t: torch.Tensor) -> Any:

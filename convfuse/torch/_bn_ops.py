@@ -49,8 +49,15 @@ from .. import activations, ops
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
 from . import _double
-from ._arrays import batchnorm_channels_last, engine_context, logical, physical, to_array, to_tensor
-from ._ops import _empty_like_layout
+from ._arrays import (
+    batchnorm_channels_last,
+    empty_in_layout,
+    engine_context,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -155,8 +162,8 @@ def _fake_forward(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
     cl = batchnorm_channels_last(x)
     c = x.shape[1]
     cd = _compute_dtype(x)
-    y = _empty_like_layout(x, x.shape, cl)
-    z = _empty_like_layout(x, x.shape, cl) \
+    y = empty_in_layout(x, x.shape, cl)
+    z = empty_in_layout(x, x.shape, cl) \
         if activations.saves(activation) == "preactivation" else x.new_empty(0)
     return y, x.new_empty(c, dtype=cd), x.new_empty(c, dtype=cd), z
 
@@ -211,10 +218,10 @@ def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_
     cl = batchnorm_channels_last(x)
     empty = dy.new_empty(0)
     return (
-        _empty_like_layout(x, x.shape, cl) if need_dx else empty,
+        empty_in_layout(x, x.shape, cl) if need_dx else empty,
         weight.new_empty(weight.shape) if weight is not None else empty.clone(),
         weight.new_empty(weight.shape) if weight is not None else empty.clone(),
-        _empty_like_layout(x, x.shape, cl) if need_dres else empty.clone(),
+        empty_in_layout(x, x.shape, cl) if need_dres else empty.clone(),
     )
 
 

@@ -20,6 +20,16 @@ activations] in _grad_ops.py). For the same reason z is a differentiable output 
 and gelu (the layers discard it; nothing reaches it in a first-order backward) and the
 forward's autograd node does not materialise zero gradients for unused outputs.
 
+Note [transposed convolution double backward]
+A transposed convolution is the data gradient of the convolution G it is built on (Note
+[transposed convolution as a swapped convolution]), so its recorded backward needs no ops
+of its own: with gz the gradient at its pre-activation, dx = conv_forward(gz, w) and
+dw = conv_filter_grad(gz, x) of G (_grad_ops.py; torch's (in, out/groups, *k) weight is
+G's as it is), and their derivatives are Note [three convolutions]'s. An output_padding at
+or above the stride makes G's output larger than the transposed one: gz is then placed into
+G's output at ConvTransposeGeometry's `window_slices` with `F.pad` (cropping where a pad is
+negative), a torch op whose derivative is the opposite crop and pad, to any order.
+
 Note [batch norm's backward with torch ops]
 In the recorded path the batch norm's own part of the backward (everything after the
 activation) is written with torch's reductions and elementwise ops, and the batch
@@ -38,8 +48,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .. import activations
+from ..transpose_geometry import ConvTransposeGeometry
+from ._arrays import geometry
 
 
 def takes_recorded_path(dz_output: torch.Tensor | None) -> bool:
@@ -75,23 +88,59 @@ def preactivation_grad(dy: torch.Tensor | None, dz_out: torch.Tensor | None,
     return g
 
 
+def _conv_grads(ctx: Any, g: torch.Tensor | None, dx_fn: Any, dw_fn: Any,
+                nonetensor: int) -> tuple[Any, ...]:
+    """(dx, dw, db, dres) from the gradient g at the pre-activation, each only where
+    autograd asks for it, then None for the `nonetensor` non-tensor arguments."""
+    if g is None:
+        return (None,) * (4 + nonetensor)
+    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+    return (dx_fn(g) if need_dx else None, dw_fn(g) if need_dw else None,
+            _bias_grad(g) if need_db and ctx.has_bias else None, g if need_dres else None,
+            *(None,) * nonetensor)
+
+
 def conv_backward(ctx: Any, dy: torch.Tensor | None, dz_out: torch.Tensor | None,
                   x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
                   stride: list[int], padding: list[int], dilation: list[int], groups: int,
                   activation: str) -> tuple[Any, ...]:
     """conv_bias_act's input gradients (x, weight, bias, residual) from differentiable ops
     (Note [two backward paths]); the 5 non-tensor arguments get None."""
-    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
-    g = preactivation_grad(dy, dz_out, saved, activation)
-    if g is None:
-        return (None,) * 9
-    dx = torch.ops.convfuse.conv_data_grad(g, weight, list(x.shape), stride, padding,
-                                           dilation, groups) if need_dx else None
-    dw = torch.ops.convfuse.conv_filter_grad(x, g, list(weight.shape), stride, padding,
-                                             dilation, groups) if need_dw else None
-    db = _bias_grad(g) if need_db and ctx.has_bias else None
-    dres = g if need_dres else None
-    return (dx, dw, db, dres, None, None, None, None, None)
+    return _conv_grads(
+        ctx, preactivation_grad(dy, dz_out, saved, activation),
+        lambda g: torch.ops.convfuse.conv_data_grad(g, weight, list(x.shape), stride,
+                                                    padding, dilation, groups),
+        lambda g: torch.ops.convfuse.conv_filter_grad(x, g, list(weight.shape), stride,
+                                                      padding, dilation, groups), 5)
+
+
+def conv_transpose_backward(ctx: Any, dy: torch.Tensor | None, dz_out: torch.Tensor | None,
+                            x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
+                            stride: list[int], padding: list[int],
+                            output_padding: list[int], dilation: list[int], groups: int,
+                            activation: str) -> tuple[Any, ...]:
+    """conv_transpose_bias_act's input gradients (x, weight, bias, residual) from
+    differentiable ops (Note [transposed convolution double backward]); the 6 non-tensor
+    arguments get None."""
+    tgeom = geometry(ConvTransposeGeometry, x.shape, weight.shape, False, stride, padding,
+                     output_padding, dilation, groups)  # logical shapes: channels-first
+    g_pad = list(tgeom.conv.padding)
+    window: list[int] = []  # F.pad's (low, high) per spatial dim, last dim first
+    if tgeom.windowed:
+        _, theirs = tgeom.window_slices
+        for where, size, out in zip(theirs[2:], tgeom.conv.input_shape[2:],
+                                    tgeom.output_shape[2:]):
+            window[:0] = [where.start, size - where.start - out]
+
+    def g_out(g: torch.Tensor) -> torch.Tensor:
+        return F.pad(g, window) if window else g
+
+    return _conv_grads(
+        ctx, preactivation_grad(dy, dz_out, saved, activation),
+        lambda g: torch.ops.convfuse.conv_forward(g_out(g), weight, stride, g_pad, dilation,
+                                                  groups),
+        lambda g: torch.ops.convfuse.conv_filter_grad(g_out(g), x, list(weight.shape),
+                                                      stride, g_pad, dilation, groups), 6)
 
 
 def batchnorm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,

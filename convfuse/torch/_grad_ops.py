@@ -10,7 +10,8 @@ below instead (Note [two backward paths] in _double.py):
   are each other's derivatives (Note [three convolutions]), so each one's autograd formula
   calls the other two and every order of derivative stays on convfuse's engines (NumPy or
   cuDNN, through convfuse.ops). A transposed convolution is `conv_data_grad` of its input
-  with the transposed geometry, and gets its gradients from the same formulas.
+  with the transposed geometry, and gets its gradients from the same formulas (Note
+  [transposed convolution double backward] in _double.py).
 - `convfuse::activation_grad(dy, saved, activation)`: dz = dy * act'(.) from what the
   forward saved (Note [what backward saves] in convfuse.activations), on convfuse's engine;
   its derivative with respect to `saved` is written with torch elementwise ops
@@ -56,9 +57,18 @@ from collections.abc import Sequence
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, layout_name
+from ..geometry import ConvGeometry, conv_output_size, from_channels_first
 from . import _autocast
-from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
+from ._arrays import (
+    empty_in_layout,
+    engine_context,
+    geometry,
+    is_channels_last,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -71,48 +81,20 @@ def _layout(t: torch.Tensor) -> bool:
     return is_channels_last(t)
 
 
-def physical_shape(shape: Sequence[int], channels_last: bool) -> list[int]:
-    return [shape[0], *shape[2:], shape[1]] if channels_last else list(shape)
-
-
-def _logical_strides(shape: Sequence[int], channels_last: bool) -> list[int]:
-    phys = physical_shape(shape, channels_last)
-    strides, acc = [0] * len(phys), 1
-    for i in range(len(phys) - 1, -1, -1):
-        strides[i] = acc
-        acc *= max(int(phys[i]), 1)
-    return [strides[0], strides[-1], *strides[1:-1]] if channels_last else strides
-
-
-def new_output(ref: torch.Tensor, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
-    """An ordinary (non-view) tensor of logical `shape`, laid out as convfuse writes it
-    (contiguous in its physical order), on `ref`'s device and dtype."""
-    return torch.empty_strided(list(shape), _logical_strides(shape, channels_last),
-                               dtype=ref.dtype, device=ref.device)
-
-
-def _as_output(t: torch.Tensor, shape: Sequence[int], channels_last: bool) -> torch.Tensor:
-    """A contiguous physical-order tensor as an ordinary logical tensor on its memory
-    (a view would refuse later in-place ops under autograd)."""
-    out = t.new_empty(0)
-    return out.set_(t.untyped_storage(), t.storage_offset(), list(shape),
-                    _logical_strides(shape, channels_last))
-
-
 def _geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
               padding: Sequence[int], dilation: Sequence[int], groups: int,
               channels_last: bool) -> ConvGeometry:
-    return ConvGeometry.create(physical_shape(x_shape, channels_last),
-                               physical_shape(w_shape, channels_last), tuple(stride),
-                               tuple(padding), tuple(dilation), int(groups),
-                               layout_name(channels_last, len(w_shape) - 2))
+    return geometry(ConvGeometry, from_channels_first(x_shape, channels_last),
+                    from_channels_first(w_shape, channels_last), channels_last, stride,
+                    padding, dilation, groups)
 
 
-def _out_size(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
-              padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    spatial = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, s, p, d in
+def conv_output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+                      padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """conv(x, w)'s logical (N, C, *spatial) shape (symbolic sizes stay symbolic)."""
+    spatial = [conv_output_size(n, k, s, p, d) for n, k, s, p, d in
                zip(x_shape[2:], w_shape[2:], stride, padding, dilation)]
-    return [int(x_shape[0]), int(w_shape[0]), *spatial]
+    return [x_shape[0], w_shape[0], *spatial]
 
 
 # --- convolution primitives ------------------------------------------------------------
@@ -123,20 +105,20 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
                  groups: int) -> torch.Tensor:
     """conv(x, weight): no bias, no activation."""
     cl = _layout(x)
-    shape = _out_size(x.shape, weight.shape, stride, padding, dilation)
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
     if x.numel() == 0 or 0 in shape:
-        return new_output(x, shape, cl)
+        return empty_in_layout(x, shape, cl)
     geom = _geometry(x.shape, weight.shape, stride, padding, dilation, groups, cl)
     with engine_context(x.device):
         y = to_tensor(ops.conv_forward(to_array(physical(x, cl)),
                                        to_array(physical(weight, cl)), geom))
-    return _as_output(y, shape, cl)
+    return logical(y, cl)
 
 
 @conv_forward.register_fake
 def _(x, weight, stride, padding, dilation, groups):
-    return new_output(x, _out_size(x.shape, weight.shape, stride, padding, dilation),
-                      _layout(x))
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
+    return empty_in_layout(x, shape, _layout(x))
 
 
 @torch.library.custom_op("convfuse::conv_data_grad", mutates_args=())
@@ -146,7 +128,7 @@ def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[
     """The gradient of conv(x, weight) with respect to x (of size `input_size`), given the
     output's gradient dz; also a transposed convolution of dz."""
     cl = _layout(dz)
-    out = new_output(dz, input_size, cl)
+    out = empty_in_layout(dz, input_size, cl)
     if out.numel() == 0:
         return out
     if dz.numel() == 0:
@@ -160,7 +142,7 @@ def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[
 
 @conv_data_grad.register_fake
 def _(dz, weight, input_size, stride, padding, dilation, groups):
-    return new_output(dz, input_size, _layout(dz))
+    return empty_in_layout(dz, input_size, _layout(dz))
 
 
 @torch.library.custom_op("convfuse::conv_filter_grad", mutates_args=())
@@ -170,7 +152,7 @@ def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[in
     """The gradient of conv(x, w) with respect to w (of size `weight_size`), given the
     output's gradient dz."""
     cl = _layout(x)
-    out = new_output(x, weight_size, cl)
+    out = empty_in_layout(x, weight_size, cl)
     if x.numel() == 0 or dz.numel() == 0:
         return out.zero_()
     geom = _geometry(x.shape, weight_size, stride, padding, dilation, groups, cl)
@@ -182,7 +164,7 @@ def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[in
 
 @conv_filter_grad.register_fake
 def _(x, dz, weight_size, stride, padding, dilation, groups):
-    return new_output(x, weight_size, _layout(x))
+    return empty_in_layout(x, weight_size, _layout(x))
 
 
 def _save_conv(ctx, inputs, output) -> None:
@@ -237,7 +219,7 @@ def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
     """dz = dy * act'(.) from the forward's saved tensor (y, or z for silu and gelu)."""
     act = activations.normalize(activation)
     cl = _layout(dy)
-    out = new_output(dy, dy.shape, cl)
+    out = empty_in_layout(dy, dy.shape, cl)
     if out.numel() == 0:
         return out
     if act == "identity":
@@ -251,7 +233,7 @@ def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
 
 @activation_grad.register_fake
 def _(dy, saved, activation):
-    return new_output(dy, dy.shape, _layout(dy))
+    return empty_in_layout(dy, dy.shape, _layout(dy))
 
 
 def second_derivative_term(dy: torch.Tensor, saved: torch.Tensor, act: str

@@ -20,39 +20,25 @@ back as empty tensors (never read), and the residual's gradient for an identity 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .. import activations, ops
-from ..geometry import ConvGeometry, conv_output_size, layout_name
-from . import _autocast, _double, _grad_ops  # noqa: F401  (_grad_ops registers its ops)
+from ..geometry import ConvGeometry
+from . import _autocast, _double
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
     engine_context,
+    geometry,
     logical,
     physical,
     to_array,
     to_tensor,
 )
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...],
-              padding: tuple[int, ...], dilation: tuple[int, ...], groups: int,
-              channels_last: bool) -> ConvGeometry:
-    rank = len(w_shape) - 2
-    return ConvGeometry.create(x_shape, w_shape, stride, padding, dilation, groups,
-                               layout_name(channels_last, rank))
-
-
-def _geom_for(xp: torch.Tensor, wp: torch.Tensor, stride: Sequence[int],
-              padding: Sequence[int], dilation: Sequence[int], groups: int,
-              channels_last: bool) -> ConvGeometry:
-    return _geometry(tuple(xp.shape), tuple(wp.shape), tuple(stride), tuple(padding),
-                     tuple(dilation), int(groups), channels_last)
+from ._grad_ops import conv_output_shape  # and registers the differentiable ops
 
 
 def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
@@ -69,7 +55,7 @@ def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
     with engine_context(x.device):
         y, z = ops.conv_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
@@ -80,26 +66,13 @@ def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return yt, zt
 
 
-def _out_shape(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
-               padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    spatial = [conv_output_size(n, k, s, p, d) for n, k, s, p, d in
-               zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
-    return [x.shape[0], weight.shape[0], *spatial]
-
-
-def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int], channels_last: bool,
-                       ) -> torch.Tensor:
-    """A new tensor of logical `shape` laid out as convfuse writes it (contiguous in its
-    physical order), on `ref`'s device and dtype."""
-    return empty_in_layout(shape, channels_last, ref.dtype, ref.device)
-
-
 @conv_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
-    y = _empty_like_layout(x, _out_shape(x, weight, stride, padding, dilation), cl)
+    shape = conv_output_shape(x.shape, weight.shape, stride, padding, dilation)
+    y = empty_in_layout(x, shape, cl)
     if activations.saves(activation) == "preactivation":
-        return y, _empty_like_layout(x, y.shape, cl)
+        return y, empty_in_layout(x, y.shape, cl)
     return y, x.new_empty(0)
 
 
@@ -114,13 +87,33 @@ def conv_bias_act_backward(
     for identity it is dy itself, so the op never returns it then."""
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, dilation, groups, cl)
+    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
+    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+                          (need_dx, need_dw, need_db, need_dz), CONV_BACKWARD)
+
+
+#: The convfuse.ops functions a fused backward calls, by name (looked up at each call):
+#: bias gradient, activation backward + bias gradient, filter gradient, data gradient.
+CONV_BACKWARD = ("conv_backward_bias", "activation_backward_bias", "conv_backward_filter",
+                 "conv_backward_data")
+
+
+def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   saved: torch.Tensor | None, xp: torch.Tensor, wp: torch.Tensor, geom: Any,
+                   cl: bool, activation: str, needs: tuple[bool, bool, bool, bool],
+                   names: tuple[str, str, str, str],
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The body of a fused backward op (conv_bias_act's or conv_transpose_bias_act's):
+    (dx, dw, db, dz), each only when asked (else an empty tensor), with convfuse's fused
+    activation-backward + bias-gradient kernel; `names` are the ops to call."""
+    bias_grad, act_bias_grad, filter_grad, data_grad = (getattr(ops, n) for n in names)
+    need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
     # views), written by convfuse through `out=` on their physical views.
-    dx_t = _empty_like_layout(x, x.shape, cl) if need_dx else None
-    dw_t = _empty_like_layout(weight, weight.shape, cl) if need_dw else None
-    db_t = torch.empty(weight.shape[0], dtype=x.dtype, device=x.device) if need_db else None
+    dx_t = empty_in_layout(x, x.shape, cl) if need_dx else None
+    dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
+    db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with engine_context(x.device):
         dya = to_array(physical(dy, cl))
         sa = _array_or_none(saved, cl)
@@ -128,15 +121,15 @@ def conv_bias_act_backward(
         if act == "identity":
             dz = dya
             if need_db:
-                ops.conv_backward_bias(dz, geom, out=db_a)
+                bias_grad(dz, geom, out=db_a)
         elif need_db:
-            dz, _ = ops.activation_backward_bias(dya, sa, act, geom, db_out=db_a)
+            dz, _ = act_bias_grad(dya, sa, act, geom, db_out=db_a)
         else:
             dz = ops.activation_backward(dya, sa, act)
         if dw_t is not None:  # need_dw
-            ops.conv_backward_filter(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
+            filter_grad(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
         if dx_t is not None:  # need_dx
-            ops.conv_backward_data(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
+            data_grad(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)
     return (
@@ -151,49 +144,69 @@ def conv_bias_act_backward(
 def _(dy, x, weight, saved, stride, padding, dilation, groups, activation, need_dx, need_dw,
       need_db, need_dz):
     cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
+    return empty_backward(dy, x, weight, cl, activation, weight.shape[0],
+                          (need_dx, need_dw, need_db, need_dz))
+
+
+def empty_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cl: bool,
+                   activation: str, out_channels: int, needs: tuple[bool, bool, bool, bool],
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `fused_backward` returns, unwritten: the fake implementations' outputs."""
+    need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
-    dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
-    dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
-    db = dy.new_empty(weight.shape[0]) if need_db else dy.new_empty(0)
-    dz = _empty_like_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
+    dx = empty_in_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
+    dw = empty_in_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
+    db = dy.new_empty(out_channels) if need_db else dy.new_empty(0)
+    dz = empty_in_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
         else dy.new_empty(0)
     return dx, dw, db, dz
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _residual, stride, padding, dilation, groups, activation = inputs
-    y, z = output
-    kind = activations.saves(activation)
-    saved = {"none": None, "output": y, "preactivation": z}[kind]
-    ctx.save_for_backward(x, weight, saved)
-    ctx.hyper = (list(stride), list(padding), list(dilation), int(groups), activation)
-    ctx.has_bias = bias is not None
-    # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
-    if kind != "preactivation":
-        ctx.mark_non_differentiable(z)
-    ctx.set_materialize_grads(False)
+def register_fused_autograd(forward: Any, backward_op: Any, recorded: str) -> None:
+    """Autograd for a fused forward op `forward(x, weight, bias, residual, *hyper,
+    activation) -> (y, z)` (conv_bias_act, conv_transpose_bias_act): its fused backward op
+    `backward_op(dy, x, weight, saved, *hyper, activation, need_dx, need_dw, need_db,
+    need_dz)`, or _double's function named `recorded`, (ctx, dy, dz, x, weight, saved,
+    *hyper, activation), when the backward itself is recorded (Note [two backward paths]
+    in _double.py)."""
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, weight, bias, _residual, *hyper, activation = inputs
+        y, z = output
+        kind = activations.saves(activation)
+        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        ctx.save_for_backward(x, weight, saved)
+        ctx.hyper = [list(h) if isinstance(h, (list, tuple)) else int(h) for h in hyper]
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        # z stays differentiable where it is saved (Note [two backward paths] in
+        # _double.py), and an unused z must not look like a gradient.
+        if kind != "preactivation":
+            ctx.mark_non_differentiable(z)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx: Any, dy: torch.Tensor | None,
+                 dz_output: torch.Tensor | None) -> tuple[Any, ...]:
+        x, weight, saved = ctx.saved_tensors
+        activation, rest = ctx.activation, (None,) * (len(ctx.hyper) + 1)
+        if _double.takes_recorded_path(dz_output):
+            return getattr(_double, recorded)(ctx, dy, dz_output, x, weight, saved,
+                                              *ctx.hyper, activation)
+        need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+        need_db = bool(need_db and ctx.has_bias)
+        identity = activations.normalize(activation) == "identity"
+        if dy is None:  # y itself fed nothing that needs a gradient
+            return (None,) * 4 + rest
+        dx, dw, db, dz = backward_op(dy, x, weight, saved, *ctx.hyper, activation,
+                                     bool(need_dx), bool(need_dw), need_db,
+                                     bool(need_dres) and not identity)
+        dres = (dy if identity else dz) if need_dres else None
+        return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
+                dres, *rest)
+
+    forward.register_autograd(backward, setup_context=setup_context)
 
 
-def _backward(ctx, dy, dz_output):
-    x, weight, saved = ctx.saved_tensors
-    stride, padding, dilation, groups, activation = ctx.hyper
-    if _double.takes_recorded_path(dz_output):
-        # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
-        return _double.conv_backward(ctx, dy, dz_output, x, weight, saved, stride, padding,
-                                     dilation, groups, activation)
-    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
-    need_db = bool(need_db and ctx.has_bias)
-    identity = activations.normalize(activation) == "identity"
-    if dy is None:  # y itself fed nothing that needs a gradient
-        return (None,) * 9
-    dx, dw, db, dz = torch.ops.convfuse.conv_bias_act_backward(
-        dy, x, weight, saved, stride, padding, dilation, groups, activation,
-        bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity,
-    )
-    dres = (dy if identity else dz) if need_dres else None
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, dres,
-            None, None, None, None, None)
-
-
-conv_bias_act.register_autograd(_backward, setup_context=_setup_context)
+register_fused_autograd(conv_bias_act, torch.ops.convfuse.conv_bias_act_backward,
+                        "conv_backward")
 _autocast.register_conv(conv_bias_act)

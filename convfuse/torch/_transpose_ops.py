@@ -11,64 +11,31 @@ forward is G's data gradient, the backward G's forward (dx) and filter gradient 
 db with dz from the fused activation-backward + bias-gradient kernel. Only the gradients
 autograd asks for are computed.
 
-The backward op has the same signature shape as the conv's, so a double-backward formula
-(registering autograd on it) or autocast registration can be added the same way as for
-conv_bias_act.
+As for conv_bias_act, a backward run with create_graph=True is composed of differentiable
+ops instead (Note [transposed convolution double backward] in _double.py), and the forward
+has an autocast kernel that casts like torch's conv_transpose (Note [autocast]).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from .. import activations, ops
-from ..geometry import layout_name
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from ._arrays import engine_context, is_channels_last, physical, to_array, to_tensor
-from ._ops import _array_or_none
-
-
-def _plain(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    """A convfuse-ordered result as an ordinary (N, C, ...) tensor on the same memory: not
-    a view (so in-place ops on it work under autograd, as on torch.nn's outputs), with
-    channels-last strides for a channels-last result."""
-    if not channels_last:
-        return t
-    v = t.movedim(-1, 1)
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), v.shape, v.stride())
-
-
-def _empty_like_layout(ref: torch.Tensor, shape: Sequence[int],
-                       channels_last: bool) -> torch.Tensor:
-    """What `_plain` returns, for the fake implementations: a new (N, C, ...) tensor with
-    the strides convfuse writes it in."""
-    if not channels_last:
-        return ref.new_empty(list(shape))
-    phys = [shape[0], *shape[2:], shape[1]]
-    strides = [1] * len(phys)
-    for i in range(len(phys) - 2, -1, -1):
-        strides[i] = strides[i + 1] * phys[i + 1]
-    logical_strides = [strides[0], strides[-1], *strides[1:-1]]
-    return torch.empty_strided(list(shape), logical_strides, dtype=ref.dtype, device=ref.device)
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: tuple[int, ...],
-              padding: tuple[int, ...], output_padding: tuple[int, ...],
-              dilation: tuple[int, ...], groups: int,
-              channels_last: bool) -> ConvTransposeGeometry:
-    rank = len(w_shape) - 2
-    return ConvTransposeGeometry.create(x_shape, w_shape, stride, padding, output_padding,
-                                        dilation, groups, layout_name(channels_last, rank))
-
-
-def _geom_for(xp: torch.Tensor, wp: torch.Tensor, stride: Sequence[int],
-              padding: Sequence[int], output_padding: Sequence[int], dilation: Sequence[int],
-              groups: int, channels_last: bool) -> ConvTransposeGeometry:
-    return _geometry(tuple(xp.shape), tuple(wp.shape), tuple(stride), tuple(padding),
-                     tuple(output_padding), tuple(dilation), int(groups), channels_last)
+from . import _autocast
+from ._arrays import (
+    conv_channels_last,
+    empty_in_layout,
+    engine_context,
+    geometry,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
+from ._ops import _array_or_none, empty_backward, fused_backward, register_fused_autograd
 
 
 def output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -88,26 +55,27 @@ def conv_transpose_bias_act(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv_transpose(x, weight) + bias + residual); z is the
     pre-activation when the activation's backward needs it (silu, gelu), else empty."""
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, output_padding, dilation, groups, cl)
+    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
+                    output_padding, dilation, groups)
     with engine_context(x.device):
         y, z = ops.conv_transpose_bias_act(
             to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
             activation=activation, residual=_array_or_none(residual, cl))
-        yt = _plain(to_tensor(y), cl)
-        zt = _plain(to_tensor(z), cl) if z is not None else x.new_empty(0)
+        yt = logical(to_tensor(y), cl)
+        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
     return yt, zt
 
 
 @conv_transpose_bias_act.register_fake
 def _(x, weight, bias, residual, stride, padding, output_padding, dilation, groups, activation):
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     shape = output_shape(x.shape, weight.shape, stride, padding, output_padding, dilation,
                          groups)
-    y = _empty_like_layout(x, shape, cl)
+    y = empty_in_layout(x, shape, cl)
     if activations.saves(activation) == "preactivation":
-        return y, _empty_like_layout(x, shape, cl)
+        return y, empty_in_layout(x, shape, cl)
     return y, x.new_empty(0)
 
 
@@ -120,92 +88,27 @@ def conv_transpose_bias_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db, dz), each computed only when its `need_*` is set (else empty). dz is the
     pre-activation's gradient (the residual's); for identity it is dy, never returned."""
-    cl = is_channels_last(x)
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = _geom_for(xp, wp, stride, padding, output_padding, dilation, groups, cl)
-    act = activations.normalize(activation)
-    dx_t = torch.empty(xp.shape, dtype=x.dtype, device=x.device) if need_dx else None
-    dw_t = torch.empty(wp.shape, dtype=x.dtype, device=x.device) if need_dw else None
-    db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
-    with engine_context(x.device):
-        dya = to_array(physical(dy, cl))
-        sa = _array_or_none(saved, cl)
-        db_a = None if db_t is None else to_array(db_t)
-        if act == "identity":
-            dz = dya
-            if need_db:
-                ops.conv_transpose_backward_bias(dz, geom, out=db_a)
-        elif need_db:
-            dz, _ = ops.conv_transpose_activation_backward_bias(dya, sa, act, geom, db_out=db_a)
-        else:
-            dz = ops.activation_backward(dya, sa, act)
-        if dw_t is not None:
-            ops.conv_transpose_backward_filter(to_array(xp), dz, geom, out=to_array(dw_t))
-        if dx_t is not None:
-            ops.conv_transpose_backward_data(dz, to_array(wp), geom, out=to_array(dx_t))
-        dz_t = _plain(to_tensor(dz), cl) if (need_dz and act != "identity") else None
-    empty = dy.new_empty(0)
-    return (
-        _plain(dx_t, cl) if dx_t is not None else empty,
-        _plain(dw_t, cl) if dw_t is not None else empty.clone(),
-        db_t if db_t is not None else empty.clone(),
-        dz_t if dz_t is not None else empty.clone(),
-    )
+    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
+                    output_padding, dilation, groups)
+    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+                          (need_dx, need_dw, need_db, need_dz), _BACKWARD)
+
+
+_BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward_bias",
+             "conv_transpose_backward_filter", "conv_transpose_backward_data")
 
 
 @conv_transpose_bias_act_backward.register_fake
 def _(dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
       need_dx, need_dw, need_db, need_dz):
-    cl = is_channels_last(x)
-    act = activations.normalize(activation)
-    dx = _empty_like_layout(x, x.shape, cl) if need_dx else dy.new_empty(0)
-    dw = _empty_like_layout(weight, weight.shape, cl) if need_dw else dy.new_empty(0)
-    db = dy.new_empty(weight.shape[1] * groups) if need_db else dy.new_empty(0)
-    dz = _empty_like_layout(dy, dy.shape, cl) if (need_dz and act != "identity") \
-        else dy.new_empty(0)
-    return dx, dw, db, dz
+    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
+    return empty_backward(dy, x, weight, cl, activation,
+                          weight.shape[1] * groups, (need_dx, need_dw, need_db, need_dz))
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, _residual, stride, padding, output_padding, dilation, groups, act = inputs
-    y, z = output
-    saved = {"none": None, "output": y, "preactivation": z}[activations.saves(act)]
-    ctx.save_for_backward(x, weight, saved)
-    ctx.hyper = (list(stride), list(padding), list(output_padding), list(dilation),
-                 int(groups), act)
-    ctx.has_bias = bias is not None
-    # z is an output so that a double backward can differentiate through it; an unused z
-    # must not look like a gradient (then the fused backward op would be skipped).
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dy, dz_output):
-    x, weight, saved = ctx.saved_tensors
-    stride, padding, output_padding, dilation, groups, activation = ctx.hyper
-    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
-    need_db = bool(need_db and ctx.has_bias)
-    identity = activations.normalize(activation) == "identity"
-    if dy is None:
-        if dz_output is None:
-            return (None,) * 10
-        dy = torch.zeros_like(dz_output)
-    if torch.is_grad_enabled() or (dz_output is not None and dz_output.numel()):
-        # create_graph=True (or the pre-activation z was used): Note [transposed
-        # convolution double backward]
-        from ._transpose_grad import differentiable_backward
-
-        h = (stride, padding, output_padding, dilation, groups)
-        extra = dz_output if (dz_output is not None and dz_output.numel()) else None
-        dx, dw, db, dres = differentiable_backward(
-            dy, extra, x, weight, saved, h, activation,
-            (bool(need_dx), bool(need_dw), need_db, bool(need_dres)), ctx.has_bias)
-        return (dx, dw, db, dres, None, None, None, None, None, None)
-    dx, dw, db, dz = torch.ops.convfuse.conv_transpose_bias_act_backward(
-        dy, x, weight, saved, stride, padding, output_padding, dilation, groups, activation,
-        bool(need_dx), bool(need_dw), need_db, bool(need_dres) and not identity)
-    dres = (dy if identity else dz) if need_dres else None
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None, dres,
-            None, None, None, None, None, None)
-
-
-conv_transpose_bias_act.register_autograd(_backward, setup_context=_setup_context)
+register_fused_autograd(conv_transpose_bias_act,
+                        torch.ops.convfuse.conv_transpose_bias_act_backward,
+                        "conv_transpose_backward")
+_autocast.register_conv(conv_transpose_bias_act)

@@ -44,10 +44,82 @@ class InputShapeError(ConvfuseError, ValueError, RuntimeError):
     convfuse's convention is ValueError: this is both)."""
 
 
-class _ConvNd(nn.Module):
-    """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims."""
+class _ConvLayer(nn.Module):
+    """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
+    the dtype, their parameters and initialisation, and the checks of an input."""
 
     _rank = 0
+
+    def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
+        for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
+                            ("groups", groups)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got "
+                                 f"{value!r}")
+
+    def _factory(self, device: Any, dtype: torch.dtype | None) -> dict[str, Any]:
+        """The parameters' factory arguments, in a dtype convfuse computes in."""
+        factory = {"device": device, "dtype": dtype}
+        wdtype = torch.empty(0, **factory).dtype
+        if wdtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{type(self).__name__}: dtype {wdtype} is not supported; "
+                            "convfuse computes in float32, float64, float16 or bfloat16")
+        return factory
+
+    def _set_window(self, kernel_size: IntOrTuple, stride: IntOrTuple, dilation: IntOrTuple,
+                    op: str = "convolution") -> None:
+        """torch.nn's kernel_size, stride and dilation tuples, each entry >= 1 (a ValueError
+        the constructor prefixes with the layer's name otherwise)."""
+        rank = self._rank
+        self.kernel_size = as_tuple(kernel_size, rank, "kernel_size", op)
+        self.stride = as_tuple(stride, rank, "stride", op)
+        self.dilation = as_tuple(dilation, rank, "dilation", op)
+        if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
+            raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
+                             f"{self.kernel_size}, {self.stride}, {self.dilation}")
+
+    def _make_parameters(self, weight_shape: tuple[int, ...], bias: bool, out_channels: int,
+                         factory: dict[str, Any]) -> None:
+        self.weight = nn.Parameter(torch.empty(weight_shape, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torch.nn's initialisation of its convolutions, draw for draw."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
+            if fan_in != 0:
+                bound = 1 / math.sqrt(fan_in)
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """x is a batched or unbatched input of the layer's channels, dtype and device (a
+        dtype autocast casts to the weight's counts as the weight's)."""
+        name, rank = type(self).__name__, self._rank
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in (rank + 1, rank + 2):
+            raise InputShapeError(f"{name}: expected a {rank + 1}-d (unbatched) or "
+                                  f"{rank + 2}-d (batched) input, got shape {tuple(x.shape)}")
+        channels = x.shape[-rank - 1]
+        if channels != self.in_channels:
+            raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
+                                  f"{self.in_channels}")
+        if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
+            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
+                            f"{self.weight.dtype}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{name}: input is on {x.device}, the weight on "
+                             f"{self.weight.device}")
+
+
+class _ConvNd(_ConvLayer):
+    """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims."""
+
     transposed = False
 
     def __init__(
@@ -68,10 +140,7 @@ class _ConvNd(nn.Module):
     ) -> None:
         super().__init__()
         name, rank = type(self).__name__, self._rank
-        for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
-                            ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
+        self._check_counts(in_channels, out_channels, groups)
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must "
@@ -80,18 +149,9 @@ class _ConvNd(nn.Module):
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"{name}: padding_mode must be one of {PADDING_MODES}, but got "
                              f"padding_mode={padding_mode!r}")
-        factory = {"device": device, "dtype": dtype}
-        wdtype = torch.empty(0, **factory).dtype
-        if wdtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {wdtype} is not supported; convfuse computes in "
-                            "float32, float64, float16 or bfloat16")
+        factory = self._factory(device, dtype)
         try:
-            self.kernel_size = as_tuple(kernel_size, rank, "kernel_size")
-            self.stride = as_tuple(stride, rank, "stride")
-            self.dilation = as_tuple(dilation, rank, "dilation")
-            if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
-                raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
-                                 f"{self.kernel_size}, {self.stride}, {self.dilation}")
+            self._set_window(kernel_size, stride, dilation)
             self.padding, self._pads = self._resolve_padding(padding)
             self.activation = activations.normalize(activation)
         except ValueError as exc:
@@ -101,13 +161,8 @@ class _ConvNd(nn.Module):
         self.output_padding = (0,) * rank
         # torch.nn's name and order: (left, right) per spatial dim, last dim first (F.pad's)
         self._reversed_padding_repeated_twice = [p for lr in reversed(self._pads) for p in lr]
-        self.weight = nn.Parameter(
-            torch.empty((out_channels, in_channels // groups, *self.kernel_size), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
+        self._make_parameters((out_channels, in_channels // groups, *self.kernel_size), bias,
+                              out_channels, factory)
 
     def _resolve_padding(self, padding: IntOrTuple | str,
                          ) -> tuple[tuple[int, ...] | str, tuple[tuple[int, int], ...]]:
@@ -127,32 +182,9 @@ class _ConvNd(nn.Module):
             raise ValueError(f"padding must be >= 0, got {padding!r}")
         return pad, tuple((p, p) for p in pad)
 
-    def reset_parameters(self) -> None:
-        """torch.nn.Conv*d's initialisation, draw for draw."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
-            if fan_in != 0:
-                bound = 1 / math.sqrt(fan_in)
-                nn.init.uniform_(self.bias, -bound, bound)
-
     def _check(self, x: torch.Tensor, residual: torch.Tensor | None) -> None:
         name, rank = type(self).__name__, self._rank
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() not in (rank + 1, rank + 2):
-            raise InputShapeError(f"{name}: expected a {rank + 1}-d (unbatched) or "
-                                  f"{rank + 2}-d (batched) input, got shape {tuple(x.shape)}")
-        channels = x.shape[-rank - 1]
-        if channels != self.in_channels:
-            raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
-                                  f"{self.in_channels}")
-        if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
-            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
-                            f"{self.weight.dtype}")
-        if x.device != self.weight.device:
-            raise ValueError(f"{name}: input is on {x.device}, the weight on "
-                             f"{self.weight.device}")
+        self._check_input(x)
         spatial = tuple(int(n) for n in x.shape[-rank:])
         if any(n < 1 for n in spatial):
             raise InputShapeError(f"{name}: input shape {tuple(x.shape)} has an empty "

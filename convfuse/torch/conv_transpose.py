@@ -12,24 +12,20 @@ residual). Unbatched inputs (C, *spatial) give unbatched outputs, as in torch.nn
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import output_padding_for
-from . import _transpose_grad, _transpose_ops  # noqa: F401  (registers the custom ops)
-from ._arrays import SUPPORTED_DTYPES
+from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
+from .conv import _ConvLayer
 
 
-class _ConvTransposeNd(nn.Module):
+class _ConvTransposeNd(_ConvLayer):
     """The shared body of ConvTranspose1d/2d/3d; `_rank` is the number of spatial dims."""
-
-    _rank = 0
 
     def __init__(
         self,
@@ -52,31 +48,19 @@ class _ConvTransposeNd(nn.Module):
         name, rank = type(self).__name__, self._rank
         if padding_mode != "zeros":  # torch.nn's check and words
             raise ValueError(f'Only "zeros" padding mode is supported for {name}')
-        for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
-                            ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: {what} must be a positive int, got {value!r}")
+        self._check_counts(in_channels, out_channels, groups)
         if in_channels % groups:
             raise ValueError(f"{name}: in_channels must be divisible by groups")
         if out_channels % groups:
             raise ValueError(f"{name}: out_channels must be divisible by groups")
-        factory = {"device": device, "dtype": dtype}
-        wdtype = torch.empty(0, **factory).dtype
-        if wdtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {wdtype} is not supported; convfuse computes in "
-                            "float32, float64, float16 or bfloat16")
+        factory = self._factory(device, dtype)
         try:
             op = "transposed convolution"
             if isinstance(padding, str):
                 raise ValueError(f"padding must be an int or {rank} ints, got {padding!r}")
-            self.kernel_size = as_tuple(kernel_size, rank, "kernel_size", op)
-            self.stride = as_tuple(stride, rank, "stride", op)
+            self._set_window(kernel_size, stride, dilation, op)
             self.padding = as_tuple(padding, rank, "padding", op)
             self.output_padding = as_tuple(output_padding, rank, "output_padding", op)
-            self.dilation = as_tuple(dilation, rank, "dilation", op)
-            if any(v < 1 for v in (*self.kernel_size, *self.stride, *self.dilation)):
-                raise ValueError(f"kernel_size, stride and dilation must be >= 1, got "
-                                 f"{self.kernel_size}, {self.stride}, {self.dilation}")
             if any(v < 0 for v in (*self.padding, *self.output_padding)):
                 raise ValueError(f"padding and output_padding must be >= 0, got "
                                  f"{self.padding}, {self.output_padding}")
@@ -86,22 +70,8 @@ class _ConvTransposeNd(nn.Module):
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
         self.transposed = True
-        self.weight = nn.Parameter(
-            torch.empty((in_channels, out_channels // groups, *self.kernel_size), **factory))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, **factory))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """torch.nn.ConvTranspose*d's initialisation, draw for draw."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
-            if fan_in != 0:
-                bound = 1 / math.sqrt(fan_in)
-                nn.init.uniform_(self.bias, -bound, bound)
+        self._make_parameters((in_channels, out_channels // groups, *self.kernel_size), bias,
+                              out_channels, factory)
 
     def _output_padding(self, x: torch.Tensor,
                         output_size: Sequence[int] | None) -> tuple[int, ...]:
@@ -112,41 +82,18 @@ class _ConvTransposeNd(nn.Module):
                                   self.kernel_size, self.dilation,
                                   non_spatial=x.dim() - self._rank)
 
-    def _check(self, x: torch.Tensor, residual: torch.Tensor | None,
-               weight: torch.Tensor) -> None:
-        name, rank = type(self).__name__, self._rank
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() not in (rank + 1, rank + 2):
-            raise ValueError(f"{name}: expected a {rank + 1}-d (unbatched) or {rank + 2}-d "
-                             f"(batched) input, got shape {tuple(x.shape)}")
-        if x.shape[-rank - 1] != self.in_channels:
-            raise ValueError(f"{name}: input has {x.shape[-rank - 1]} channels, the layer "
-                             f"expects {self.in_channels}")
-        if x.dtype != weight.dtype:
-            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
-                            f"{weight.dtype}")
-        if x.device != self.weight.device:
-            raise ValueError(f"{name}: input is on {x.device}, the weight on "
-                             f"{self.weight.device}")
-        if residual is not None and not isinstance(residual, torch.Tensor):
-            raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
-                            f"{type(residual).__name__}")
-
     def forward(self, input: torch.Tensor, output_size: Sequence[int] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
-        it runs in the autocast dtype (a residual is cast to it too)."""
+        it runs in the autocast dtype, a residual cast too (Note [autocast])."""
         name = type(self).__name__
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
-        amp = _autocast_dtype(input)
-        if amp is not None:  # run in the autocast dtype, as torch.nn's layer would
-            input, weight = input.to(amp), weight.to(amp)
-            bias = None if bias is None else bias.to(amp)
-            residual = None if residual is None else residual.to(amp)
-        self._check(input, residual, weight)
+        self._check_input(input)
+        if residual is not None and not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
+                            f"{type(residual).__name__}")
         try:
             opad = self._output_padding(input, output_size)
         except (TypeError, ValueError) as exc:
@@ -169,50 +116,14 @@ class _ConvTransposeNd(nn.Module):
             if tuple(res.shape) != tuple(shape):
                 raise ValueError(f"{name}: residual has shape {given}, the "
                                  f"output has shape {tuple(shape[1:] if unbatched else shape)}")
-            if res.dtype != x.dtype or res.device != x.device:
+            if res.device != x.device or (res.dtype != x.dtype
+                                          and not _autocast.casts(x, res)):
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
-        x = self._memory_format(x, weight, opad)
         y, _ = torch.ops.convfuse.conv_transpose_bias_act(
             x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
             list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
-
-    def _memory_format(self, x: torch.Tensor, weight: torch.Tensor,
-                       output_padding: Sequence[int]) -> torch.Tensor:
-        """x in the layout whose output has torch.nn's memory format: channels-last when
-        the input or the weight is channels_last (2-d and 3-d) and torch's backend keeps
-        it, which its CPU slow 3-d path does not (`_keeps_channels_last`); contiguous for
-        1-d, as torch.nn."""
-        from ._arrays import is_channels_last
-
-        if self._rank == 1:
-            return x.contiguous() if is_channels_last(x) else x
-        fmt = torch.channels_last if self._rank == 2 else torch.channels_last_3d
-        want = (_suggests(x, fmt) or _suggests(weight, fmt)) and self._keeps_channels_last(
-            x, weight, output_padding)
-        if want and not is_channels_last(x):
-            return x.contiguous(memory_format=fmt)
-        if not want and is_channels_last(x):
-            return x.contiguous()
-        return x
-
-    def _keeps_channels_last(self, x: torch.Tensor, weight: torch.Tensor,
-                             output_padding: Sequence[int]) -> bool:
-        if self._rank == 2 or x.device.type != "cpu":
-            return True  # cuDNN, oneDNN and the slow 2-d path all return channels-last
-        # 3-d on the CPU: oneDNN returns channels-last, the slow path contiguous, and which
-        # one runs depends on dtype, sizes, threads and the CPU: ask torch's own selector.
-        fallback = x.dtype != torch.float64
-        if torch.compiler.is_compiling():
-            return fallback
-        try:
-            backend = torch._C._select_conv_backend(
-                x, weight, None, list(self.stride), list(self.padding), list(self.dilation),
-                True, list(output_padding), self.groups, None)
-        except (AttributeError, RuntimeError, TypeError):
-            return fallback
-        return str(backend) != "_ConvBackend.SlowTranspose3d"
 
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
@@ -228,29 +139,6 @@ class _ConvTransposeNd(nn.Module):
         if self.bias is None:
             s += ", bias=False"
         return s + f", activation={self.activation!r}"
-
-
-def _suggests(t: torch.Tensor, fmt: torch.memory_format) -> bool:
-    """torch's suggest_memory_format(t) == fmt (for a dense tensor)."""
-    try:
-        from torch._prims_common import suggest_memory_format
-    except ImportError:  # pragma: no cover - a torch without it
-        return t.is_contiguous(memory_format=fmt) and not t.is_contiguous()
-    return bool(suggest_memory_format(t) == fmt)
-
-
-def _autocast_dtype(x: Any) -> torch.dtype | None:
-    """The dtype autocast runs torch.nn's ConvTranspose in for `x`'s device (float16 or
-    bfloat16), or None outside autocast. The casts (`.to`) are differentiable, so the
-    gradients reach float32 parameters in their dtype, as with torch.nn."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16,
-                                                            torch.bfloat16):
-        return None  # autocast leaves float64 alone
-    dev = x.device.type
-    if dev not in ("cuda", "cpu") or not torch.is_autocast_enabled(dev):
-        return None
-    dtype = torch.get_autocast_dtype(dev)
-    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 class ConvTranspose1d(_ConvTransposeNd):

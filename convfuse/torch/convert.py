@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch import nn
 
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d, _BatchNormNd
-from .conv import Conv1d, Conv2d, Conv3d, _ConvNd
+from .conv import Conv1d, Conv2d, Conv3d, _ConvLayer, _ConvNd
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, _ConvTransposeNd
+
+L = TypeVar("L", bound=_ConvLayer)
 
 _CONVS: dict[type, type[_ConvNd]] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d}
 _CONV_TRANSPOSES: dict[type, type[_ConvTransposeNd]] = {
@@ -56,19 +59,9 @@ def fused_conv(conv: nn.Module, activation: str | None = None) -> _ConvNd | None
     cls = _CONVS.get(type(conv))
     if cls is None:
         return None
-    try:
-        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
-                  conv.padding, conv.dilation, conv.groups, conv.bias is not None,
-                  conv.padding_mode, device="meta", dtype=conv.weight.dtype,
-                  activation=activation)
-    except (ValueError, TypeError) as exc:
-        warnings.warn(f"convfuse.torch.convert: kept {conv!r} as PyTorch's ({exc})",
-                      stacklevel=3)
-        return None
-    new.weight = conv.weight
-    new.bias = conv.bias
-    new.train(conv.training)
-    return new
+    return _on_parameters_of(conv, cls, (
+        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+        conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode), activation)
 
 
 def fused_conv_transpose(conv: nn.Module,
@@ -78,14 +71,21 @@ def fused_conv_transpose(conv: nn.Module,
     cls = _CONV_TRANSPOSES.get(type(conv))
     if cls is None:
         return None
+    return _on_parameters_of(conv, cls, (
+        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+        conv.output_padding, conv.groups, conv.bias is not None, conv.dilation,
+        conv.padding_mode), activation)
+
+
+def _on_parameters_of(conv: nn.Module, cls: type[L], args: tuple[Any, ...],
+                      activation: str | None) -> L | None:
+    """cls(*args) (torch.nn's constructor arguments, read off `conv`) on `conv`'s own
+    weight and bias, or None with a warning naming what convfuse refused."""
     try:
-        new = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride,
-                  conv.padding, conv.output_padding, conv.groups, conv.bias is not None,
-                  conv.dilation, conv.padding_mode, device="meta", dtype=conv.weight.dtype,
-                  activation=activation)
+        new = cls(*args, device="meta", dtype=conv.weight.dtype, activation=activation)
     except (ValueError, TypeError) as exc:
         warnings.warn(f"convfuse.torch.convert: kept {conv!r} as PyTorch's ({exc})",
-                      stacklevel=3)
+                      stacklevel=4)
         return None
     new.weight = conv.weight
     new.bias = conv.bias
