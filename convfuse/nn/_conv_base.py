@@ -156,6 +156,10 @@ class _FusedConvLayer(Layer):
             dbias=None if self.bias is None else self.bias.grad, accumulate=True)
         return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
 
+    def _repr_tail(self) -> str:
+        return (f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
+                f"device={self.device!r}")
+
     def _param_to_state(self, name: str, value: Any) -> Any:
         # channels-last stores (A, *kernel, B); PyTorch's checkpoints hold (A, B, *kernel).
         if name == "weight" and self._channels_last:

@@ -144,9 +144,7 @@ class _ConvNd(_FusedConvLayer):
         return (
             f"{self._in}, {self._out}, kernel_size={self._kernel}, "
             f"stride={self._stride}, padding={self._padding}, dilation={self._dilation}, "
-            f"groups={self._groups}, bias={self.bias is not None}, {mode}"
-            f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
-            f"device={self.device!r}"
+            f"groups={self._groups}, bias={self.bias is not None}, {mode}{self._repr_tail()}"
         )
 
 

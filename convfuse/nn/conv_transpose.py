@@ -178,8 +178,7 @@ class _ConvTransposeNd(_FusedConvLayer):
             f"{self._in}, {self._out}, kernel_size={self._kernel}, stride={self._stride}, "
             f"padding={self._padding}, output_padding={self._output_padding}, "
             f"dilation={self._dilation}, groups={self._groups}, bias={self.bias is not None}, "
-            f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
-            f"device={self.device!r}"
+            f"{self._repr_tail()}"
         )
 
 
