@@ -29,17 +29,33 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from . import activations, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
-from .geometry import ConvGeometry, IntOrTuple
+from .geometry import ConvGeometry, ConvShapes, IntOrTuple
 from .ops._checks import check_scalar, overlaps
 from .ops.reference import conv as reference_conv
 from .pad_geometry import PadGeometry, padded_conv
+
+
+class _ForwardContext(Protocol):
+    """What the backward checks read of a forward's context: ConvContext and
+    functional_transpose.ConvTransposeContext both hold it."""
+
+    @property
+    def geom(self) -> ConvShapes: ...
+    @property
+    def x(self) -> Any: ...
+    @property
+    def weight(self) -> Any: ...
+    @property
+    def saved(self) -> Any: ...
+    @property
+    def has_bias(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -278,7 +294,7 @@ def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:
     return dz * ctx.residual_scale if (ctx.residual_scale != 1.0 or dz is dy) else dz
 
 
-def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
+def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: Any,
                    accumulate: Any) -> None:
     """The output buffers, checked as the ops would check them, before any op writes."""
     geom = ctx.geom
@@ -320,7 +336,7 @@ def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
         checked.append((name, out))
 
 
-def _check_dy(dy: Any, ctx: ConvContext) -> None:
+def _check_dy(dy: Any, ctx: _ForwardContext) -> None:
     try:
         array_module(dy, ctx.x)
     except DeviceMismatchError as exc:
