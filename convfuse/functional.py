@@ -27,18 +27,35 @@ Contracts of both functions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from . import activations, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
-from .geometry import ConvGeometry, IntOrTuple
+from .geometry import ConvGeometry, ConvShapes, IntOrTuple
 from .ops._checks import check_scalar, overlaps
 from .ops.reference import conv as reference_conv
 from .pad_geometry import PadGeometry, padded_conv
+
+
+class _ForwardContext(Protocol):
+    """What the backward checks read of a forward's context: ConvContext and
+    functional_transpose.ConvTransposeContext both hold it."""
+
+    @property
+    def geom(self) -> ConvShapes: ...
+    @property
+    def x(self) -> Any: ...
+    @property
+    def weight(self) -> Any: ...
+    @property
+    def saved(self) -> Any: ...
+    @property
+    def has_bias(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,28 @@ def _activation(op: str, activation: Any) -> str:
     return activations.normalize(activation)
 
 
+def _fused_args(op: str, x: Any, weight: Any, bias: Any, residual: Any, activation: Any,
+                residual_scale: Any) -> tuple[Any, Any, Any, Any, str, float]:
+    """A fused forward's arrays (checked, contiguous, on one engine), its activation's
+    canonical name and its residual scale."""
+    act = _activation(op, activation)
+    x = _array(op, "x", x)
+    weight = _array(op, "weight", weight)
+    bias = _array(op, "bias", bias, optional=True)
+    residual = _array(op, "residual", residual, optional=True)
+    scale = check_scalar(op, "residual_scale", residual_scale)
+    array_module(x, weight, bias, residual)  # refuses NumPy/CuPy mixes up front
+    return x, weight, bias, residual, act, scale
+
+
+def _saved(act: str, y: Any, z: Any) -> Any:
+    """What backward keeps of the forward's output (Note [what backward saves])."""
+    saved = {"none": None, "output": y, "preactivation": z}[activations.saves(act)]
+    if isinstance(saved, np.ndarray):
+        saved.flags.writeable = False  # an in-place write would corrupt the gradients
+    return saved
+
+
 def conv_bias_act_forward(
     x: Any,
     weight: Any,
@@ -123,13 +162,8 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
              groups: Any, activation: Any, residual: Any, residual_scale: Any, layout: Any,
              geom: Any, padding_mode: Any, pad: Any) -> tuple[Any, ConvContext]:
     op = "conv_bias_act"
-    act = _activation(op, activation)
-    x = _array(op, "x", x)
-    weight = _array(op, "weight", weight)
-    bias = _array(op, "bias", bias, optional=True)
-    residual = _array(op, "residual", residual, optional=True)
-    scale = check_scalar(op, "residual_scale", residual_scale)
-    array_module(x, weight, bias, residual)  # refuses NumPy/CuPy mixes up front
+    x, weight, bias, residual, act, scale = _fused_args(op, x, weight, bias, residual,
+                                                        activation, residual_scale)
     if geom is None:
         from ._memory import check_conv
 
@@ -159,10 +193,7 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
         y, z = ops.conv_bias_act(
             x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
         )
-    kind = activations.saves(act)
-    saved = {"none": None, "output": y, "preactivation": z}[kind]
-    if isinstance(saved, np.ndarray):
-        saved.flags.writeable = False  # an in-place write would corrupt the gradients
+    saved = _saved(act, y, z)
     columns = kept if kept is not None and kept.cols is not None else None
     ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
                       columns, pad)
@@ -229,17 +260,8 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     _check_dy(dy, ctx)
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
-    db = None
-    if ctx.activation == "identity":
-        dz = dy
-        if ctx.has_bias:
-            db = ops.conv_backward_bias(dz, geom, out=dbias, beta=beta)
-    elif ctx.has_bias:
-        dz, db = ops.activation_backward_bias(
-            dy, ctx.saved, ctx.activation, geom, db_out=dbias, beta=beta
-        )
-    else:
-        dz = ops.activation_backward(dy, ctx.saved, ctx.activation)
+    dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_backward_bias,
+                                ops.activation_backward_bias)
     if ctx.columns is not None:
         with reference_conv.given_columns(ctx.columns):
             dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
@@ -248,14 +270,31 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     dx = ops.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
     if dx is not None and ctx.pad is not None:
         dx = ops.pad_backward(dx, ctx.pad)
-    dres = None
-    if ctx.has_residual:
-        # dz may be the caller's dy (identity): hand back a new array, never an alias.
-        dres = dz * ctx.residual_scale if (ctx.residual_scale != 1.0 or dz is dy) else dz
-    return ConvGrads(dx, dw, db, dres)
+    return ConvGrads(dx, dw, db, _residual_grad(dy, dz, ctx))
 
 
-def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
+def _bias_act_backward(dy: Any, ctx: Any, dbias: Any, beta: float,
+                       backward_bias: Callable[..., Any],
+                       activation_backward_bias: Callable[..., Any]) -> tuple[Any, Any]:
+    """(dz, db): the activation's and the bias's gradient, in one pass where there are both;
+    `backward_bias` and `activation_backward_bias` are the convolution's ops for them."""
+    if ctx.activation == "identity":
+        db = backward_bias(dy, ctx.geom, out=dbias, beta=beta) if ctx.has_bias else None
+        return dy, db
+    if ctx.has_bias:
+        return activation_backward_bias(dy, ctx.saved, ctx.activation, ctx.geom,
+                                        db_out=dbias, beta=beta)
+    return ops.activation_backward(dy, ctx.saved, ctx.activation), None
+
+
+def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:
+    if not ctx.has_residual:
+        return None
+    # dz may be the caller's dy (identity): hand back a new array, never an alias.
+    return dz * ctx.residual_scale if (ctx.residual_scale != 1.0 or dz is dy) else dz
+
+
+def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: Any,
                    accumulate: Any) -> None:
     """The output buffers, checked as the ops would check them, before any op writes."""
     geom = ctx.geom
@@ -297,7 +336,7 @@ def _check_outputs(op: str, dy: Any, ctx: ConvContext, dweight: Any, dbias: Any,
         checked.append((name, out))
 
 
-def _check_dy(dy: Any, ctx: ConvContext) -> None:
+def _check_dy(dy: Any, ctx: _ForwardContext) -> None:
     try:
         array_module(dy, ctx.x)
     except DeviceMismatchError as exc:

@@ -13,14 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from . import activations, ops
-from .backend import array_module, device_of
+from . import ops
+from .backend import device_of
 from .errors import ConvfuseError, renamed
-from .functional import ConvGrads, _activation, _array, _check_dy, _check_outputs
+from .functional import (
+    ConvGrads,
+    _array,
+    _bias_act_backward,
+    _check_dy,
+    _check_outputs,
+    _fused_args,
+    _residual_grad,
+    _saved,
+)
 from .geometry import IntOrTuple
-from .ops._checks import check_scalar
 from .transpose_geometry import ConvTransposeGeometry
 
 
@@ -71,13 +77,8 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_p
              groups: Any, dilation: Any, activation: Any, residual: Any, residual_scale: Any,
              layout: Any, output_size: Any, geom: Any) -> tuple[Any, ConvTransposeContext]:
     op = "conv_transpose_bias_act"
-    act = _activation(op, activation)
-    x = _array(op, "x", x)
-    weight = _array(op, "weight", weight)
-    bias = _array(op, "bias", bias, optional=True)
-    residual = _array(op, "residual", residual, optional=True)
-    scale = check_scalar(op, "residual_scale", residual_scale)
-    array_module(x, weight, bias, residual)
+    x, weight, bias, residual, act, scale = _fused_args(op, x, weight, bias, residual,
+                                                        activation, residual_scale)
     if geom is None:
         from ._memory import check_bytes, check_conv
 
@@ -92,10 +93,7 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_p
                         f"{type(geom).__name__}")
     y, z = ops.conv_transpose_bias_act(x, weight, bias, geom, activation=act,
                                        residual=residual, residual_scale=scale)
-    saved = {"none": None, "output": y, "preactivation": z}[activations.saves(act)]
-    if isinstance(saved, np.ndarray):
-        saved.flags.writeable = False  # an in-place write would corrupt the gradients
-    ctx = ConvTransposeContext(geom, act, x, weight, saved, bias is not None,
+    ctx = ConvTransposeContext(geom, act, x, weight, _saved(act, y, z), bias is not None,
                                residual is not None, scale)
     return y, ctx
 
@@ -136,22 +134,11 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
                         f"conv_transpose_bias_act_forward returned, got {type(ctx).__name__}")
     dy = _array(op, "dy", dy)
     geom = ctx.geom
-    _check_dy(dy, ctx)  # type: ignore[arg-type]  # reads only fields both contexts share
-    _check_outputs(op, dy, ctx, dweight, dbias, accumulate)  # type: ignore[arg-type]
+    _check_dy(dy, ctx)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
-    db = None
-    if ctx.activation == "identity":
-        dz = dy
-        if ctx.has_bias:
-            db = ops.conv_transpose_backward_bias(dz, geom, out=dbias, beta=beta)
-    elif ctx.has_bias:
-        dz, db = ops.conv_transpose_activation_backward_bias(
-            dy, ctx.saved, ctx.activation, geom, db_out=dbias, beta=beta)
-    else:
-        dz = ops.activation_backward(dy, ctx.saved, ctx.activation)
+    dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_transpose_backward_bias,
+                                ops.conv_transpose_activation_backward_bias)
     dw = ops.conv_transpose_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
     dx = ops.conv_transpose_backward_data(dz, ctx.weight, geom) if need_dx else None
-    dres = None
-    if ctx.has_residual:
-        dres = dz * ctx.residual_scale if (ctx.residual_scale != 1.0 or dz is dy) else dz
-    return ConvGrads(dx, dw, db, dres)
+    return ConvGrads(dx, dw, db, _residual_grad(dy, dz, ctx))

@@ -139,8 +139,79 @@ class LayoutShapes:
         return self.rank + 1 if self.channels_last else 1
 
 
+def check_conv_ranks(x_shape: tuple[int, ...], w_shape: tuple[int, ...], weight_dims: str,
+                     op: str) -> int:
+    """The spatial rank of a (transposed) convolution of these input and weight shapes;
+    ValueError unless the weight has 3 to 5 dims and the input as many. `weight_dims` names
+    the weight's dims for the message."""
+    if len(w_shape) not in (3, 4, 5):
+        raise ValueError(
+            f"weight must have 3, 4 or 5 dims ({weight_dims}), got shape {w_shape}")
+    rank = len(w_shape) - 2
+    if len(x_shape) != rank + 2:
+        raise ValueError(
+            f"input must have {rank + 2} dims for a {rank}-d {op} (weight {w_shape}), "
+            f"got shape {x_shape}")
+    return rank
+
+
+class ConvShapes(LayoutShapes):
+    """What ConvGeometry and ConvTransposeGeometry answer alike; each holds `weight_shape`
+    in its layout, `stride`, `padding`, `dilation` and `groups`, and defines `out_channels`
+    and `output_spatial`."""
+
+    weight_shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+    @property
+    def out_channels(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def output_spatial(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _check_window(self) -> None:
+        """The checks both make after the input's: weight dims, stride, dilation, padding."""
+        if any(d <= 0 for d in self.weight_shape):
+            raise ValueError(f"weight shape {self.weight_shape} has a non-positive dimension")
+        if any(s < 1 for s in self.stride):
+            raise ValueError(f"stride must be >= 1, got {self.stride}")
+        if any(d < 1 for d in self.dilation):
+            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
+        if any(p < 0 for p in self.padding):
+            raise ValueError(f"padding must be >= 0, got {self.padding}")
+
+    @property
+    def rank(self) -> int:
+        return len(self.stride)
+
+    @property
+    def in_channels(self) -> int:
+        return self.input_shape_cf[1]
+
+    @property
+    def kernel_size(self) -> tuple[int, ...]:
+        return self.weight_shape_cf[2:]
+
+    @functools.cached_property
+    def weight_shape_cf(self) -> tuple[int, ...]:
+        return to_channels_first(self.weight_shape, self.channels_last)
+
+    @functools.cached_property
+    def output_shape_cf(self) -> tuple[int, ...]:
+        return (self.batch, self.out_channels, *self.output_spatial)
+
+    @property
+    def bias_shape(self) -> tuple[int, ...]:
+        return (self.out_channels,)
+
+
 @dataclass(frozen=True)
-class ConvGeometry(LayoutShapes):
+class ConvGeometry(ConvShapes):
     """A validated N-d convolution (N = 1, 2, 3). Build it with `ConvGeometry.create`."""
 
     input_shape: tuple[int, ...]
@@ -164,17 +235,8 @@ class ConvGeometry(LayoutShapes):
     ) -> ConvGeometry:
         """Validate everything a convolution needs; ValueError names what is wrong."""
         x_shape, w_shape = tuple(int(d) for d in input_shape), tuple(int(d) for d in weight_shape)
-        if len(w_shape) not in (3, 4, 5):
-            raise ValueError(
-                f"weight must have 3, 4 or 5 dims (out_channels, in_channels/groups, *kernel), "
-                f"got shape {w_shape}"
-            )
-        rank = len(w_shape) - 2
-        if len(x_shape) != rank + 2:
-            raise ValueError(
-                f"input must have {rank + 2} dims for a {rank}-d convolution (weight {w_shape}), "
-                f"got shape {x_shape}"
-            )
+        rank = check_conv_ranks(x_shape, w_shape, "out_channels, in_channels/groups, *kernel",
+                                "convolution")
         channels_last = parse_layout(layout, rank)
         stride_t = as_tuple(stride, rank, "stride")
         dilation_t = as_tuple(dilation, rank, "dilation")
@@ -188,14 +250,7 @@ class ConvGeometry(LayoutShapes):
         x, w = self.input_shape_cf, self.weight_shape_cf
         if any(d <= 0 for d in self.input_shape):
             raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
-        if any(d <= 0 for d in self.weight_shape):
-            raise ValueError(f"weight shape {self.weight_shape} has a non-positive dimension")
-        if any(s < 1 for s in self.stride):
-            raise ValueError(f"stride must be >= 1, got {self.stride}")
-        if any(d < 1 for d in self.dilation):
-            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
-        if any(p < 0 for p in self.padding):
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        self._check_window()
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if x[1] % self.groups:
@@ -218,24 +273,8 @@ class ConvGeometry(LayoutShapes):
                 )
 
     @property
-    def rank(self) -> int:
-        return len(self.stride)
-
-    @property
-    def in_channels(self) -> int:
-        return self.input_shape_cf[1]
-
-    @property
     def out_channels(self) -> int:
         return self.weight_shape_cf[0]
-
-    @property
-    def kernel_size(self) -> tuple[int, ...]:
-        return self.weight_shape_cf[2:]
-
-    @functools.cached_property
-    def weight_shape_cf(self) -> tuple[int, ...]:
-        return to_channels_first(self.weight_shape, self.channels_last)
 
     @functools.cached_property
     def output_spatial(self) -> tuple[int, ...]:
@@ -245,14 +284,6 @@ class ConvGeometry(LayoutShapes):
                 self.input_shape_cf[2:], self.kernel_size, self.stride, self.padding, self.dilation
             )
         )
-
-    @functools.cached_property
-    def output_shape_cf(self) -> tuple[int, ...]:
-        return (self.batch, self.out_channels, *self.output_spatial)
-
-    @property
-    def bias_shape(self) -> tuple[int, ...]:
-        return (self.out_channels,)
 
     @property
     def reduce_axes(self) -> tuple[int, ...]:

@@ -34,9 +34,10 @@ from typing import Any
 
 from .geometry import (
     ConvGeometry,
+    ConvShapes,
     IntOrTuple,
-    LayoutShapes,
     as_tuple,
+    check_conv_ranks,
     from_channels_first,
     is_int,
     parse_layout,
@@ -79,7 +80,7 @@ def output_padding_for(input_spatial: Sequence[int], output_size: Sequence[int],
 
 
 @dataclass(frozen=True)
-class ConvTransposeGeometry(LayoutShapes):
+class ConvTransposeGeometry(ConvShapes):
     """A validated N-d transposed convolution (N = 1, 2, 3); build it with `create`.
 
     `weight_shape` is as stored: (in, out/groups, *kernel) channels-first, and
@@ -112,15 +113,8 @@ class ConvTransposeGeometry(LayoutShapes):
         with batch and channels) replaces output_padding as in PyTorch."""
         x_shape = tuple(int(v) for v in input_shape)
         w_shape = tuple(int(v) for v in weight_shape)
-        if len(w_shape) not in (3, 4, 5):
-            raise ValueError(
-                f"weight must have 3, 4 or 5 dims (in_channels, out_channels/groups, *kernel), "
-                f"got shape {w_shape}")
-        rank = len(w_shape) - 2
-        if len(x_shape) != rank + 2:
-            raise ValueError(
-                f"input must have {rank + 2} dims for a {rank}-d transposed convolution "
-                f"(weight {w_shape}), got shape {x_shape}")
+        rank = check_conv_ranks(x_shape, w_shape, "in_channels, out_channels/groups, *kernel",
+                                "transposed convolution")
         channels_last = parse_layout(layout, rank)
         if isinstance(padding, str):
             raise ValueError(f"padding must be an int or {rank} ints for a transposed "
@@ -150,14 +144,7 @@ class ConvTransposeGeometry(LayoutShapes):
         # weight gradients without any engine call (`conv` needs a batch).
         if self.input_shape[0] < 0 or any(v <= 0 for v in x[1:]):
             raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
-        if any(v <= 0 for v in self.weight_shape):
-            raise ValueError(f"weight shape {self.weight_shape} has a non-positive dimension")
-        if any(s < 1 for s in self.stride):
-            raise ValueError(f"stride must be >= 1, got {self.stride}")
-        if any(v < 1 for v in self.dilation):
-            raise ValueError(f"dilation must be >= 1, got {self.dilation}")
-        if any(p < 0 for p in self.padding):
-            raise ValueError(f"padding must be >= 0, got {self.padding}")
+        self._check_window()
         if any(p < 0 for p in self.output_padding):
             raise ValueError(f"output_padding must be >= 0, got {self.output_padding}")
         if self.groups < 1:
@@ -182,24 +169,8 @@ class ConvTransposeGeometry(LayoutShapes):
                 f"{self.output_padding}")
 
     @property
-    def rank(self) -> int:
-        return len(self.stride)
-
-    @property
-    def in_channels(self) -> int:
-        return self.input_shape_cf[1]
-
-    @property
     def out_channels(self) -> int:
         return self.weight_shape_cf[1] * self.groups
-
-    @property
-    def kernel_size(self) -> tuple[int, ...]:
-        return self.weight_shape_cf[2:]
-
-    @functools.cached_property
-    def weight_shape_cf(self) -> tuple[int, ...]:
-        return to_channels_first(self.weight_shape, self.channels_last)
 
     @functools.cached_property
     def output_spatial(self) -> tuple[int, ...]:
@@ -207,14 +178,6 @@ class ConvTransposeGeometry(LayoutShapes):
             transpose_output_size(n, k, s, p, d, op) for n, k, s, p, d, op in zip(
                 self.input_shape_cf[2:], self.kernel_size, self.stride, self.padding,
                 self.dilation, self.output_padding))
-
-    @functools.cached_property
-    def output_shape_cf(self) -> tuple[int, ...]:
-        return (self.batch, self.out_channels, *self.output_spatial)
-
-    @property
-    def bias_shape(self) -> tuple[int, ...]:
-        return (self.out_channels,)
 
     @functools.cached_property
     def _window(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -19,39 +19,31 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
-from .. import dtypes
-from .._memory import check_bytes, check_conv
+from .._memory import check_conv
 from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward
-from ..geometry import ConvGeometry, IntOrTuple, parse_layout
+from ..geometry import ConvGeometry, IntOrTuple
 from ..pad_geometry import PadGeometry, padded_conv
 from . import _hyper
-from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
+from ._conv_base import _FusedConvLayer, assignable
+from .module import USER_ERRORS, renamed
 
 
-class _ConvNd(Layer):
+class _ConvNd(_FusedConvLayer):
     """The shared body of Conv1d/2d/3d; `_rank` is the number of spatial dims.
 
     The weight is stored (K, C/groups, *kernel) in NCHW layout and (K, *kernel, C/groups)
     in NHWC layout (state_dict always holds PyTorch's (K, C/groups, *kernel)).
     """
 
-    _rank = 0
-    # Stored in __dict__ (properties below guard the public names).
-    _in: int
-    _out: int
-    _groups: int
-    _kernel: tuple[int, ...]
     _stride: tuple[int, ...]
     _padding: tuple[int, ...] | str
     _padding_mode: str
     _dilation: tuple[int, ...]
-    _layout: str
-    _channels_last: bool
-    _dtype: np.dtype
     _geoms: dict[tuple[int, ...], tuple[PadGeometry | None, ConvGeometry]]
+    _geometry_args = ("stride", "padding", "dilation", "padding_mode")
+    _forward_op = conv_bias_act_forward
+    _backward_op = conv_bias_act_backward
 
     def __init__(
         self,
@@ -81,10 +73,8 @@ class _ConvNd(Layer):
               padding: Any, dilation: Any, groups: Any, bias: Any, activation: Any,
               layout: Any, dtype: Any, device: Any, seed: Any, padding_mode: Any) -> None:
         rank = self._rank
+        self._set_channels(in_channels, out_channels, groups)
         d = self.__dict__
-        d["_in"] = _hyper.positive_int(in_channels, "in_channels")
-        d["_out"] = _hyper.positive_int(out_channels, "out_channels")
-        d["_groups"] = _hyper.positive_int(groups, "groups")
         if d["_in"] % d["_groups"] or d["_out"] % d["_groups"]:
             raise ValueError(
                 f"in_channels ({d['_in']}) and out_channels ({d['_out']}) must both be "
@@ -92,33 +82,14 @@ class _ConvNd(Layer):
             )
         d["_kernel"] = _hyper.int_tuple(kernel_size, rank, "kernel_size", 1)
         has_bias = _hyper.flag(bias, "bias")
-        if not isinstance(layout, str):
-            raise TypeError(f"layout must be a str such as 'NCHW' or 'NHWC', got "
-                            f"{type(layout).__name__} {layout!r}")
-        d["_channels_last"] = parse_layout(layout, rank)
-        d["_layout"] = layout.upper()
-        d["_dtype"] = dtypes.canonical(dtype)
+        self._set_storage(layout, dtype)
         self._set_geometry(stride, padding, dilation, padding_mode)
         self.activation = activation
         self.device = resolve_device(device)
         self.residual_scale = 1.0
-        seed = _hyper.seed(seed)
-        self._ctx = None
-
-        shape_cf = (self._out, self._in // self._groups, *self._kernel)
-        check_bytes(shape_cf, np.float64, "cpu", "weight (drawn in float64 on the host)")
-        check_bytes(shape_cf, self._dtype, self.device, "weight")
-        # PyTorch's default: kaiming_uniform_(a=sqrt(5)) gives U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-        # and the bias uses the same bound.
-        rng = np.random.default_rng(seed)
-        fan_in = (self._in // self._groups) * math.prod(self._kernel)
-        bound = 1.0 / math.sqrt(fan_in)
-        w = rng.uniform(-bound, bound, size=shape_cf)
-        if self._channels_last:
-            w = np.ascontiguousarray(np.moveaxis(w, 1, -1))
-        self.weight = init_parameter(w, self._dtype, self.device, "weight")
-        b = rng.uniform(-bound, bound, self._out)
-        self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
+        self._init_parameters((self._out, self._in // self._groups, *self._kernel),
+                              (self._in // self._groups) * math.prod(self._kernel), has_bias,
+                              seed)
 
     # -- hyperparameters -----------------------------------------------------------------
     def _set_geometry(self, stride: Any, padding: Any, dilation: Any, padding_mode: Any) -> None:
@@ -131,53 +102,10 @@ class _ConvNd(Layer):
         d["_stride"], d["_padding"], d["_dilation"], d["_padding_mode"] = s, p, dl, mode
         d["_geoms"] = {}  # every cached geometry was for the old values
 
-    def _assign(self, **change: Any) -> None:
-        now = {"stride": self._stride, "padding": self._padding, "dilation": self._dilation,
-               "padding_mode": self._padding_mode}
-        now.update(change)
-        try:
-            self._set_geometry(now["stride"], now["padding"], now["dilation"],
-                               now["padding_mode"])
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
-
-    stride = property(lambda self: self._stride,
-                      lambda self, v: self._assign(stride=v), doc="Validated on assignment.")
-    padding = property(lambda self: self._padding,
-                       lambda self, v: self._assign(padding=v), doc="Validated on assignment.")
-    dilation = property(lambda self: self._dilation,
-                        lambda self, v: self._assign(dilation=v), doc="Validated on assignment.")
-    padding_mode = property(lambda self: self._padding_mode,
-                            lambda self, v: self._assign(padding_mode=v),
-                            doc="torch.nn's padding_mode; validated on assignment.")
-
-    activation = _hyper.activation_property()
-
-    @property
-    def residual_scale(self) -> float:
-        return self.__dict__["_residual_scale"]
-
-    @residual_scale.setter
-    def residual_scale(self, value: Any) -> None:
-        try:
-            self.__dict__["_residual_scale"] = _hyper.finite_real(value, "residual_scale")
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
-
-    def _fixed(name: str, attr: str, why: str) -> property:  # type: ignore[misc]
-        def setter(self: _ConvNd, value: Any) -> None:
-            raise _hyper.read_only(type(self).__name__, name, why)
-
-        return property(lambda self: self.__dict__[attr], setter)
-
-    in_channels = _fixed("in_channels", "_in", "it sets the weight's shape")
-    out_channels = _fixed("out_channels", "_out", "it sets the weight's shape")
-    kernel_size = _fixed("kernel_size", "_kernel", "it sets the weight's shape")
-    groups = _fixed("groups", "_groups", "it sets the weight's shape")
-    layout = _fixed("layout", "_layout", "it sets the weight's storage order")
-    channels_last = _fixed("channels_last", "_channels_last", "it sets the weight's storage order")
-    dtype = _fixed("dtype", "_dtype", "it is the parameters' dtype")
-    del _fixed
+    stride = assignable("stride")
+    padding = assignable("padding")
+    dilation = assignable("dilation")
+    padding_mode = assignable("padding_mode", "torch.nn's padding_mode; validated on assignment.")
 
     # -- calls ---------------------------------------------------------------------------
     def _geometry(self, x: Any) -> tuple[PadGeometry | None, ConvGeometry]:
@@ -199,55 +127,16 @@ class _ConvNd(Layer):
             self._geoms[tuple(x.shape)] = found
         return found
 
+    def _geometry_kwargs(self, x: Any) -> dict[str, Any]:
+        pad, geom = self._geometry(x)
+        return {"geom": geom, "pad": pad}
+
     def __call__(self, x: Any, residual: Any = None) -> Any:
         """act(conv(x) + bias + residual_scale * residual). A non-C-contiguous x or residual
         is copied once into a contiguous array (the caller's is never modified)."""
-        try:
-            self._check_input(x)
-            if residual is not None:
-                self._check_input(residual, "residual")
-            if x.dtype != self._dtype:
-                raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
-                                 + _hyper.dtype_hint(self._dtype, x.dtype))
-            x = contiguous(x)
-            if residual is not None:
-                residual = contiguous(residual)
-            pad, geom = self._geometry(x)
-            bias = None if self.bias is None else self.bias.data
-            y, ctx = conv_bias_act_forward(
-                x, self.weight.data, bias, activation=self.activation, residual=residual,
-                residual_scale=self.residual_scale, geom=geom, pad=pad,
-            )
-        except USER_ERRORS as exc:
-            raise self._renamed(exc) from None
-        self._ctx = ctx
-        return y
+        return self._apply(x, residual)
 
     forward = __call__
-
-    def backward(self, dy: Any) -> Any:
-        """dx (and dresidual when the forward took one); accumulates into .grad.
-        Atomic and repeatable: see Layer's backward rule."""
-        return self._backward_with(dy, self._backward)
-
-    def _backward(self, ctx: Any, dy: Any) -> Any:
-        self._check_input(dy, "dy")
-        grads = conv_bias_act_backward(
-            dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
-            dbias=None if self.bias is None else self.bias.grad, accumulate=True,
-        )
-        return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
-
-    def _param_to_state(self, name: str, value: Any) -> Any:
-        # channels-last stores (K, *kernel, C/groups); PyTorch's checkpoints hold (K, C/g, *k).
-        if name == "weight" and self._channels_last:
-            return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
-        return value
-
-    def _param_from_state(self, name: str, value: Any) -> Any:
-        if name == "weight" and self._channels_last:
-            return value.transpose(0, *range(2, value.ndim), 1)
-        return value
 
     def extra_repr(self) -> str:
         # like torch.nn's, padding_mode shows only when it is not the default
@@ -255,9 +144,7 @@ class _ConvNd(Layer):
         return (
             f"{self._in}, {self._out}, kernel_size={self._kernel}, "
             f"stride={self._stride}, padding={self._padding}, dilation={self._dilation}, "
-            f"groups={self._groups}, bias={self.bias is not None}, {mode}"
-            f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
-            f"device={self.device!r}"
+            f"groups={self._groups}, bias={self.bias is not None}, {mode}{self._repr_tail()}"
         )
 
 

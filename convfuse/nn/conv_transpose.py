@@ -18,20 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
 from .._memory import check_bytes, check_conv
 from ..backend import resolve_device
 from ..functional_transpose import (
     conv_transpose_bias_act_backward,
     conv_transpose_bias_act_forward,
 )
-from ..geometry import IntOrTuple, is_int, parse_layout
+from ..geometry import IntOrTuple, is_int
 from ..transpose_geometry import ConvTransposeGeometry
 from . import _hyper
-from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
+from ._conv_base import _FusedConvLayer, assignable
+from .module import USER_ERRORS, renamed
 
 
-class _ConvTransposeNd(Layer):
+class _ConvTransposeNd(_FusedConvLayer):
     """The shared body of ConvTranspose1d/2d/3d; `_rank` is the number of spatial dims.
 
     The weight is PyTorch's (in, out/groups, *kernel) in NCHW layout and (in, *kernel,
@@ -39,19 +39,14 @@ class _ConvTransposeNd(Layer):
     is the data gradient of; state_dict always holds PyTorch's order.
     """
 
-    _rank = 0
-    _in: int
-    _out: int
-    _groups: int
-    _kernel: tuple[int, ...]
     _stride: tuple[int, ...]
     _padding: tuple[int, ...]
     _output_padding: tuple[int, ...]
     _dilation: tuple[int, ...]
-    _layout: str
-    _channels_last: bool
-    _dtype: np.dtype
     _geoms: dict[Any, ConvTransposeGeometry]
+    _geometry_args = ("stride", "padding", "output_padding", "dilation")
+    _forward_op = conv_transpose_bias_act_forward
+    _backward_op = conv_transpose_bias_act_backward
 
     def __init__(
         self,
@@ -84,10 +79,8 @@ class _ConvTransposeNd(Layer):
               padding_mode: Any, device: Any, dtype: Any, activation: Any, layout: Any,
               seed: Any) -> None:
         rank = self._rank
+        self._set_channels(in_channels, out_channels, groups)
         d = self.__dict__
-        d["_in"] = _hyper.positive_int(in_channels, "in_channels")
-        d["_out"] = _hyper.positive_int(out_channels, "out_channels")
-        d["_groups"] = _hyper.positive_int(groups, "groups")
         if d["_in"] % d["_groups"]:
             raise ValueError("in_channels must be divisible by groups")
         if d["_out"] % d["_groups"]:
@@ -98,31 +91,15 @@ class _ConvTransposeNd(Layer):
         d["_kernel"] = _hyper.int_tuple(kernel_size, rank, "kernel_size", 1,
                                         "transposed convolution")
         has_bias = _hyper.flag(bias, "bias")
-        if not isinstance(layout, str):
-            raise TypeError(f"layout must be a str such as 'NCHW' or 'NHWC', got "
-                            f"{type(layout).__name__} {layout!r}")
-        d["_channels_last"] = parse_layout(layout, rank)
-        d["_layout"] = layout.upper()
-        d["_dtype"] = dtypes.canonical("float32" if dtype is None else dtype)
+        self._set_storage(layout, "float32" if dtype is None else dtype)
         self._set_geometry(stride, padding, output_padding, dilation)
         self.activation = activation
         self.device = resolve_device(device)
         self.residual_scale = 1.0
-        rng = np.random.default_rng(_hyper.seed(seed))
-        self._ctx = None
-
-        shape_cf = (self._in, self._out // self._groups, *self._kernel)
-        check_bytes(shape_cf, np.float64, "cpu", "weight (drawn in float64 on the host)")
-        check_bytes(shape_cf, self._dtype, self.device, "weight")
-        # torch.nn's default: kaiming_uniform_(a=sqrt(5)) with fan_in = weight.size(1) *
-        # prod(kernel) = out/groups * prod(kernel), the bias with the same bound.
-        bound = 1.0 / math.sqrt((self._out // self._groups) * math.prod(self._kernel))
-        w = rng.uniform(-bound, bound, size=shape_cf)
-        if self._channels_last:
-            w = np.ascontiguousarray(np.moveaxis(w, 1, -1))
-        self.weight = init_parameter(w, self._dtype, self.device, "weight")
-        b = rng.uniform(-bound, bound, self._out)
-        self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
+        # torch.nn's fan_in is weight.size(1) * prod(kernel) = out/groups * prod(kernel).
+        self._init_parameters((self._in, self._out // self._groups, *self._kernel),
+                              (self._out // self._groups) * math.prod(self._kernel), has_bias,
+                              seed)
 
     # -- hyperparameters -----------------------------------------------------------------
     def _set_geometry(self, stride: Any, padding: Any, output_padding: Any,
@@ -142,53 +119,10 @@ class _ConvTransposeNd(Layer):
         d["_stride"], d["_padding"], d["_output_padding"], d["_dilation"] = s, p, o, dl
         d["_geoms"] = {}
 
-    def _assign(self, **change: Any) -> None:
-        now = {"stride": self._stride, "padding": self._padding,
-               "output_padding": self._output_padding, "dilation": self._dilation}
-        now.update(change)
-        try:
-            self._set_geometry(now["stride"], now["padding"], now["output_padding"],
-                               now["dilation"])
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
-
-    stride = property(lambda self: self._stride,
-                      lambda self, v: self._assign(stride=v), doc="Validated on assignment.")
-    padding = property(lambda self: self._padding,
-                       lambda self, v: self._assign(padding=v), doc="Validated on assignment.")
-    output_padding = property(lambda self: self._output_padding,
-                              lambda self, v: self._assign(output_padding=v),
-                              doc="Validated on assignment.")
-    dilation = property(lambda self: self._dilation,
-                        lambda self, v: self._assign(dilation=v), doc="Validated on assignment.")
-
-    activation = _hyper.activation_property()
-
-    @property
-    def residual_scale(self) -> float:
-        return self.__dict__["_residual_scale"]
-
-    @residual_scale.setter
-    def residual_scale(self, value: Any) -> None:
-        try:
-            self.__dict__["_residual_scale"] = _hyper.finite_real(value, "residual_scale")
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
-
-    def _fixed(name: str, attr: str, why: str) -> property:  # type: ignore[misc]
-        def setter(self: _ConvTransposeNd, value: Any) -> None:
-            raise _hyper.read_only(type(self).__name__, name, why)
-
-        return property(lambda self: self.__dict__[attr], setter)
-
-    in_channels = _fixed("in_channels", "_in", "it sets the weight's shape")
-    out_channels = _fixed("out_channels", "_out", "it sets the weight's shape")
-    kernel_size = _fixed("kernel_size", "_kernel", "it sets the weight's shape")
-    groups = _fixed("groups", "_groups", "it sets the weight's shape")
-    layout = _fixed("layout", "_layout", "it sets the weight's storage order")
-    channels_last = _fixed("channels_last", "_channels_last", "it sets the weight's storage order")
-    dtype = _fixed("dtype", "_dtype", "it is the parameters' dtype")
-    del _fixed
+    stride = assignable("stride")
+    padding = assignable("padding")
+    output_padding = assignable("output_padding")
+    dilation = assignable("dilation")
 
     @property
     def padding_mode(self) -> str:
@@ -228,62 +162,23 @@ class _ConvTransposeNd(Layer):
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
 
+    def _geometry_kwargs(self, x: Any, output_size: Sequence[int] | None) -> dict[str, Any]:
+        return {"geom": self._geometry(x, output_size)}
+
     def __call__(self, x: Any, residual: Any = None,
                  output_size: Sequence[int] | None = None) -> Any:
         """act(conv_transpose(x) + bias + residual_scale * residual). A non-C-contiguous x
         or residual is copied once into a contiguous array (the caller's is never modified)."""
-        try:
-            self._check_input(x)
-            if residual is not None:
-                self._check_input(residual, "residual")
-            if x.dtype != self._dtype:
-                raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
-                                 + _hyper.dtype_hint(self._dtype, x.dtype))
-            x = contiguous(x)
-            if residual is not None:
-                residual = contiguous(residual)
-            geom = self._geometry(x, output_size)
-            bias = None if self.bias is None else self.bias.data
-            y, ctx = conv_transpose_bias_act_forward(
-                x, self.weight.data, bias, activation=self.activation, residual=residual,
-                residual_scale=self.residual_scale, geom=geom)
-        except USER_ERRORS as exc:
-            raise self._renamed(exc) from None
-        self._ctx = ctx
-        return y
+        return self._apply(x, residual, output_size)
 
     forward = __call__
-
-    def backward(self, dy: Any) -> Any:
-        """dx (and dresidual when the forward took one); accumulates into .grad.
-        Atomic and repeatable: see Layer's backward rule."""
-        return self._backward_with(dy, self._backward)
-
-    def _backward(self, ctx: Any, dy: Any) -> Any:
-        self._check_input(dy, "dy")
-        grads = conv_transpose_bias_act_backward(
-            dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
-            dbias=None if self.bias is None else self.bias.grad, accumulate=True)
-        return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
-
-    def _param_to_state(self, name: str, value: Any) -> Any:
-        # channels-last stores (in, *kernel, out/groups); PyTorch's holds (in, out/g, *k).
-        if name == "weight" and self._channels_last:
-            return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
-        return value
-
-    def _param_from_state(self, name: str, value: Any) -> Any:
-        if name == "weight" and self._channels_last:
-            return value.transpose(0, *range(2, value.ndim), 1)
-        return value
 
     def extra_repr(self) -> str:
         return (
             f"{self._in}, {self._out}, kernel_size={self._kernel}, stride={self._stride}, "
             f"padding={self._padding}, output_padding={self._output_padding}, "
             f"dilation={self._dilation}, groups={self._groups}, bias={self.bias is not None}, "
-            f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
-            f"device={self.device!r}"
+            f"{self._repr_tail()}"
         )
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import backend
+from .. import activations, backend
 from ..dtypes import SUPPORTED
 from ..errors import DeviceMismatchError
 from ..geometry import ConvGeometry
@@ -208,6 +208,49 @@ def check_beta(op: str, beta: Any, out: Any, out_name: str = "out") -> float:
     if b != 0.0 and out is None:
         raise ValueError(f"{op}: beta={beta!r} accumulates into {out_name}, but {out_name} is None")
     return b
+
+
+# The array checks of the convolution ops, shared by the forward (ConvGeometry) and the
+# transposed (ConvTransposeGeometry) ones: `g` is either, already checked, and both name
+# their shapes alike (input, weight, bias and output in the user's layout).
+def check_fused_args(op: str, g: Any, x: Any, w: Any, b: Any, residual: Any,
+                     activation: str | None, residual_scale: Any
+                     ) -> tuple[ModuleType, str, float]:
+    """(array module, canonical activation, residual scale) of a fused bias_act op."""
+    act = activations.normalize(activation)
+    scale = check_scalar(op, "residual_scale", residual_scale)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),
+        Arg("b", b, g.bias_shape, optional=True),
+        Arg("residual", residual, g.output_shape, optional=True),
+    ], g.layout)
+    return xp, act, scale
+
+
+def check_forward_args(op: str, g: Any, x: Any, w: Any) -> ModuleType:
+    return validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+
+
+def check_data_grad_args(op: str, g: Any, dz: Any, w: Any, out: Any, beta: Any
+                         ) -> tuple[ModuleType, float]:
+    """(array module, beta) of a gradient with respect to the input."""
+    b = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
+        Arg("out", out, g.input_shape, optional=True, output=True),
+    ], g.layout)
+    return xp, b
+
+
+def check_filter_grad_args(op: str, g: Any, x: Any, dz: Any, out: Any, beta: Any
+                           ) -> tuple[ModuleType, float]:
+    """(array module, beta) of a gradient with respect to the weight."""
+    b = check_beta(op, beta, out)
+    xp = validate(op, [
+        Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
+        Arg("out", out, g.weight_shape, optional=True, output=True),
+    ], g.layout)
+    return xp, b
 
 
 def engine(xp: ModuleType, kind: str) -> ModuleType:

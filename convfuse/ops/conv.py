@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import activations
 from . import _checks
-from ._checks import Arg, check_beta, check_geometry, check_scalar, validate
+from ._checks import (
+    Arg,
+    check_beta,
+    check_data_grad_args,
+    check_filter_grad_args,
+    check_forward_args,
+    check_fused_args,
+    check_geometry,
+    validate,
+)
 
 
 def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str | None = "identity",
@@ -19,13 +27,7 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str | None = "i
     """
     op = "conv_bias_act"
     g = check_geometry(op, geom)
-    act = activations.normalize(activation)
-    scale = check_scalar(op, "residual_scale", residual_scale)
-    xp = validate(op, [
-        Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),
-        Arg("b", b, g.bias_shape, optional=True),
-        Arg("residual", residual, g.output_shape, optional=True),
-    ], g.layout)
+    xp, act, scale = check_fused_args(op, g, x, w, b, residual, activation, residual_scale)
     return _checks.engine(xp, "conv").conv_bias_act(x, w, b, g, act, residual, scale)
 
 
@@ -33,7 +35,7 @@ def conv_forward(x: Any, w: Any, geom: Any) -> Any:
     """y = conv(x, w), no bias and no activation."""
     op = "conv_forward"
     g = check_geometry(op, geom)
-    xp = validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+    xp = check_forward_args(op, g, x, w)
     return _checks.engine(xp, "conv").conv_forward(x, w, g)
 
 
@@ -41,11 +43,7 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None, beta: float 
     """dx = beta * out + conv_transpose(dz, w)."""
     op = "conv_backward_data"
     g = check_geometry(op, geom)
-    b = check_beta(op, beta, out)
-    xp = validate(op, [
-        Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
-        Arg("out", out, g.input_shape, optional=True, output=True),
-    ], g.layout)
+    xp, b = check_data_grad_args(op, g, dz, w, out, beta)
     return _checks.engine(xp, "conv").conv_backward_data(dz, w, g, out, b)
 
 
@@ -53,11 +51,7 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None, beta: floa
     """dw = beta * out + (gradient of the convolution with respect to w)."""
     op = "conv_backward_filter"
     g = check_geometry(op, geom)
-    b = check_beta(op, beta, out)
-    xp = validate(op, [
-        Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
-        Arg("out", out, g.weight_shape, optional=True, output=True),
-    ], g.layout)
+    xp, b = check_filter_grad_args(op, g, x, dz, out, beta)
     return _checks.engine(xp, "conv").conv_backward_filter(x, dz, g, out, b)
 
 

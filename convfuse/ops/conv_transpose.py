@@ -14,7 +14,15 @@ from typing import Any
 from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry
 from . import _checks
-from ._checks import Arg, check_beta, check_scalar, validate
+from ._checks import (
+    Arg,
+    check_beta,
+    check_data_grad_args,
+    check_filter_grad_args,
+    check_forward_args,
+    check_fused_args,
+    validate,
+)
 
 
 def _zero_filled(xp: Any, out: Any, shape: tuple[int, ...], dtype: Any, beta: float) -> Any:
@@ -44,13 +52,7 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: Any,
     pre-activation when the activation's backward needs it (silu, gelu), else None."""
     op = "conv_transpose_bias_act"
     g = check_transpose_geometry(op, tgeom)
-    act = activations.normalize(activation)
-    scale = check_scalar(op, "residual_scale", residual_scale)
-    xp = validate(op, [
-        Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),
-        Arg("b", b, g.bias_shape, optional=True),
-        Arg("residual", residual, g.output_shape, optional=True),
-    ], g.layout)
+    xp, act, scale = check_fused_args(op, g, x, w, b, residual, activation, residual_scale)
     if g.batch == 0:
         z = xp.empty(g.output_shape, x.dtype) if activations.saves(act) == "preactivation" \
             else None
@@ -63,7 +65,7 @@ def conv_transpose_forward(x: Any, w: Any, tgeom: Any) -> Any:
     """y = conv_transpose(x, w), no bias and no activation (cudnnConvolutionBackwardData)."""
     op = "conv_transpose_forward"
     g = check_transpose_geometry(op, tgeom)
-    xp = validate(op, [Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape)], g.layout)
+    xp = check_forward_args(op, g, x, w)
     if g.batch == 0:
         return xp.empty(g.output_shape, x.dtype)
     return _checks.engine(xp, "conv_transpose").conv_transpose_forward(x, w, g)
@@ -74,11 +76,7 @@ def conv_transpose_backward_data(dz: Any, w: Any, tgeom: Any, out: Any = None,
     """dx = beta * out + conv(dz, w): the forward convolution G of the output gradient."""
     op = "conv_transpose_backward_data"
     g = check_transpose_geometry(op, tgeom)
-    bt = check_beta(op, beta, out)
-    xp = validate(op, [
-        Arg("dz", dz, g.output_shape), Arg("w", w, g.weight_shape),
-        Arg("out", out, g.input_shape, optional=True, output=True),
-    ], g.layout)
+    xp, bt = check_data_grad_args(op, g, dz, w, out, beta)
     if g.batch == 0:
         return out if out is not None else xp.empty(g.input_shape, dz.dtype)
     return _checks.engine(xp, "conv_transpose").conv_transpose_backward_data(dz, w, g, out, bt)
@@ -89,11 +87,7 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
     """dw = beta * out + G's filter gradient with x and dz swapped."""
     op = "conv_transpose_backward_filter"
     g = check_transpose_geometry(op, tgeom)
-    bt = check_beta(op, beta, out)
-    xp = validate(op, [
-        Arg("x", x, g.input_shape), Arg("dz", dz, g.output_shape),
-        Arg("out", out, g.weight_shape, optional=True, output=True),
-    ], g.layout)
+    xp, bt = check_filter_grad_args(op, g, x, dz, out, beta)
     if g.batch == 0:
         return _zero_filled(xp, out, g.weight_shape, x.dtype, bt)
     return _checks.engine(xp, "conv_transpose").conv_transpose_backward_filter(

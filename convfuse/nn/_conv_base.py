@@ -1,0 +1,172 @@
+"""What Conv*d and ConvTranspose*d layers share: channel and layout validation, the weight's
+initialisation and state_dict order, the assignable and read-only hyperparameters, and the
+forward/backward bookkeeping around one fused op call.
+
+Each subclass names its fused ops (`_forward_op`, `_backward_op`), the hyperparameters its
+`_set_geometry` takes (`_geometry_args`, each stored as `_<name>`), and returns the geometry
+keywords of its op from `_geometry_kwargs`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes
+from .._memory import check_bytes
+from ..geometry import parse_layout
+from . import _hyper
+from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
+
+
+def assignable(name: str, doc: str = "Validated on assignment.") -> property:
+    """A hyperparameter that `_set_geometry` validates (with the others) on assignment."""
+    attr = "_" + name
+    return property(lambda self: self.__dict__[attr],
+                    lambda self, v: self._assign(**{name: v}), doc=doc)
+
+
+class _FusedConvLayer(Layer):
+    """The shared body of the fused convolution layers; `_rank` is the number of spatial
+    dims. The weight is stored (A, B, *kernel) channels-first and (A, *kernel, B)
+    channels-last; state_dict always holds the channels-first (PyTorch's) order."""
+
+    _rank = 0
+    # Stored in __dict__ (properties below guard the public names).
+    _in: int
+    _out: int
+    _groups: int
+    _kernel: tuple[int, ...]
+    _layout: str
+    _channels_last: bool
+    _dtype: np.dtype
+    _geometry_args: tuple[str, ...] = ()
+    _forward_op: Callable[..., Any]
+    _backward_op: Callable[..., Any]
+    # (values of _geometry_args) -> None, validating them together and clearing the cache
+    _set_geometry: Callable[..., None]
+    # (contiguous input, *the call's extra arguments) -> the geometry keywords of _forward_op
+    _geometry_kwargs: Callable[..., dict[str, Any]]
+
+    # -- construction --------------------------------------------------------------------
+    def _set_channels(self, in_channels: Any, out_channels: Any, groups: Any) -> None:
+        d = self.__dict__
+        d["_in"] = _hyper.positive_int(in_channels, "in_channels")
+        d["_out"] = _hyper.positive_int(out_channels, "out_channels")
+        d["_groups"] = _hyper.positive_int(groups, "groups")
+
+    def _set_storage(self, layout: Any, dtype: Any) -> None:
+        if not isinstance(layout, str):
+            raise TypeError(f"layout must be a str such as 'NCHW' or 'NHWC', got "
+                            f"{type(layout).__name__} {layout!r}")
+        d = self.__dict__
+        d["_channels_last"] = parse_layout(layout, self._rank)
+        d["_layout"] = layout.upper()
+        d["_dtype"] = dtypes.canonical(dtype)
+
+    def _init_parameters(self, shape_cf: tuple[int, ...], fan_in: int, has_bias: bool,
+                         seed: Any) -> None:
+        """torch.nn's default init: kaiming_uniform_(a=sqrt(5)) gives
+        U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the weight, and the bias uses the same bound."""
+        rng = np.random.default_rng(_hyper.seed(seed))
+        self._ctx = None
+        check_bytes(shape_cf, np.float64, "cpu", "weight (drawn in float64 on the host)")
+        check_bytes(shape_cf, self._dtype, self.device, "weight")
+        bound = 1.0 / math.sqrt(fan_in)
+        w = rng.uniform(-bound, bound, size=shape_cf)
+        if self._channels_last:
+            w = np.ascontiguousarray(np.moveaxis(w, 1, -1))
+        self.weight = init_parameter(w, self._dtype, self.device, "weight")
+        b = rng.uniform(-bound, bound, self._out)
+        self.bias = init_parameter(b, self._dtype, self.device, "bias") if has_bias else None
+
+    # -- hyperparameters -----------------------------------------------------------------
+    def _assign(self, **change: Any) -> None:
+        now = {name: self.__dict__["_" + name] for name in self._geometry_args}
+        now.update(change)
+        try:
+            self._set_geometry(**now)
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    activation = _hyper.activation_property()
+
+    @property
+    def residual_scale(self) -> float:
+        return self.__dict__["_residual_scale"]
+
+    @residual_scale.setter
+    def residual_scale(self, value: Any) -> None:
+        try:
+            self.__dict__["_residual_scale"] = _hyper.finite_real(value, "residual_scale")
+        except USER_ERRORS as exc:
+            raise renamed(exc, type(self).__name__) from None
+
+    def _fixed(name: str, attr: str, why: str) -> property:  # type: ignore[misc]
+        def setter(self: _FusedConvLayer, value: Any) -> None:
+            raise _hyper.read_only(type(self).__name__, name, why)
+
+        return property(lambda self: self.__dict__[attr], setter)
+
+    in_channels = _fixed("in_channels", "_in", "it sets the weight's shape")
+    out_channels = _fixed("out_channels", "_out", "it sets the weight's shape")
+    kernel_size = _fixed("kernel_size", "_kernel", "it sets the weight's shape")
+    groups = _fixed("groups", "_groups", "it sets the weight's shape")
+    layout = _fixed("layout", "_layout", "it sets the weight's storage order")
+    channels_last = _fixed("channels_last", "_channels_last", "it sets the weight's storage order")
+    dtype = _fixed("dtype", "_dtype", "it is the parameters' dtype")
+    del _fixed
+
+    # -- calls ---------------------------------------------------------------------------
+    def _apply(self, x: Any, residual: Any, *where: Any) -> Any:
+        """act(op(x) + bias + residual_scale * residual). A non-C-contiguous x or residual
+        is copied once into a contiguous array (the caller's is never modified)."""
+        try:
+            self._check_input(x)
+            if residual is not None:
+                self._check_input(residual, "residual")
+            if x.dtype != self._dtype:
+                raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
+                                 + _hyper.dtype_hint(self._dtype, x.dtype))
+            x = contiguous(x)
+            if residual is not None:
+                residual = contiguous(residual)
+            geometry = self._geometry_kwargs(x, *where)
+            bias = None if self.bias is None else self.bias.data
+            y, ctx = type(self)._forward_op(
+                x, self.weight.data, bias, activation=self.activation, residual=residual,
+                residual_scale=self.residual_scale, **geometry)
+        except USER_ERRORS as exc:
+            raise self._renamed(exc) from None
+        self._ctx = ctx
+        return y
+
+    def backward(self, dy: Any) -> Any:
+        """dx (and dresidual when the forward took one); accumulates into .grad.
+        Atomic and repeatable: see Layer's backward rule."""
+        return self._backward_with(dy, self._backward)
+
+    def _backward(self, ctx: Any, dy: Any) -> Any:
+        self._check_input(dy, "dy")
+        grads = type(self)._backward_op(
+            dy, ctx, need_dx=self.needs_input_grad, dweight=self.weight.grad,
+            dbias=None if self.bias is None else self.bias.grad, accumulate=True)
+        return (grads.dx, grads.dresidual) if ctx.has_residual else grads.dx
+
+    def _repr_tail(self) -> str:
+        return (f"activation={self.activation!r}, layout={self._layout!r}, dtype={self._dtype}, "
+                f"device={self.device!r}")
+
+    def _param_to_state(self, name: str, value: Any) -> Any:
+        # channels-last stores (A, *kernel, B); PyTorch's checkpoints hold (A, B, *kernel).
+        if name == "weight" and self._channels_last:
+            return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
+        return value
+
+    def _param_from_state(self, name: str, value: Any) -> Any:
+        if name == "weight" and self._channels_last:
+            return value.transpose(0, *range(2, value.ndim), 1)
+        return value
