@@ -16,9 +16,10 @@ plan/descriptors.py), and a filter descriptor has no strides at all, only a form
 data has to move. float64 convolutions are for checking, not speed; the copies (one pass
 over each array) cost far less than the convolution itself.
 
-`run_channels_first` is that route for any convolution op (Conv's in conv.py and
-ConvTranspose's in conv_transpose.py alike: a transposed convolution's cuDNN calls are its
-forward convolution G's, and G of the channels-first twin is the channels-first twin of G).
+`run_channels_first` is that route for any convolution op. ConvTranspose's ops take it
+(conv_transpose.py: a transposed convolution's cuDNN calls are its forward convolution G's,
+and G of the channels-first twin is the channels-first twin of G); conv.py's ops spell out
+the same steps inline.
 
 The bias gradient needs no copy: it stays on the channels-last plan, where a refusal of
 cudnnConvolutionBackwardBias already moves the plan to convfuse's bias kernel, which reads
