@@ -17,14 +17,17 @@ import pytest
 
 import convfuse.ops as ops
 from convfuse import config
+from convfuse.errors import CudnnError
 from convfuse.functional_transpose import (
     conv_transpose_bias_act_backward,
     conv_transpose_bias_act_forward,
 )
-from convfuse.plan import get_transpose_plan
+from convfuse.ops.cudnn.layout import cudnn_geometry
+from convfuse.plan import NoAlgorithmError, get_transpose_plan
 from convfuse.plan.conv_transpose import TRANSPOSE_DIRECTIONS
+from convfuse.plan.descriptors import lift, packed_strides
 from convfuse.transpose_geometry import ConvTransposeGeometry
-from tests._fault_injection import NumericGpu
+from tests._fault_injection import NOT_SUPPORTED, NumericGpu
 from tests.test_fault_injection_backward import CASES, DIRECTIONS
 
 TGEOMS = [
@@ -118,7 +121,11 @@ def test_transposed_convolution_fault(make_tgpu, rng, tgeom, direction, case, se
                     run()
             msg = str(info.value)
             assert warned in msg
-            assert tgeom.conv.describe() in msg
+            # the plan that ran: G's, channels-first for float64 NHWC (Note [float64 runs
+            # channels-first]), whose error also names the caller's geometry
+            assert cudnn_geometry(tgeom, "float64").conv.describe() in msg
+            if tgeom.channels_last:
+                assert tgeom.describe() in msg
             if detail.__name__ == "CudnnError":  # names the transposed op and geometry
                 assert f"conv_transpose_{OP_OF[direction]}" in msg and tgeom.describe() in msg
             assert len(record) <= 1
@@ -131,7 +138,7 @@ def test_transposed_convolution_fault(make_tgpu, rng, tgeom, direction, case, se
         call = DIRECTIONS[direction][1]
         used = [a[7] for n, a in gpu.calls if n == call]
         assert used[-1] == detail
-        plan = get_transpose_plan(tgeom, "float64")
+        plan = get_transpose_plan(cudnn_geometry(tgeom, "float64"), "float64")
         assert plan.choice(direction, "H").algo == detail
 
 
@@ -187,3 +194,74 @@ def test_conv_and_transpose_share_the_plan_of_g():
     with pytest.raises(TypeError, match="tgeom must be a ConvTransposeGeometry"):
         get_transpose_plan(tgeom.conv, "float32")
     clear_plan_cache()
+
+
+#: the op name each transposed op gives its errors
+OP_NAME = {d: f"conv_transpose_{op}" for d, op in OP_OF.items()}
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_float64_channels_last_runs_channels_first(make_tgpu, rng, direction):
+    """Note [float64 runs channels-first], as for Conv: the right numbers (beta = 1
+    accumulating once), and the cuDNN call of the transposed op carries the channels-first
+    plan's (NCHW) descriptors and channels-first copies, the result copied back once."""
+    tgeom = TGEOMS[1]
+    assert tgeom.channels_last
+    gpu = make_tgpu(tgeom)
+    run, want = _op(gpu, tgeom, direction, rng)
+    got = run()
+    np.testing.assert_allclose(gpu.get(got), want, rtol=1e-12, atol=1e-12)
+    assert got.shape == want.shape
+    cf_tgeom = cudnn_geometry(tgeom, "float64")
+    assert not cf_tgeom.channels_last and cf_tgeom.input_shape == tgeom.input_shape_cf
+    cf = get_transpose_plan(cf_tgeom, "float64")
+    nhwc = get_transpose_plan(tgeom, "float64")
+    assert cf is not nhwc
+    [(_, args)] = [(n, a) for n, a in gpu.calls if n == DIRECTIONS[direction][1]]
+    want_descs = {"fwd": (cf.x_desc, cf.w_desc, cf.y_desc),
+                  "bwd_data": (cf.w_desc, cf.y_desc, cf.x_desc),
+                  "bwd_filter": (cf.x_desc, cf.y_desc, cf.w_desc)}[direction]
+    assert (args[2], args[4], args[11]) == want_descs
+    assert args[3] in gpu.channels_first and args[5] in gpu.channels_first
+    for desc, shape in ((cf.x_desc, tgeom.conv.input_shape_cf),
+                        (cf.y_desc, tgeom.conv.output_shape_cf)):
+        dims = lift(shape)
+        assert tuple(desc.getNd()[1]) == dims
+        assert tuple(desc.getNd()[2]) == packed_strides(dims, channels_last=False)
+    assert gpu.names().count("to_channels_last") == 1  # the result, copied back once
+
+
+@pytest.mark.parametrize("tgeom", TGEOMS, ids=lambda g: g.layout)
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_nothing_left_to_run_is_a_typed_error(make_tgpu, rng, tgeom, direction):
+    """An empty ranking (every record refused) and a ranking cuDNN refuses at every call
+    both end in a typed error naming the transposed op, the caller's geometry and what was
+    tried: for float64 NHWC on the channels-first route too."""
+    op = OP_NAME[direction]
+    ran = cudnn_geometry(tgeom, "float64")
+    gpu = make_tgpu(tgeom)
+    gpu.perfs = [(a, m, NOT_SUPPORTED) for a, m, _ in gpu.perfs]
+    run, _ = _op(gpu, tgeom, direction, rng)
+    with pytest.raises(NoAlgorithmError) as info:
+        run()
+    msg = str(info.value)
+    assert msg.startswith(f"{op}: ") and ran.conv.describe() in msg
+    assert "cuDNN reported 3 algorithm(s), 0 runnable" in msg
+    if tgeom.channels_last:
+        assert f"run channels-first for {tgeom.describe()}" in msg
+    assert not [n for n in gpu.names() if n.startswith("convolution")]
+
+    gpu = make_tgpu(tgeom)
+    gpu.inject(DIRECTIONS[direction][1], NOT_SUPPORTED)
+    run, _ = _op(gpu, tgeom, direction, rng)
+    with pytest.raises(CudnnError) as info:
+        run()
+    msg = str(info.value)
+    call = DIRECTIONS[direction][1]
+    assert f"cudnn{call[0].upper()}{call[1:]}" in msg and op in msg
+    assert tgeom.describe() in msg and ran.conv.describe() in msg
+    assert f"refused every {direction} algorithm this call tried (algo 6, 2, 0)" in msg
+    assert [a[7] for n, a in gpu.calls if n == call] == [6, 2, 0]  # each tried once
+    if tgeom.channels_last:
+        assert gpu.channels_first  # the refused calls were the channels-first ones
+        assert "to_channels_last" not in gpu.names()  # nothing copied back

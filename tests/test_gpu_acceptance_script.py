@@ -345,8 +345,10 @@ def _message(geom, dtype, activation):
 
 @pytest.mark.parametrize(("x", "w", "layout", "groups", "dtype", "act", "documented"), [
     ((1, 4, 6, 6), (8, 4, 3, 3), "NCHW", 1, "float32", "relu", True),
-    ((1, 6, 6, 4), (8, 3, 3, 4), "NHWC", 1, "float16", "identity", True),
-    ((1, 6, 6, 4), (8, 3, 3, 4), "NHWC", 1, "float16", "silu", True),  # IDENTITY fused
+    ((1, 6, 6, 8), (8, 3, 3, 8), "NHWC", 1, "float16", "identity", True),
+    ((1, 6, 6, 8), (8, 3, 3, 8), "NHWC", 1, "float16", "silu", True),  # IDENTITY fused
+    ((1, 6, 6, 4), (8, 3, 3, 4), "NHWC", 1, "float16", "identity", False),  # C % 8 != 0
+    ((1, 4, 6, 6), (8, 4, 3, 3), "NCHW", 1, "float16", "identity", True),
     ((1, 6, 6, 4), (8, 3, 3, 4), "NHWC", 1, "bfloat16", "relu", False),
     ((1, 4, 6, 6), (8, 4, 3, 3), "NCHW", 1, "float64", "relu", False),
     ((1, 4, 6, 6), (8, 2, 3, 3), "NCHW", 2, "float32", "relu", False),
@@ -360,6 +362,14 @@ def test_fusion_strict_knows_where_fusion_is_documented(x, w, layout, groups, dt
         assert fusion_strict.documented(_message(geom, dtype, act)) is documented
     finally:
         clear_plan_cache()
+
+
+def test_fusion_strict_counts_dilation_as_undocumented():
+    doc = ("x[1, 10, 10, 8] w[8, 3, 3, 8] NHWC stride=[1, 1] padding=[2, 2] dilation=[1, 1] "
+           "groups=1 dtype=float16 activation=identity")
+    assert fusion_strict.documented(doc)
+    assert not fusion_strict.documented(doc.replace("dilation=[1, 1]", "dilation=[2, 2]"))
+    assert not fusion_strict.documented(doc.replace("w[8, 3, 3, 8]", "w[12, 3, 3, 8]"))
 
 
 @pytest.mark.parametrize(("shape", "layout", "dtype", "act", "documented"), [

@@ -371,10 +371,15 @@ def test_half_conversions_are_the_ptx_instructions():
 
 _ACT_HOST = r"""
 #include <cmath>
+#include <cstring>
 #define __device__
 #define __forceinline__ inline
 static inline float m_exp(float x) { return std::exp(x); }
 static inline double m_exp(double x) { return std::exp(x); }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+static inline long long __double_as_longlong(double d) {
+    long long u; std::memcpy(&u, &d, 8); return u;
+}
 using std::expm1; using std::tanh; using std::fabs; using std::erfc;
 BODY
 template <typename C>
@@ -390,6 +395,33 @@ extern "C" void run_f64(int act, int bwd, const double* dy, const double* s, dou
                         long n) {
     run<double>(act, bwd, dy, s, o, n);
 }
+#if defined(__SSE__)
+#include <xmmintrin.h>
+// -ftz=true on the host: SSE's DAZ reads subnormal operands (comparisons included) as
+// zero of the same sign, FTZ flushes subnormal results, as .ftz instructions do.
+static const unsigned FTZ_DAZ = 0x8040u;
+__attribute__((noinline)) static void run_f32_noinline(int act, int bwd, const float* dy,
+                                                       const float* s, float* o, long n) {
+    run<float>(act, bwd, dy, s, o, n);
+}
+extern "C" void run_f32_ftz(int act, int bwd, const float* dy, const float* s, float* o,
+                            long n) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | FTZ_DAZ);
+    run_f32_noinline(act, bwd, dy, s, o, n);
+    _mm_setcsr(csr);
+}
+// What the kernels did before Note [branches on saved values read their bits]: a float
+// comparison with zero, here under the same flush.
+__attribute__((noinline)) static int float_le_zero(volatile float s) { return s <= 0.0f; }
+extern "C" int float_le_zero_ftz(float s) {
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | FTZ_DAZ);
+    const int r = float_le_zero(s);
+    _mm_setcsr(csr);
+    return r;
+}
+#endif
 """
 
 
@@ -414,17 +446,22 @@ def _host_activation_lib(tmp: str):
     (path / "act.cpp").write_text(_ACT_HOST.replace("BODY", defines + "\n" + body))
     lib_path = path / "libact.so"
     # -fno-fast-math semantics (the default): NaN comparisons must stay IEEE, as on the GPU
-    proc = subprocess.run([cxx, "-O1", "-std=c++17", "-shared", "-fPIC", "-o", str(lib_path),
-                           str(path / "act.cpp")], capture_output=True, text=True)
+    # -frounding-math: no float work moved across the MXCSR changes of the _ftz entries
+    proc = subprocess.run([cxx, "-O1", "-std=c++17", "-frounding-math", "-shared", "-fPIC",
+                           "-o", str(lib_path), str(path / "act.cpp")],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return ctypes.CDLL(str(lib_path))
 
 
-def _run_host(lib, act, backward, dy, s):
+def _run_host(lib, act, backward, dy, s, ftz=False):
     import ctypes
 
     out = np.empty_like(s)
     fn = lib.run_f32 if s.dtype == np.float32 else lib.run_f64
+    if ftz:
+        assert s.dtype == np.float32
+        fn = lib.run_f32_ftz
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
     fn(ctypes.c_int(elementwise.ACTIVATION_CODES[act]), ctypes.c_int(int(backward)), ptr(dy),
        ptr(s), ptr(out), ctypes.c_long(s.size))
@@ -443,7 +480,7 @@ def test_kernel_activation_rules_match_the_reference_on_the_host(act, dtype, tmp
     values to within the two engines' rounding (the kernels use libm's erfc/expm1/tanh)."""
     from convfuse.ops import reference as ref
 
-    lib = _host_activation_lib(str(tmp_path_factory.mktemp("act")))
+    lib = _host_lib(tmp_path_factory)
     z = np.array(KERNEL_EDGE, dtype)
     y_ref = ref.activation_forward(z, act)
     y = _run_host(lib, act, False, z, z)
@@ -509,25 +546,159 @@ def test_float_arithmetic_flushes_subnormals_to_zero(name):
     assert any(".ftz" not in ins for ins in plain)
 
 
-SUBNORMAL = np.array([1e-40, -1e-40, 1e-45, -3e-39, 1.1e-38], np.float32)
+#: bfloat16's smallest positive subnormal (bits 0x0001) as the kernels load it: 9.18e-41
+BF16_TINY = float(np.uint32(0x00010000).view(np.float32))
+TINY = float(np.finfo(np.float32).tiny)  # 1.18e-38, float32's smallest normal
+SUBNORMAL = np.array([1e-40, -1e-40, 1e-45, -3e-39, 1.1e-38, BF16_TINY], np.float32)
+#: saved values at which a branch could go either way
+SAVED_EDGE = np.array([1e-40, -1e-40, 1e-45, -1e-45, BF16_TINY, -BF16_TINY, 1.1e-38, 0.0, -0.0,
+                       TINY, -TINY, 1.0, -1.0, 5.999, 6.0, 7.0, np.inf, -np.inf, np.nan],
+                      np.float32)
+
+
+def _host_lib(tmp_path_factory):
+    """The host build of the activation rules, compiled once per session."""
+    path = tmp_path_factory.getbasetemp() / "host_activation"
+    path.mkdir(exist_ok=True)
+    return _host_activation_lib(str(path))
+
+
+def _ftz_lib(tmp_path_factory):
+    lib = _host_lib(tmp_path_factory)
+    if not hasattr(lib, "run_f32_ftz"):
+        pytest.skip("no SSE on this host: -ftz=true is not emulated")
+    return lib
+
+
+def test_the_host_emulates_the_flushed_comparison(tmp_path_factory):
+    """The emulation of -ftz=true reproduces the flaw: a float `s <= 0` holds for positive
+    subnormals (float32's and bfloat16's), not for the smallest normal."""
+    import ctypes
+
+    lib = _ftz_lib(tmp_path_factory)
+    lib.float_le_zero_ftz.argtypes = [ctypes.c_float]
+    assert lib.float_le_zero_ftz(1e-40) == 1
+    assert lib.float_le_zero_ftz(BF16_TINY) == 1
+    assert lib.float_le_zero_ftz(-0.0) == 1
+    assert lib.float_le_zero_ftz(TINY) == 0
+
+
+_PROBE_TYPES = {"f32": "float", "f16": "__half", "bf16": "__nv_bfloat16"}
+#: (direction, activation) whose branches decide on a sign. elu's forward is left out: its
+#: sign test is the same integer test, but expm1f inside compares its own intermediates.
+_PROBED = [("bwd", "relu"), ("bwd", "relu6"), ("bwd", "leaky_relu"), ("bwd", "elu"),
+           ("fwd", "relu"), ("fwd", "relu6"), ("fwd", "leaky_relu")]
+_F32_SETP = re.compile(r"setp\.\w+(?:\.ftz)?\.f32\s+%p\d+,\s*(%f\d+),\s*([^;]+);")
+
+
+@functools.cache
+def _probe_ptx() -> str:
+    """activation.cu's rules with one kernel per (direction, activation, dtype) that runs
+    only the per-element rule on a loaded value, compiled with CuPy's options (-ftz=true)."""
+    probes = []
+    for d, act in _PROBED:
+        code = f"ACT_{act.upper()}"
+        for t, T in _PROBE_TYPES.items():
+            io = f"Io<{T}>"
+            call = (f"act_backward<{code}, {io}::C>({io}::load(dy[0]), {io}::load(s[0]))"
+                    if d == "bwd" else f"act_forward<{code}, {io}::C>({io}::load(s[0]))")
+            probes.append(f'extern "C" __global__ void probe_{d}_{act}_{t}(const {T}* dy, '
+                          f"const {T}* s, {T}* o) {{ o[0] = {io}::store({call}); }}")
+    # only the probes are instantiated: the shipped kernels take most of a compile
+    rules, shipped = re.subn(r"^CONVFUSE_ACTIVATION_KERNELS\(\w+, [\w ]+\)$", "",
+                             kernels.source("activation"), flags=re.M)
+    assert shipped == 4
+    lib = kernels.nvrtc()
+    prog = lib.createProgram(rules + "\n" + "\n".join(probes) + "\n", "probe.cu", [], [])
+    try:
+        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
+        ptx = lib.getPTX(prog)
+    finally:
+        lib.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@pytest.mark.parametrize("dtype", list(_PROBE_TYPES))
+@pytest.mark.parametrize(("direction", "act"), _PROBED)
+def test_no_flushed_comparison_decides_a_sign(direction, act, dtype):
+    """Note [branches on saved values read their bits], in the PTX NVRTC makes with CuPy's
+    -ftz=true: the per-element rule compares no float with zero and no float with another
+    (either would read a subnormal as 0); what float compares remain are with a nonzero
+    constant (relu6's 6), where a flushed subnormal is on the right side anyway."""
+    ptx = _probe_ptx()
+    body = ptx.split(f".entry probe_{direction}_{act}_{dtype}(")[1].split(".entry")[0]
+    compares = _F32_SETP.findall(body)
+    zero = {"0f00000000", "0f80000000"}
+    bad = [c for c in compares if c[1].strip() in zero or c[1].strip().startswith("%f")]
+    assert not bad, bad
+    assert all(c[1].strip() == "0f40C00000" for c in compares)  # 6.0, relu6 only
+    assert bool(compares) == (act == "relu6")
+
+
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu", "elu", "silu"])
+def test_branches_on_saved_values_follow_their_bits_under_ftz(act, tmp_path_factory):
+    """Note [branches on saved values read their bits]: run flushed, as CuPy compiles
+    them, the backward branches on the saved tensor as the NumPy engine (and PyTorch) does
+    at every value: relu and relu6 pass dy at y = 1e-40 and at bfloat16's 9.18e-41, and
+    leaky_relu passes dy there, not 0.01 dy. The forward's branches likewise (relu keeps a
+    subnormal input)."""
+    from convfuse.ops import reference as ref
+
+    lib = _ftz_lib(tmp_path_factory)
+    s = SAVED_EDGE
+    dy = np.full_like(s, 3.0)
+    saves = activations.saves(act)
+    got = _run_host(lib, act, True, dy, s, ftz=True)
+    with np.errstate(all="ignore"):
+        want = ref.activation_backward(dy.astype(np.float64),
+                                       None if saves == "none" else s.astype(np.float64), act)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0, equal_nan=True)
+    y = _run_host(lib, act, False, s, s, ftz=True)
+    with np.errstate(all="ignore"):
+        y_want = ref.activation_forward(s.astype(np.float64), act)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(y_want))
+    np.testing.assert_allclose(y, y_want, rtol=1e-6, atol=TINY, equal_nan=True)
+    if act == "relu":
+        np.testing.assert_array_equal(y[:5], s[:5] * (s[:5] > 0))  # subnormals kept
+
+
+@pytest.mark.parametrize("y0", [1e-40, BF16_TINY])
+@pytest.mark.parametrize("act", ["relu", "relu6", "leaky_relu"])
+def test_bias_gradient_keeps_the_subnormal_outputs_terms(act, y0, tmp_path_factory):
+    """The fused bias gradient sums these dz: for dy = [1, 1] and y = [y0, 1], db = 2 (the
+    flushed comparison gave 1 for relu and relu6, and 1.01 for leaky_relu)."""
+    lib = _ftz_lib(tmp_path_factory)
+    dz = _run_host(lib, act, True, np.ones(2, np.float32), np.array([y0, 1.0], np.float32),
+                   ftz=True)
+    assert dz.tolist() == [1.0, 1.0] and dz.sum() == 2.0
 
 
 @pytest.mark.parametrize("act", list(activations.ACTIVATIONS))
-def test_flush_to_zero_changes_activations_by_less_than_the_smallest_normal(act,
-                                                                            tmp_path_factory):
-    """What -ftz=true does to the activation kernels at subnormal inputs, emulated on the
-    host: inputs and outputs flushed to signed zero. Every result moves by less than
-    float32's smallest normal (1.18e-38), which is why the GPU edge-value tests compare
-    with atol=1e-30 and not bit for bit."""
-    lib = _host_activation_lib(str(tmp_path_factory.mktemp("ftz")))
-    tiny = np.finfo(np.float32).tiny
+def test_what_flush_to_zero_still_changes(act, tmp_path_factory):
+    """Note [CuPy compiles with -ftz=true], emulated on the host (SSE's FTZ and DAZ). The
+    forward moves by less than float32's smallest normal, 1.18e-38. The backward's flushed
+    intermediates are scaled by dy (and by z in silu and gelu), so there the bound is
+    about (|dy| (1 + |s|) + 1) * 1.18e-38: at z = -95 silu's sigmoid (5.5e-42) flushes and
+    dy = 1e10 gives -0.0 instead of -5.19e-30."""
+    from convfuse.ops import reference as ref
 
-    def flush(a):
-        return np.where(np.abs(a) < tiny, np.copysign(np.float32(0), a), a).astype(np.float32)
-
-    z = SUBNORMAL.copy()
-    dy = np.ones_like(z)
-    exact = _run_host(lib, act, False, z, z)
-    flushed = flush(_run_host(lib, act, False, dy, flush(z)))
-    assert np.all(np.abs(exact.astype(np.float64) - flushed) < tiny)
-    assert np.all(np.abs(flushed) < tiny) or act in ("sigmoid",)  # sigmoid(0) = 0.5
+    lib = _ftz_lib(tmp_path_factory)
+    z = np.concatenate([SUBNORMAL, -SUBNORMAL, np.float32([-95.0, -20.0, -14.0, 0.5])])
+    exact = ref.activation_forward(z.astype(np.float64), act)
+    y = _run_host(lib, act, False, z, z, ftz=True)
+    assert np.all(np.abs(y - exact) < TINY + 1e-6 * np.abs(exact)), (z, y, exact)
+    saves = activations.saves(act)
+    s = z if saves == "preactivation" else exact.astype(np.float32)
+    for scale in (1.0, 1e10):
+        dy = np.full_like(z, scale)
+        dz = _run_host(lib, act, True, dy, s, ftz=True)
+        with np.errstate(all="ignore"):
+            want = ref.activation_backward(dy.astype(np.float64), s.astype(np.float64), act)
+        bound = (scale * (1 + np.abs(s.astype(np.float64))) + 1) * TINY + 1e-6 * np.abs(want)
+        assert np.all(np.abs(dz - want) <= bound), (s, dz, want)
+    if act == "silu":  # the example of the Note
+        dz = _run_host(lib, act, True, np.float32([1e10]), np.float32([-95.0]), ftz=True)
+        assert dz[0] == 0.0 and np.signbit(dz[0])
+        want = ref.activation_backward(np.array([1e10]), np.array([-95.0]), "silu")[0]
+        assert want == pytest.approx(-5.19e-30, rel=1e-2) and abs(want) > 1e8 * TINY

@@ -74,11 +74,21 @@ def nvrtc() -> ModuleType:
 #: Options CuPy appends to every kernel it compiles, RawModule included (CuPy 14.2,
 #: cupy/cuda/compiler.py `_compile_with_cache_cuda`: `options += ('-ftz=true',)`).
 #: Note [CuPy compiles with -ftz=true]: float32 arithmetic in convfuse's kernels flushes
-#: subnormal inputs and results to zero (sign kept). float64 is untouched; float16 data is
-#: converted to float exactly and its whole range is normal in float; bfloat16 shares
-#: float's exponent range, so a bfloat16 subnormal becomes 0 as soon as it is computed
-#: with. Any change this makes is below float's smallest normal, 1.18e-38, in absolute
-#: terms: edge-value tests compare with an absolute tolerance above that.
+#: subnormal operands and results to zero (sign kept), comparisons included. float64 is
+#: untouched; float16 data is converted to float exactly and its whole range is normal in
+#: float; bfloat16 shares float's exponent range, so a bfloat16 subnormal becomes 0 as soon
+#: as it is computed with. What that changes:
+#: - branches: none. A flushed comparison would send a positive subnormal saved y down
+#:   relu's `y <= 0` branch (dz = 0 instead of dy, and the fused bias gradient loses the
+#:   term), so every sign decision reads the bits (Note [branches on saved values read
+#:   their bits] in activation.cu; tests/test_kernels_nvrtc.py checks the PTX and runs the
+#:   rules flushed on the host).
+#: - a result: by less than float's smallest normal, 1.18e-38, when the flushed value is
+#:   the result or is added to it (every forward activation).
+#: - a result scaled after the flush: by up to about (|dy| (1 + |s|) + 1) * 1.18e-38 in a
+#:   backward (s the saved value), far above 1.18e-38 for a large dy: silu's backward at
+#:   z = -95 flushes sigmoid(z) = 5.5e-42, and with dy = 1e10 gives -0.0 instead of
+#:   -5.19e-30. Tests with subnormal intermediates compare with a tolerance scaled so.
 CUPY_ADDED_OPTIONS = ("-ftz=true",)
 
 

@@ -43,12 +43,48 @@ __device__ __forceinline__ double m_fabs(double x) { return fabs(x); }
 __device__ __forceinline__ float m_erfc(float x) { return erfcf(x); }
 __device__ __forceinline__ double m_erfc(double x) { return erfc(x); }
 
+// Note [branches on saved values read their bits]
+// CuPy compiles every kernel with -ftz=true (Note [CuPy compiles with -ftz=true] in
+// kernels/__init__.py), and a .ftz float comparison reads a subnormal operand as zero:
+// `y <= 0` would hold for y = 1e-40, and relu's backward would drop the dy that PyTorch
+// (and the NumPy engine) pass on, taking the fused bias gradient with it. So every branch
+// on the sign of a value (the saved y or z, and the forward's input) tests the value's bits
+// with integer compares, which nothing flushes: the decisions of IEEE comparisons made
+// without -ftz at every value (-0.0 is neither > 0 nor < 0, NaN is neither and not <= 0).
+// float16 and bfloat16 are converted to float exactly before they are tested, sign and
+// bits kept. A comparison with a nonzero constant (relu6's 6) needs no care: a flushed
+// subnormal stays on the same side of it.
+__device__ __forceinline__ unsigned int bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ unsigned long long bits(double v) {
+    return (unsigned long long)__double_as_longlong(v);
+}
+__device__ __forceinline__ unsigned int sign_bit(float) { return 0x80000000u; }
+__device__ __forceinline__ unsigned long long sign_bit(double) { return 0x8000000000000000ull; }
+__device__ __forceinline__ unsigned int inf_bits(float) { return 0x7f800000u; }
+__device__ __forceinline__ unsigned long long inf_bits(double) { return 0x7ff0000000000000ull; }
+
+// v > 0: the bits of a positive value, +inf included, lie in [1, inf_bits]
+template <typename C>
+__device__ __forceinline__ bool gt_zero(C v) { return bits(v) - 1u < inf_bits(v); }
+// v < 0: the same test on the bits with the sign flipped
+template <typename C>
+__device__ __forceinline__ bool lt_zero(C v) {
+    return (bits(v) ^ sign_bit(v)) - 1u < inf_bits(v);
+}
+template <typename C>
+__device__ __forceinline__ bool is_nan(C v) { return (bits(v) & ~sign_bit(v)) > inf_bits(v); }
+// v <= 0: below zero, or +-0
+template <typename C>
+__device__ __forceinline__ bool le_zero(C v) {
+    return lt_zero(v) || (bits(v) & ~sign_bit(v)) == 0u;
+}
+
 // exp(-|z|) never overflows, and for z < 0 the e / (1 + e) form keeps full relative
 // accuracy where 1 / (1 + exp(-z)) would round to 0.
 template <typename C>
 __device__ __forceinline__ C sigmoid(C z) {
     const C e = m_exp(-m_fabs(z));
-    return (z >= C(0) ? C(1) : e) / (C(1) + e);
+    return (lt_zero(z) ? e : C(1)) / (C(1) + e);  // the sign from the bits (Note below)
 }
 
 // Phi(z) = 0.5 (1 + erf(z / sqrt 2)), written as 0.5 erfc(-z / sqrt 2): the same value
@@ -81,17 +117,17 @@ __device__ __forceinline__ C act_forward(C z) {
     if (ACT == ACT_IDENTITY) {
         return z;
     } else if (ACT == ACT_RELU) {
-        return (z > C(0) || z != z) ? z : C(0);  // NaN propagates, as torch.relu
+        return (gt_zero(z) || is_nan(z)) ? z : C(0);  // NaN propagates, as torch.relu
     } else if (ACT == ACT_SIGMOID) {
         return sigmoid(z);
     } else if (ACT == ACT_TANH) {
         return m_tanh(z);
     } else if (ACT == ACT_ELU) {
-        return z > C(0) ? z : m_expm1(z);  // expm1 keeps accuracy near 0, as PyTorch
+        return gt_zero(z) ? z : m_expm1(z);  // expm1 keeps accuracy near 0, as PyTorch
     } else if (ACT == ACT_RELU6) {
-        return z != z ? z : (z < C(0) ? C(0) : (z > C(6) ? C(6) : z));
+        return is_nan(z) ? z : (lt_zero(z) ? C(0) : (z > C(6) ? C(6) : z));
     } else if (ACT == ACT_LEAKY_RELU) {
-        return z > C(0) ? z : C(0.01) * z;
+        return gt_zero(z) ? z : C(0.01) * z;
     } else if (ACT == ACT_SILU) {
         return z * sigmoid(z);
     } else {  // ACT_GELU, exact (erf) form: z Phi(z)
@@ -99,23 +135,24 @@ __device__ __forceinline__ C act_forward(C z) {
     }
 }
 
-// dz from dy and the saved tensor s (y, or z for silu/gelu).
+// dz from dy and the saved tensor s (y, or z for silu/gelu); every branch on s reads its
+// bits (Note [branches on saved values read their bits]).
 template <int ACT, typename C>
 __device__ __forceinline__ C act_backward(C dy, C s) {
     if (ACT == ACT_IDENTITY) {
         return dy;
     } else if (ACT == ACT_RELU) {
-        return s <= C(0) ? C(0) : dy;  // torch's threshold_backward: NaN y passes dy on
+        return le_zero(s) ? C(0) : dy;  // torch's threshold_backward: NaN y passes dy on
     } else if (ACT == ACT_SIGMOID) {
         return dy * s * (C(1) - s);
     } else if (ACT == ACT_TANH) {
         return dy * (C(1) - s * s);
     } else if (ACT == ACT_ELU) {
-        return s <= C(0) ? dy * (s + C(1)) : dy;  // y = exp(z) - 1 where z <= 0; NaN y: dy
+        return le_zero(s) ? dy * (s + C(1)) : dy;  // y = exp(z) - 1 where z <= 0; NaN y: dy
     } else if (ACT == ACT_RELU6) {
-        return (s <= C(0) || s >= C(6)) ? C(0) : dy;  // y in (0, 6) iff z is; NaN y: dy
+        return (le_zero(s) || s >= C(6)) ? C(0) : dy;  // y in (0, 6) iff z is; NaN y: dy
     } else if (ACT == ACT_LEAKY_RELU) {
-        return s > C(0) ? dy : C(0.01) * dy;
+        return gt_zero(s) ? dy : C(0.01) * dy;
     } else if (ACT == ACT_SILU) {
         const C sig = sigmoid(s);
         return dy * sig * (C(1) + s * (C(1) - sig));

@@ -3,7 +3,8 @@ forward, no bias pass when there is nothing to add, the fused activation-backwar
 bias-gradient kernel for db and never cudnnConvolutionBackwardBias), no fallback warning
 of any kind, results equal to the float64 reference engine with NaN-poisoned outputs over
 a grid (rank, layout, dtype, stride, output_padding, dilation, groups, activation,
-residual), and a captured training step that replays the eager one."""
+residual), float64 channels-last run channels-first (Note [float64 runs channels-first]),
+and a captured training step that replays the eager one."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ import pytest
 
 import convfuse as cf
 import convfuse.ops as ops
+from convfuse import activations
 from convfuse._binding import cudnn
 from convfuse.functional_transpose import (
     conv_transpose_bias_act_backward,
     conv_transpose_bias_act_forward,
 )
 from convfuse.ops import elementwise
+from convfuse.ops.cudnn.layout import cudnn_geometry
+from convfuse.plan import (
+    BiasGradFallbackWarning,
+    FusedFallbackWarning,
+    WorkspaceFallbackWarning,
+    get_transpose_plan,
+)
 from convfuse.transpose_geometry import ConvTransposeGeometry
 from tests.gpu.test_cudnn_ops import (  # noqa: F401  (the autouse fixture is used by name)
     DTYPES,
@@ -29,6 +38,7 @@ from tests.gpu.test_cudnn_ops import (  # noqa: F401  (the autouse fixture is us
     full_precision_fresh_plans,
     poison_outputs,
 )
+from tests.gpu.test_layers_gpu import with_device_saved
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -54,25 +64,48 @@ def _geoms():
 GEOMS = _geoms()
 
 
+#: warnings of a fallback: none may occur here
+FALLBACKS = (FusedFallbackWarning, WorkspaceFallbackWarning, BiasGradFallbackWarning)
+
+
+class Calls(list):
+    """Names of the calls that ran, in order, with their arguments in `args`. A call is
+    recorded once it returns: one cuDNN refused raised, and the walk down the ranking to
+    the next algorithm counts once."""
+
+    def __init__(self):
+        super().__init__()
+        self.args = []
+
+    def clear(self):
+        super().clear()
+        self.args.clear()
+
+    def spy(self, name, real):
+        def call(*a):
+            out = real(*a)
+            self.append(name)
+            self.args.append(a)
+            return out
+        return call
+
+
 @pytest.fixture
 def spied(monkeypatch):
     lib = cudnn()
-    calls = []
+    calls = Calls()
     for name in ("convolutionForward", "convolutionBackwardData", "convolutionBackwardFilter",
                  "convolutionBackwardBias", "convolutionBiasActivationForward"):
-        real = getattr(lib, name)
-        monkeypatch.setattr(lib, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+        monkeypatch.setattr(lib, name, calls.spy(name, getattr(lib, name)))
     for name in ("bias_act_forward", "activation_forward", "activation_backward",
                  "activation_backward_bias"):
-        real = getattr(elementwise, name)
-        monkeypatch.setattr(elementwise, name,
-                            lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+        monkeypatch.setattr(elementwise, name, calls.spy(name, getattr(elementwise, name)))
     return calls
 
 
 @pytest.mark.parametrize("geom", GEOMS, ids=lambda g: g.describe())
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_matches_reference_and_runs_the_fused_path(spied, geom, dtype):
+def test_matches_reference_and_runs_the_fused_path(monkeypatch, spied, geom, dtype):
     rng = np.random.default_rng(0)
     x = Data(rng, geom.input_shape, dtype)
     w = Data(rng, geom.weight_shape, dtype)
@@ -84,15 +117,21 @@ def test_matches_reference_and_runs_the_fused_path(spied, geom, dtype):
         y_ref, ctx_ref = conv_transpose_bias_act_forward(
             x.ref, w.ref, b.ref if with_bias else None, activation=act,
             residual=res.ref if with_res else None, geom=geom)
-        g_ref = conv_transpose_bias_act_backward(dy.ref, ctx_ref)
         spied.clear()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no fallback of any kind
+        with warnings.catch_warnings(), poison_outputs(monkeypatch):
+            for category in FALLBACKS:  # no fallback of any kind
+                warnings.simplefilter("error", category)
             y, ctx = conv_transpose_bias_act_forward(
                 x.dev, w.dev, b.dev if with_bias else None, activation=act,
                 residual=res.dev if with_res else None, geom=geom)
             forward_calls = list(spied)
+            forward_args = list(spied.args)
             g = conv_transpose_bias_act_backward(dy.dev, ctx)
+        if dtype in ("float16", "bfloat16") and activations.saves(act) == "output":
+            # a mask flipped by rounding near 0 is the forward's difference, not the
+            # backward's: the reference backward reads the device's output
+            ctx_ref = with_device_saved(ctx_ref, y)
+        g_ref = conv_transpose_bias_act_backward(dy.ref, ctx_ref)
         what = f"{act} bias={with_bias} residual={with_res} {dtype}"
         assert_close(y, y_ref, dtype, f"y {what}")
         assert_close(g.dx, g_ref.dx, dtype, f"dx {what}")
@@ -100,6 +139,12 @@ def test_matches_reference_and_runs_the_fused_path(spied, geom, dtype):
         if with_bias:
             assert_close(g.dbias, g_ref.dbias, dtype, f"db {what}")
         assert forward_calls[0] == "convolutionBackwardData"
+        assert forward_calls.count("convolutionBackwardData") == 1
+        plan = get_transpose_plan(cudnn_geometry(geom, dtype), dtype)
+        # the plan that ran: for float64 channels-last the channels-first one's (NCHW)
+        # descriptors (w, G's dy = this x, G's dx = this y)
+        call = forward_args[0]
+        assert call[2] is plan.w_desc and call[4] is plan.y_desc and call[11] is plan.x_desc
         passes = forward_calls[1:]
         if act == "identity" and not with_bias and not with_res:
             assert passes == []  # no pass at all

@@ -24,8 +24,9 @@ def pair(cls, *args, dtype, **kwargs):
     return gpu, ref
 
 
-def backward_reference(ref, x64, z64, y_dev, r64, act, layout):
-    """(dx or (dx, dresidual), dweight, dbias) in float64 from the device's own output.
+def with_device_saved(ctx, saved_dev):
+    """The reference context `ctx` with the device's own saved tensor (in float64), so the
+    reference backward reads exactly what the device's backward reads.
 
     In float16 and bfloat16 a pre-activation within rounding of a kink (ReLU's 0, ReLU6's
     6) can land on the other side on the device, most of all when cuDNN refuses the fused
@@ -33,16 +34,20 @@ def backward_reference(ref, x64, z64, y_dev, r64, act, layout):
     fallback]). The forward check bounds that difference by the rounding, but the
     backward's mask then differs by a whole dy element, which the sums over the batch
     carry into dx and dweight. So for activations whose backward reads the output, the
-    reference backward reads the device's output (exactly what the device's backward
-    reads), and measures the backward alone."""
+    reference backward reads the device's output, and measures the backward alone."""
     import dataclasses
 
+    return dataclasses.replace(ctx, saved=saved_dev.get().astype(np.float64))
+
+
+def backward_reference(ref, x64, z64, y_dev, r64, act, layout):
+    """(dx or (dx, dresidual), dweight, dbias) in float64 from the device's own output
+    (`with_device_saved`)."""
     from convfuse.functional import conv_bias_act_backward, conv_bias_act_forward
 
     _, ctx = conv_bias_act_forward(x64, ref.weight.data, ref.bias.data, padding=1, groups=2,
                                    activation=act, residual=z64, layout=layout)
-    ctx = dataclasses.replace(ctx, saved=y_dev.get().astype(np.float64))
-    g = conv_bias_act_backward(r64, ctx)
+    g = conv_bias_act_backward(r64, with_device_saved(ctx, y_dev))
     return ((g.dx, g.dresidual) if z64 is not None else g.dx), g.dweight, g.dbias
 
 

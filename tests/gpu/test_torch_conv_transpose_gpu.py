@@ -88,7 +88,10 @@ def test_double_backward_on_the_gpu():
     _, ours = _layers("tanh")
     ours = ours.double().cuda()
     x = torch.randn(1, 8, 3, 3, dtype=torch.float64, device="cuda", requires_grad=True)
-    assert torch.autograd.gradgradcheck(lambda x, w: ours(x), (x, ours.weight))
+    # cuDNN's BackwardData and BackwardFilter algorithms may accumulate with atomics: two
+    # runs need not agree to the last bit (as in test_torch_autocast_gpu.py)
+    assert torch.autograd.gradgradcheck(lambda x, w: ours(x), (x, ours.weight),
+                                        nondet_tol=1e-12)
 
 
 def test_compile_fullgraph_on_the_gpu():

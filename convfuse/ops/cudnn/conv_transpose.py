@@ -7,6 +7,10 @@ Forward: convolutionBackwardData writes y, then one pass of convfuse's bias + ac
 (+ scaled residual) kernel over y (Note [bias + activation pass] in kernels/activation.cu),
 none when there is no bias, no residual and the activation is identity. silu and gelu save
 their pre-activation, so they write it with that pass and apply the activation in a second.
+
+float64 channels-last runs channels-first, as Conv does (Note [float64 runs channels-first]
+in layout.py): the three cuDNN-calling ops go through layout.run_channels_first. The bias +
+activation passes and the bias gradient are convfuse's kernels, which read channels-last.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ...errors import CudnnError
 from ...plan import Candidate, get_transpose_plan
 from ...transpose_geometry import ConvTransposeGeometry
 from .. import elementwise
+from . import layout
 from .handle import Workspace, get_handle
 from .ranked import forward_into, run_ranked
 
@@ -37,6 +42,8 @@ def _named(op: str, tgeom: ConvTransposeGeometry) -> Iterator[None]:
 
 def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
     with _named("conv_transpose_forward", tgeom):
+        if layout.runs_channels_first(tgeom, x.dtype):  # Note [float64 runs channels-first]
+            return layout.run_channels_first(_forward, tgeom, x.dtype, (x, w))
         return _forward(x, w, tgeom)
 
 
@@ -81,6 +88,9 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry
 def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any = None,
                                  beta: float = 0.0) -> Any:  # pragma: gpu
     with _named("conv_transpose_backward_data", tgeom):
+        if layout.runs_channels_first(tgeom, dz.dtype):  # Note [float64 runs channels-first]
+            return layout.run_channels_first(_backward_data, tgeom, dz.dtype, (dz, w), out,
+                                             beta)
         return _backward_data(dz, w, tgeom, out, beta)
 
 
@@ -110,6 +120,9 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
 def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry,
                                    out: Any = None, beta: float = 0.0) -> Any:  # pragma: gpu
     with _named("conv_transpose_backward_filter", tgeom):
+        if layout.runs_channels_first(tgeom, x.dtype):  # Note [float64 runs channels-first]
+            return layout.run_channels_first(_backward_filter, tgeom, x.dtype, (x, dz), out,
+                                             beta)
         return _backward_filter(x, dz, tgeom, out, beta)
 
 

@@ -16,6 +16,11 @@ plan/descriptors.py), and a filter descriptor has no strides at all, only a form
 data has to move. float64 convolutions are for checking, not speed; the copies (one pass
 over each array) cost far less than the convolution itself.
 
+`run_channels_first` is that route for any convolution op. ConvTranspose's ops take it
+(conv_transpose.py: a transposed convolution's cuDNN calls are its forward convolution G's,
+and G of the channels-first twin is the channels-first twin of G); conv.py's ops spell out
+the same steps inline.
+
 The bias gradient needs no copy: it stays on the channels-last plan, where a refusal of
 cudnnConvolutionBackwardBias already moves the plan to convfuse's bias kernel, which reads
 channels-last itself (BiasGradFallbackWarning, conv_backward_bias in conv.py).
@@ -25,21 +30,24 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from ...dtypes import canonical
 from ...errors import ConvfuseError, CudnnError
 from ...geometry import ConvGeometry
+from ...transpose_geometry import ConvTransposeGeometry
+
+G = TypeVar("G", ConvGeometry, ConvTransposeGeometry)
 
 
-def runs_channels_first(geom: ConvGeometry, dtype: Any) -> bool:
+def runs_channels_first(geom: ConvGeometry | ConvTransposeGeometry, dtype: Any) -> bool:
     """Whether this convolution goes to cuDNN channels-first although its arrays are
     channels-last (Note [float64 runs channels-first])."""
     return geom.channels_last and canonical(dtype).name == "float64"
 
 
-def cudnn_geometry(geom: ConvGeometry, dtype: Any) -> ConvGeometry:
+def cudnn_geometry(geom: G, dtype: Any) -> G:
     """The geometry whose plan runs `geom`'s convolution in `dtype`: `geom` itself, or
     its channels-first twin (Note [float64 runs channels-first])."""
     if not runs_channels_first(geom, dtype):
@@ -49,7 +57,7 @@ def cudnn_geometry(geom: ConvGeometry, dtype: Any) -> ConvGeometry:
 
 
 @contextlib.contextmanager
-def named_as(geom: ConvGeometry) -> Iterator[None]:
+def named_as(geom: ConvGeometry | ConvTransposeGeometry) -> Iterator[None]:
     """Errors of the channels-first run also name the caller's geometry, which is the one
     the caller knows."""
     why = f"run channels-first for {geom.describe()} (Note [float64 runs channels-first])"
@@ -63,6 +71,26 @@ def named_as(geom: ConvGeometry) -> Iterator[None]:
         except TypeError:  # a constructor taking more than a message: keep it as it is
             raise err from None
         raise renamed.with_traceback(err.__traceback__) from None
+
+
+def run_channels_first(op: Callable[..., Any], geom: G, dtype: Any, arrays: Sequence[Any],
+                       out: Any = None, beta: float | None = None) -> Any:  # pragma: gpu
+    """`op` run on channels-first copies of the channels-last `arrays` with `geom`'s
+    channels-first twin, its result copied back to channels-last (into `out` when given).
+
+    A forward op is called `op(*arrays_cf, geom_cf)` (beta None); a gradient op
+    `op(*arrays_cf, geom_cf, prior, beta)`, `prior` being a channels-first copy of `out`
+    when beta != 0 (cuDNN's own blend then accumulates it once) and None otherwise.
+    """
+    cf = cudnn_geometry(geom, dtype)
+    copies = [to_channels_first(a) for a in arrays]
+    with named_as(geom):
+        if beta is None:
+            result = op(*copies, cf)
+        else:
+            prior = to_channels_first(out) if out is not None and float(beta) != 0.0 else None
+            result = op(*copies, cf, prior, beta)
+    return to_channels_last(result, out)
 
 
 def to_channels_first(a: Any) -> Any:  # pragma: gpu
