@@ -68,7 +68,7 @@ class FakeGpu:
                             self.array(shape, dtype, "zeros"))
         for kind in ("conv", "pooling"):
             mod = importlib.import_module(f"convfuse.ops.cudnn.{kind}")
-            monkeypatch.setattr(mod, "get_handle", lambda: "H")
+            monkeypatch.setattr(mod, "get_handle", lambda *a: "H")
         for name in self.COMPUTE:
             monkeypatch.setattr(self.lib, name, lambda *a, _n=name: self.record(_n, a))
         for name in self.LAUNCHERS:
