@@ -60,7 +60,7 @@ DEVICE_ARRAY_TYPES: tuple[type, ...] = ()
 def is_cupy(a: Any) -> bool:
     """A CuPy array, or a DeviceArray (device memory the cuDNN engine runs on as it is)."""
     cp = cupy_module()
-    return cp is not None and (isinstance(a, cp.ndarray) or isinstance(a, DEVICE_ARRAY_TYPES))
+    return cp is not None and isinstance(a, (cp.ndarray, *DEVICE_ARRAY_TYPES))
 
 
 def device_of(a: Any) -> str:

@@ -141,7 +141,7 @@ def test_pooling_on_pointers(gpu):
     x, dy = arrays(gpu, ctx, "float16", pg.input_shape, pg.output_shape)
     y = ops.pool_forward(x, pg)
     dx = ops.pool_backward(dy, x, y, pg)
-    (n1, a1), (n2, a2) = gpu.calls
+    (_, a1), (_, a2) = gpu.calls
     assert (a1[4], a1[7]) == (x.ptr, y.ptr) and (a2[4], a2[6], a2[8], a2[11]) == (
         y.ptr, dy.ptr, x.ptr, dx.ptr)
     assert outputs(gpu) == {y.ptr, dx.ptr} and gpu.handles[0].streams == [0xA000]
@@ -159,7 +159,7 @@ def test_float64_channels_last_falls_back_to_cupy_in_the_callers_scope(monkeypat
     x, w = arrays(gpu, ctx, "float64", geom.input_shape, geom.weight_shape)
     y = ops.conv_forward(x, w, geom)
     assert gpu.scopes == ["enter", "exit"]
-    (n1, (xv, _)), (n2, (wv, _)), (n3, a), (n4, (_, y_cupy)) = gpu.calls
+    (n1, (xv, _)), (n2, (wv, _)), (n3, _), (n4, (_, y_cupy)) = gpu.calls
     assert (n1, n2, n3, n4) == ("to_channels_first", "to_channels_first",
                                 "convolutionForward", "to_channels_last")
     assert (xv.data.ptr, xv.shape, xv.dtype) == (x.ptr, x.shape, x.dtype)
@@ -195,7 +195,7 @@ def test_batchnorm_training_on_pointers(bn_gpu):
     w, b, rm, rv, gw, gb = arrays(gpu, ctx, "float32", *[(8,)] * 6)
     y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-3, 0.25, "relu", res)
     (fwd, a), = gpu.calls
-    (n1, ws, wptr), (n2, rs, rptr) = [al for al in gpu.allocs if al[0] == "allocate"]
+    (_, ws, wptr), (_, rs, rptr) = [al for al in gpu.allocs if al[0] == "allocate"]
     assert fwd == "batchNormalizationForwardTrainingEx" and (ws, rs) == (1024, 4096)
     assert (a[6], a[8], a[10], a[12], a[13], a[15], a[16]) == (x.ptr, res.ptr, y.ptr, w.ptr,
                                                                b.ptr, rm.ptr, rv.ptr)
@@ -225,9 +225,9 @@ def test_batchnorm_plain_backward_copies_the_residual_gradient_on_the_stream(mon
     shape = (2, 8, 3, 3)
     x, res, dy = arrays(gpu, ctx, "float32", shape, shape, shape)
     w, b, rm, rv = arrays(gpu, ctx, "float32", *[(8,)] * 4)
-    y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NCHW", 1e-5, 0.1, None, res)
+    _, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NCHW", 1e-5, 0.1, None, res)
     assert [n for n, _ in gpu.calls] == ["batchNormalizationForwardTraining", "addTensor"]
-    dx, dw, db, dres = ops.batchnorm_backward(dy, x, w, b, saved, "NCHW", 1e-5, None, True)
+    _, dw, db, dres = ops.batchnorm_backward(dy, x, w, b, saved, "NCHW", 1e-5, None, True)
     assert gpu.calls[-1][0] == "batchNormalizationBackward"
     assert gpu.calls[-1][1][9] == dy.ptr  # dz is dy
     assert copies == [(dres.ptr, dy.ptr, dy.nbytes, 3, 0xA000)]  # cudaMemcpyDeviceToDevice
@@ -319,8 +319,7 @@ def test_kernels_get_pointers_and_the_callers_stream(monkeypatch, launches):
     z, y = arrays(gpu, ctx, "float32", (2, 5), (2, 5))
     elementwise.activation_forward(z, "relu", y)
     geom = GEOMS[0]
-    out, b, res = arrays(gpu, ctx, "float32", geom.output_shape, geom.bias_shape,
-                         geom.output_shape)
+    out, b = arrays(gpu, ctx, "float32", geom.output_shape, geom.bias_shape)
     elementwise.bias_act_forward(out, b, None, 0.5, "identity", geom)
     cz, cy = gpu.array((2, 5), "float32"), gpu.array((2, 5), "float32")
     elementwise.activation_backward(cz, None, "identity", cy)  # CuPy arrays: CuPy's stream

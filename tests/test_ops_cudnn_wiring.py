@@ -176,7 +176,7 @@ class FakeHandle:
     def __init__(self):
         self.streams = []  # every setStream, in order
 
-    def setStream(self, ptr):  # noqa: N802 (the binding's name)
+    def setStream(self, ptr):
         self.streams.append(ptr)
 
 

@@ -67,8 +67,8 @@ from torch._prims_common import suggest_memory_format
 
 from ..dtypes import canonical
 from ..geometry import layout_name
-from ..ops.cudnn.device import DeviceArray, ExecContext
 from ..ops._checks import ALIGNMENT
+from ..ops.cudnn.device import DeviceArray, ExecContext
 
 G = TypeVar("G")
 
