@@ -264,9 +264,10 @@ def test_on_cupy_maps_device_arrays_both_ways(gpu):
     def body(a, pair, saved, none):
         seen.update(a=a, pair=pair, saved=saved, none=none)
         fresh = gpu.array((4,), "bfloat16")
-        return pair[0], fresh
+        return pair[0], fresh, fresh
 
-    back, fresh = device.on_cupy(body, x, (out, 7), Saved(x, True), None)
+    back, fresh, same = device.on_cupy(body, x, (out, 7), Saved(x, True), None)
+    assert same is fresh  # one DeviceArray per CuPy array (a BN forward returns y twice)
     cp = gpu.cp
     assert isinstance(seen["a"], cp.ndarray) and seen["a"].data.ptr == x.ptr
     assert seen["a"].dtype == x.dtype and seen["a"].shape == x.shape

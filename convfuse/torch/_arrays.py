@@ -44,7 +44,7 @@ tensor and one torch.empty per output: no DLPack, no CuPy array, no context-mana
 stack. What the engine runs through CuPy on this path (float64 channels-last
 convolutions, windowed transposed convolutions, padding, batch-norm inference and
 evaluation backward) enters `TorchContext.cupy_scope`, which is the "cupy" path's setup,
-and its results come back through DLPack.
+and its results cross to PyTorch through DLPack inside it (`TorchContext.adopt`).
 CONVFUSE_TORCH_CUDA_PATH=cupy selects the previous path, kept to compare on a GPU:
 `engine_context` makes the tensor's device current for CuPy, PyTorch's current stream
 CuPy's (`cupy.cuda.Stream.from_external`) and `_torch_allocator` CuPy's allocator;
@@ -206,10 +206,8 @@ def to_tensor(a: Any) -> torch.Tensor:
     """A NumPy array, CuPy array or DeviceArray as a tensor on the same memory (PyTorch
     keeps it alive): a DeviceArray's own tensor when PyTorch allocated it."""
     if type(a) is DeviceArray:  # pragma: gpu
-        owner = a.owner
-        if isinstance(owner, torch.Tensor):
-            return owner
-        return torch.from_dlpack(owner)  # a CuPy result (Note [the torch pointer path])
+        owner: torch.Tensor = a.owner  # the bridge's own tensor, or TorchContext.adopt's
+        return owner
     if isinstance(a, np.ndarray):
         a = np.ascontiguousarray(a)  # a no-op for the engine's results; the fake ops assume it
         if a.dtype == np.dtype(ml_dtypes.bfloat16):  # Note [bfloat16 on the CPU]
@@ -298,6 +296,12 @@ class TorchContext(ExecContext):
 
     def cupy_scope(self) -> contextlib.AbstractContextManager[Any]:  # pragma: gpu
         return _cupy_engine_context(self.torch_device)
+
+    def adopt(self, a: Any) -> DeviceArray:  # pragma: gpu
+        """A CuPy result as a tensor, inside `cupy_scope` (CuPy's stream is PyTorch's, so
+        the exchange records no event: none on the legacy stream under a capture)."""
+        t = torch.from_dlpack(a)
+        return DeviceArray(t.data_ptr(), tuple(t.shape), canonical(a.dtype), self, t)
 
 
 _torch_contexts: dict[tuple[int, int], TorchContext] = {}

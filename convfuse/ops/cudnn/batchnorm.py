@@ -212,7 +212,7 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
                                 running_var: Any, g: BatchNormGeometry, eps: float, act: str,
                                 residual: Any) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
     if is_device_array(x):  # CuPy arithmetic below: Note [the pointer path]
-        return on_cupy(batchnorm_forward_inference, x, weight, bias, running_mean,  # type: ignore[no-any-return]
+        return on_cupy(batchnorm_forward_inference, x, weight, bias, running_mean,
                        running_var, g, eps, act, residual)
     import cupy as cp
 
@@ -238,8 +238,8 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
                        need_dx: bool, weight_grad: Any, bias_grad: Any,
                        beta: float) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
     if not saved.training and is_device_array(dy):  # CuPy arithmetic: Note [the pointer path]
-        return on_cupy(batchnorm_backward, dy, x, weight, bias, saved, g, eps,  # type: ignore[no-any-return]
-                       act, residual, need_dx, weight_grad, bias_grad, beta)
+        return on_cupy(batchnorm_backward, dy, x, weight, bias, saved, g, eps, act, residual,
+                       need_dx, weight_grad, bias_grad, beta)
     ctx = context_of(dy)
     cd = compute_dtype(x.dtype)
     if weight_grad is not None:

@@ -19,7 +19,8 @@ entered per call on this path.
 What the pointer path cannot serve, because it needs CuPy array arithmetic, runs through
 `on_cupy`: the DeviceArrays become CuPy views inside `ctx.cupy_scope()` (the caller's
 device, stream and allocator made CuPy's current ones), the CuPy engine code runs, and
-CuPy results come back as DeviceArrays owned by those CuPy arrays. That is: float64
+CuPy results come back as DeviceArrays (`ctx.adopt`, inside the scope: a torch caller
+takes them over as tensors there, on one stream). That is: float64
 channels-last convolutions (layout.py's copies, Note [float64 runs channels-first]), a
 windowed transposed convolution (its crop or zero-fill), explicit padding (pad.py),
 batch normalization in inference and its evaluation-mode backward (CuPy arithmetic on
@@ -165,6 +166,11 @@ class ExecContext:
         return capture.stream_is_capturing() if ptr is None else \
             capture.stream_is_capturing(ptr)
 
+    def adopt(self, a: Any) -> DeviceArray:
+        """A CuPy result of `on_cupy` (C-contiguous, made inside `cupy_scope`) as a
+        DeviceArray; called inside that scope."""
+        return DeviceArray(int(a.data.ptr), tuple(a.shape), canonical(a.dtype), self, a)
+
     def copy(self, a: Any) -> Any:
         """A new array holding a copy of `a` (one device-to-device copy on the stream)."""
         import cupy
@@ -236,13 +242,14 @@ def is_device_array(*arrays: Any) -> bool:
 def on_cupy(fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) with every DeviceArray among `args` (also inside tuples) seen as a CuPy
     view, inside its context's `cupy_scope()`; CuPy arrays in the result come back as
-    DeviceArrays (the very views passed in as themselves). The fallback of Note [the
-    pointer path] for engine code that needs CuPy array arithmetic."""
+    DeviceArrays (`ctx.adopt`; the very views passed in as themselves, one DeviceArray per
+    CuPy array). The fallback of Note [the pointer path] for engine code that needs CuPy
+    array arithmetic."""
     ctx = next(_device_arrays(args)).ctx
     views: dict[int, tuple[DeviceArray, Any]] = {}  # the views stay alive: ids stay theirs
     with ctx.cupy_scope():
         result = fn(*_map(args, lambda a: _as_cupy(a, views)))
-    return _map(result, lambda a: _from_cupy(a, views, ctx))
+        return _map(result, lambda a: _from_cupy(a, views, ctx))
 
 
 def _device_arrays(obj: Any) -> Iterator[DeviceArray]:
@@ -256,7 +263,7 @@ def _device_arrays(obj: Any) -> Iterator[DeviceArray]:
 def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
     if isinstance(obj, tuple):
         items = [_map(item, fn) for item in obj]
-        return type(obj)._make(items) if hasattr(obj, "_fields") else tuple(items)
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)  # NamedTuple
     return fn(obj)
 
 
@@ -275,7 +282,7 @@ def _from_cupy(a: Any, views: dict[int, tuple[DeviceArray, Any]], ctx: ExecConte
     cp = backend.cupy_module()
     if cp is None or not isinstance(a, cp.ndarray):
         return a
-    original = views.get(id(a))
-    if original is not None:
-        return original[0]
-    return DeviceArray(int(a.data.ptr), tuple(a.shape), canonical(a.dtype), ctx, a)
+    known = views.get(id(a))
+    if known is None:
+        known = views[id(a)] = (ctx.adopt(a), a)
+    return known[0]
