@@ -22,6 +22,7 @@ from .. import kernels
 from ..activations import normalize
 from ..backend import array_module
 from ..dtypes import canonical, compute_dtype
+from ..dtypes import name as dtype_name
 from ..errors import DeviceMismatchError
 from ..geometry import ConvGeometry
 from .cudnn.device import context_of, cupy_context
@@ -54,7 +55,7 @@ def activation_code(activation: str | None) -> int:
 
 def kernel_suffix(dtype: Any) -> str:
     """'f32', 'f64', 'f16' or 'bf16': the dtype part of a kernel's name."""
-    return _SUFFIXES[canonical(dtype).name]
+    return _SUFFIXES[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)

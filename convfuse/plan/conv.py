@@ -15,6 +15,7 @@ from ..backend import gpu_available
 from ..config import Flags
 from ..config import get as get_flags
 from ..dtypes import canonical
+from ..dtypes import name as dtype_name
 from ..errors import CudnnError
 from ..geometry import ConvGeometry
 from . import algorithms as algos
@@ -75,7 +76,7 @@ class PlanKey:
         f = flags if flags is not None else get_flags()
         return cls(
             device=current_device() if device is None else int(device),
-            dtype=dt.name, geometry=geom, activation=fused, residual=bool(residual),
+            dtype=dtype_name(dt), geometry=geom, activation=fused, residual=bool(residual),
             math_type=d.math_type_name(dt, f.allow_tf32), deterministic=f.deterministic,
             benchmark=f.benchmark, workspace_limit=f.workspace_limit,
         )

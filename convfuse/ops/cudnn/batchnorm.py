@@ -39,6 +39,7 @@ from typing import Any
 
 from ... import activations
 from ...dtypes import compute_dtype
+from ...dtypes import name as dtype_name
 from ...errors import CudnnError
 from ...plan.batchnorm import BatchNormGeometry, BatchNormPlan, get_batchnorm_plan
 from ...plan.conv import FusedFallbackWarning
@@ -66,7 +67,7 @@ def _ones_zeros(cp: Any, dtype: Any, channels: int,
     like fused.zero_bias, from CuPy's default pool, never made inside a capture, and
     ordered before this call's stream reads them (Note [cached constants across streams]
     in constants.py)."""
-    key = (ctx.device, cp.dtype(dtype).name, int(channels))
+    key = (ctx.device, dtype_name(dtype), int(channels))
     ones, zeros = cached(cp, _affine_defaults, _affine_lock, key,
                          f"the cached batch-normalization ones and zeros ({channels} x "
                          f"{key[1]})",

@@ -46,6 +46,7 @@ import warnings
 from typing import Any
 
 from ..._binding import cudnn
+from ...dtypes import name as dtype_name
 from ...errors import CudnnError
 from ...plan import (
     ConvPlan,
@@ -72,7 +73,7 @@ def zero_bias(cp: Any, dtype: Any, channels: int,
     reads them (Note [cached constants across streams] in constants.py). `ctx`: the call's
     (default: CuPy's current device and stream)."""
     ctx = ctx if ctx is not None else cupy_context()
-    key = (ctx.device, cp.dtype(dtype).name, int(channels))
+    key = (ctx.device, dtype_name(dtype), int(channels))
     bias, = cached(cp, _zero_bias, _zero_bias_lock, key,
                    f"the cached zero bias ({channels} x {key[1]})",
                    lambda: (cp.zeros((channels,), dtype=dtype),), ctx)

@@ -28,7 +28,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from ...dtypes import canonical
+from ...dtypes import name as dtype_name
 from ...errors import ConvfuseError, CudnnError
 from ...geometry import ConvGeometry
 
@@ -36,7 +36,7 @@ from ...geometry import ConvGeometry
 def runs_channels_first(geom: ConvGeometry, dtype: Any) -> bool:
     """Whether this convolution goes to cuDNN channels-first although its arrays are
     channels-last (Note [float64 runs channels-first])."""
-    return geom.channels_last and canonical(dtype).name == "float64"
+    return geom.channels_last and dtype_name(dtype) == "float64"
 
 
 def cudnn_geometry(geom: ConvGeometry, dtype: Any) -> ConvGeometry:
