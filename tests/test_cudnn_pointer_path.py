@@ -293,6 +293,27 @@ def test_device_array_is_what_the_checks_and_engine_read(gpu):
     assert gpu.calls == []  # refused before any engine call
 
 
+def test_an_outputs_own_arithmetic_runs_on_cupy_in_the_callers_scope(gpu):
+    """ops/conv_transpose.py zero-fills or scales an empty batch's gradient `out`."""
+    ctx = gpu.pointer_context(0xA000)
+    [out] = arrays(gpu, ctx, "float32", (3,))
+    seen = []
+    cp = gpu.cp
+    real_fill, real_imul = cp.ndarray.fill, cp.ndarray.__imul__
+    try:
+        cp.ndarray.fill = lambda a, v: seen.append(("fill", a.data.ptr, v))
+        cp.ndarray.__imul__ = lambda a, v: seen.append(("imul", a.data.ptr, v)) or a
+    except TypeError:
+        pytest.skip("cupy.ndarray's methods cannot be replaced here")
+    try:
+        out.fill(0)
+        out *= 0.5
+    finally:
+        cp.ndarray.fill, cp.ndarray.__imul__ = real_fill, real_imul
+    assert seen == [("fill", out.ptr, 0), ("imul", out.ptr, 0.5)]
+    assert gpu.scopes == ["enter", "exit"] * 2
+
+
 # ---- kernel launches: Note [kernel arguments are pointers] in ops/elementwise.py ----
 
 class Recorder:

@@ -123,6 +123,15 @@ class DeviceArray:
             step *= max(int(s), 1)
         return tuple(reversed(out))
 
+    # The ops' own CuPy arithmetic on an output (an empty batch's zero or scaled gradient,
+    # ops/conv_transpose.py `_zero_filled`): a CuPy kernel on the caller's stream.
+    def fill(self, value: Any) -> None:
+        on_cupy(lambda a: a.fill(value), self)
+
+    def __imul__(self, value: Any) -> DeviceArray:
+        on_cupy(lambda a: a.__imul__(value), self)
+        return self
+
     def __repr__(self) -> str:
         return (f"DeviceArray(ptr={self.ptr:#x}, shape={tuple(self.shape)}, "
                 f"dtype={self.dtype}, device={self.ctx.device}, stream={self.ctx.stream_ptr:#x})")
