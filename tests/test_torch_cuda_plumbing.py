@@ -89,6 +89,10 @@ def test_torch_context_allocates_outputs_and_workspace_from_torch(monkeypatch, t
 
     ctx = _arrays.torch_context(0)
     assert _arrays.torch_context(0) is ctx and (ctx.device, ctx.stream_ptr) == (0, 0xA000)
+    monkeypatch.setattr(_arrays, "MAX_CONTEXTS", 2)  # streams made and dropped in a loop
+    for index in (1, 2, 3):
+        assert _arrays.torch_context(index).stream_ptr == 0xA000 + index
+        assert len(_arrays._torch_contexts) <= 2
     assert ctx.stream.ptr == 0xA000 and ctx.device_ref.id == 0
     y = ctx.empty((2, 3), np.dtype(np.float32))
     h = ctx.empty((4,), np.float16)  # a scalar type, not a dtype: canonicalised

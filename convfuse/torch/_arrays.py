@@ -68,7 +68,7 @@ from torch._prims_common import suggest_memory_format
 from ..dtypes import canonical
 from ..geometry import layout_name
 from ..ops._checks import ALIGNMENT
-from ..ops.cudnn.device import DeviceArray, ExecContext
+from ..ops.cudnn.device import MAX_CONTEXTS, DeviceArray, ExecContext
 
 G = TypeVar("G")
 
@@ -312,6 +312,8 @@ def torch_context(index: int) -> TorchContext:
     key = (index, _current_raw_stream(index))
     ctx = _torch_contexts.get(key)
     if ctx is None:
+        if len(_torch_contexts) >= MAX_CONTEXTS:  # streams made and dropped in a loop
+            _torch_contexts.clear()
         ctx = _torch_contexts.setdefault(key, TorchContext(*key))
     return ctx
 

@@ -220,6 +220,9 @@ class CupyContext(ExecContext):
 
 backend.DEVICE_ARRAY_TYPES = (DeviceArray,)
 
+#: Contexts kept per (device, stream) before the cache starts over (a context is a few
+#: small objects; a dropped one is only rebuilt).
+MAX_CONTEXTS = 256
 _cupy_contexts: dict[tuple[int, int], CupyContext] = {}
 _cupy_contexts_lock = threading.Lock()
 
@@ -232,6 +235,8 @@ def cupy_context() -> CupyContext:
     ctx = _cupy_contexts.get(key)
     if ctx is None:
         with _cupy_contexts_lock:
+            if len(_cupy_contexts) >= MAX_CONTEXTS:  # streams made and dropped in a loop
+                _cupy_contexts.clear()
             ctx = _cupy_contexts.setdefault(key, CupyContext(*key))
     return ctx
 
