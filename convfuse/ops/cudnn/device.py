@@ -24,7 +24,14 @@ takes them over as tensors there, on one stream). That is: float64
 channels-last convolutions (layout.py's copies, Note [float64 runs channels-first]), a
 windowed transposed convolution (its crop or zero-fill), explicit padding (pad.py),
 batch normalization in inference and its evaluation-mode backward (CuPy arithmetic on
-the statistics).
+the statistics), and an op's own arithmetic on an output (`DeviceArray.fill` and `*=`, an
+empty batch's gradient in ops/conv_transpose.py).
+
+Not on the caller's allocator, by design: choosing a plan's algorithm (once per plan and
+direction, before any capture) probes and, with config.benchmark, times workspace from
+CuPy's current allocator (plan/conv.py `pool_alloc`); the cached constants come from
+CuPy's default pool (constants.py). Both are outside the per-call path. An empty batch of
+a transposed convolution returns CuPy arrays made by the op itself (ops/conv_transpose.py).
 """
 
 from __future__ import annotations
