@@ -18,6 +18,7 @@ from convfuse.errors import DeviceMismatchError
 from convfuse.ops import elementwise
 from convfuse.ops.cudnn import device, fused
 from convfuse.ops.cudnn.device import DeviceArray
+from convfuse.plan import conv as plan_conv
 from tests._ops_dispatch_helpers import GEOMS
 from tests.test_ops_cudnn_wiring import FakeGpu
 
@@ -34,6 +35,11 @@ def gpu(monkeypatch):
     fake.handles = fake.real_handles(monkeypatch)
     fake.forbid_cupy_arrays(monkeypatch)
     monkeypatch.setattr(fused, "_zero_bias", {})
+
+    def cupy_pool(nbytes):
+        raise AssertionError("an algorithm choice took memory from CuPy's pool")
+
+    monkeypatch.setattr(plan_conv, "pool_alloc", cupy_pool)
     return fake
 
 
@@ -70,8 +76,11 @@ def test_convolutions_run_on_the_callers_pointers_stream_and_allocator(gpu, geom
     p = get_plan(geom, "float32")
     [handle] = gpu.handles
     assert handle.streams == [0xA000]  # bound once, for five calls
+    # Each direction's algorithm choice probes its workspace once, then each call takes
+    # its own; bias needs none. All from the caller's allocator.
     ws = workspaces(gpu)
-    assert [n for n, _ in ws] == [WS] * 4  # the four ranked calls; bias needs none
+    assert [n for n, _ in ws] == [WS] * 7
+    ws = [ws[1], ws[3], ws[4], ws[6]]  # probe fwd, fwd, probe bwd_data, bwd_data x2, ...
     (fwd, a1), (bd, a2), (bd2, a3), (bf, a4), (bb, a5) = gpu.calls
     assert (fwd, bd, bd2, bf, bb) == ("convolutionForward", "convolutionBackwardData",
                                       "convolutionBackwardData", "convolutionBackwardFilter",
@@ -110,7 +119,8 @@ def test_fused_forward_and_activations_on_pointers(gpu):
     assert z is None and type(y) is DeviceArray and y.ptr in outputs(gpu)
     [(name, a)] = gpu.calls
     assert name == FUSED
-    [(_, ws_ptr)] = workspaces(gpu)
+    (_, probe), (_, ws_ptr) = workspaces(gpu)  # the choice's probe, then the call's
+    assert probe != ws_ptr
     assert (a[3], a[5], a[8], a[9], a[10], a[12], a[14], a[17]) == (
         x.ptr, w.ptr, ws_ptr, WS, 0.5, res.ptr, b.ptr, y.ptr)
     gpu.calls.clear()

@@ -67,10 +67,10 @@ class StandInPlan:
     def workspace_allocated(self, direction, fused=False):
         pass
 
-    def choice(self, direction, handle, inputs=(0, 0), fused=False):
+    def choice(self, direction, handle, inputs=(0, 0), fused=False, allocate=None):
         return self.cands[0]
 
-    def reject(self, direction, cand, fused=False, out_of_memory=False):
+    def reject(self, direction, cand, fused=False, out_of_memory=False, allocate=None):
         assert cand == self.cands[0] and not out_of_memory
         self.cands.pop(0)
         return bool(self.cands)

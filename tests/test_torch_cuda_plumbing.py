@@ -170,11 +170,12 @@ def test_bridge_and_engine_on_pointers(monkeypatch, torch_gpu):
                                  geom, "relu")
         yt = _arrays.to_tensor(y)
     [(name, args)] = gpu.calls
-    y_t, block = torch_gpu  # the output first, then the workspace
+    y_t, probe, block = torch_gpu  # the output, the algorithm choice's probe, the workspace
     assert name == "convolutionBiasActivationForward" and z is None and yt is y_t
     assert (args[3], args[5], args[14], args[17]) == (x.data_ptr(), w.data_ptr(), b.data_ptr(),
                                                       y_t.data_ptr())
     assert (args[8], args[9]) == (block.data_ptr(), 512) and block.dtype == torch.uint8
+    assert probe.dtype == torch.uint8 and probe.numel() == 512
     assert tuple(y_t.shape) == geom.output_shape and y_t.dtype == torch.float32
     [handle] = handles
     assert args[0] is handle and handle.streams == [0xA000]

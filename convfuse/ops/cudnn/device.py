@@ -27,11 +27,11 @@ batch normalization in inference and its evaluation-mode backward (CuPy arithmet
 the statistics), and an op's own arithmetic on an output (`DeviceArray.fill` and `*=`, an
 empty batch's gradient in ops/conv_transpose.py).
 
-Not on the caller's allocator, by design: choosing a plan's algorithm (once per plan and
-direction, before any capture) probes and, with config.benchmark, times workspace from
-CuPy's current allocator (plan/conv.py `pool_alloc`); the cached constants come from
-CuPy's default pool (constants.py). Both are outside the per-call path. An empty batch of
-a transposed convolution returns CuPy arrays made by the op itself (ops/conv_transpose.py).
+Choosing a plan's algorithm (once per plan and direction) probes workspace and, with
+config.benchmark, runs Find*Ex with memory from `ctx.choice_allocator`: the caller's
+allocator on the pointer path. Not on it, by design: the cached constants come from CuPy's
+default pool (constants.py), and an empty batch of a transposed convolution returns CuPy
+arrays made by the op itself (ops/conv_transpose.py).
 """
 
 from __future__ import annotations
@@ -174,6 +174,12 @@ class ExecContext:
         """The stream plan/capture.py asks about: this one (None: CuPy's current one)."""
         return self.stream_ptr
 
+    @property
+    def choice_allocator(self) -> Callable[[int], Any] | None:
+        """What a plan's algorithm choice allocates trial and Find*Ex memory with
+        (ConvPlan.choice; None: its default, CuPy's current allocator)."""
+        return self.allocate
+
     def is_capturing(self) -> bool:
         """Whether this call's stream is recording a CUDA graph."""
         from ...plan import capture
@@ -220,6 +226,10 @@ class CupyContext(ExecContext):
     @property
     def capture_stream(self) -> int | None:
         return None  # CuPy's current stream is this context's by construction
+
+    @property
+    def choice_allocator(self) -> Callable[[int], Any] | None:
+        return None  # plan/conv.py's pool_alloc: CuPy's current allocator, as ever
 
     def copy(self, a: Any) -> Any:
         return a.copy()

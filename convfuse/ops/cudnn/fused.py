@@ -140,7 +140,7 @@ def _try_fused(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, b:
             about = where(plan, "convolutionBiasActivationForward", cand)
             if not refused(err, lib):
                 raise err.with_context(about) from None
-            if plan.reject("fwd", cand, fused=True):
+            if plan.reject("fwd", cand, fused=True, allocate=ctx.choice_allocator):
                 continue
             return _fall_back(plan, err.with_context(about), permanent=True)
         plan.fused_ran()

@@ -45,12 +45,14 @@ def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
 
     skipped: list[Candidate] = []
     while True:
-        cand = plan.choice(direction, handle, inputs, fused=fused)
+        cand = plan.choice(direction, handle, inputs, fused=fused,
+                           allocate=ctx.choice_allocator)
         try:
             ws = Workspace(cand.workspace, ctx)
         except cupy.cuda.memory.OutOfMemoryError as err:
             skipped.append(cand)
-            if not plan.reject(direction, cand, fused=fused, out_of_memory=True):
+            if not plan.reject(direction, cand, fused=fused, out_of_memory=True,
+                               allocate=ctx.choice_allocator):
                 tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
                 raise WorkspaceUnavailableError(
                     f"{direction} workspace could not be allocated for {tried}, for "
@@ -89,7 +91,7 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
             if not refused(err, lib):
                 raise err.with_context(where(about or plan, what, cand)) from None
             tried.append(cand)
-            if plan.reject(direction, cand):
+            if plan.reject(direction, cand, allocate=ctx.choice_allocator):
                 continue
             algos = ", ".join(str(c.algo) for c in tried)
             raise err.with_context(
