@@ -52,9 +52,15 @@ def require_gpu(what: str = "this operation") -> ModuleType:
     return cupy_module()  # type: ignore[return-value]
 
 
+#: Array types that stand for CuPy arrays in the engine: the pointer path's DeviceArray
+#: (Note [the pointer path] in convfuse/ops/cudnn/device.py, which registers it).
+DEVICE_ARRAY_TYPES: tuple[type, ...] = ()
+
+
 def is_cupy(a: Any) -> bool:
+    """A CuPy array, or a DeviceArray (device memory the cuDNN engine runs on as it is)."""
     cp = cupy_module()
-    return cp is not None and isinstance(a, cp.ndarray)
+    return cp is not None and isinstance(a, (cp.ndarray, *DEVICE_ARRAY_TYPES))
 
 
 def device_of(a: Any) -> str:

@@ -144,7 +144,7 @@ class NumericGpu(FakeGpu):
             raise cupy.cuda.memory.OutOfMemoryError(nbytes, 0, 0)
         return type("Mem", (), {"ptr": 0})()
 
-    def _workspace(self, nbytes):
+    def _workspace(self, nbytes, ctx=None):
         self._alloc(nbytes, self.oom_call_at)
         return type("Ws", (), {"ptr": 0, "size": int(nbytes)})()
 

@@ -33,7 +33,7 @@ FWD, BWD = "batchNormalizationForwardTraining", "batchNormalizationBackward"
 
 
 class FakeWorkspace:
-    def __init__(self, nbytes):
+    def __init__(self, nbytes, ctx=None):
         self.size = int(nbytes)
         self.ptr = (1 << 44) + self.size if self.size else 0
 
@@ -42,7 +42,7 @@ class FakeWorkspace:
 def gpu(monkeypatch):
     fake = FakeGpu(monkeypatch)
     clear_batchnorm_plan_cache()
-    monkeypatch.setattr(engine, "get_handle", lambda: "H")
+    monkeypatch.setattr(engine, "get_handle", lambda *a: "H")
     monkeypatch.setattr(engine, "Workspace", FakeWorkspace)
     monkeypatch.setattr(engine, "_affine_defaults", {})
     monkeypatch.setattr(fake.cp, "ones", lambda shape, dtype=float: fake.array(shape, dtype))

@@ -50,7 +50,7 @@ class BatchNormGpu(NumericGpu):
         self.oom_sizes = set()  # allocations of these byte counts fail
         self.sizes = dict(SIZES)
         cp, lib = self.cp, self.lib
-        monkeypatch.setattr(engine, "get_handle", lambda: "H")
+        monkeypatch.setattr(engine, "get_handle", lambda *a: "H")
         monkeypatch.setattr(engine, "Workspace", self._bn_workspace)
         monkeypatch.setattr(engine, "_affine_defaults", {})
         monkeypatch.setattr(cp, "ones", lambda s, dtype=float: self._filled(s, dtype, 1.0))
@@ -66,7 +66,7 @@ class BatchNormGpu(NumericGpu):
         self.host[a.data.ptr][...] = value
         return a
 
-    def _bn_workspace(self, nbytes):
+    def _bn_workspace(self, nbytes, ctx=None):
         import cupy
 
         self.calls.append(("alloc", (nbytes,)))

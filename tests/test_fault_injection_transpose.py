@@ -71,7 +71,7 @@ def make_tgpu(monkeypatch):
 
     def make(tgeom):
         gpu = TransposeGpu(monkeypatch, tgeom.conv)
-        monkeypatch.setattr(conv_transpose, "get_handle", lambda: "H")
+        monkeypatch.setattr(conv_transpose, "get_handle", lambda *a: "H")
         return gpu
 
     yield make

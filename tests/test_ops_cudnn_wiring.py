@@ -6,6 +6,7 @@ order; tests/gpu/test_cudnn_ops.py checks the numbers on a real one."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 
 import convfuse.ops as ops
 from convfuse.ops import _checks
+from convfuse.ops.cudnn.device import ExecContext
 from convfuse.pool_geometry import PoolGeometry
 from tests._ops_dispatch_helpers import GEOMS
 
@@ -68,7 +70,7 @@ class FakeGpu:
                             self.array(shape, dtype, "zeros"))
         for kind in ("conv", "pooling"):
             mod = importlib.import_module(f"convfuse.ops.cudnn.{kind}")
-            monkeypatch.setattr(mod, "get_handle", lambda: "H")
+            monkeypatch.setattr(mod, "get_handle", lambda *a: "H")
         for name in self.COMPUTE:
             monkeypatch.setattr(self.lib, name, lambda *a, _n=name: self.record(_n, a))
         for name in self.LAUNCHERS:
@@ -127,6 +129,87 @@ class FakeGpu:
         errors = self.fail.get(name)
         if errors:
             raise errors.pop(0)
+
+    # ---- the pointer path (Note [the pointer path] in convfuse/ops/cudnn/device.py) ----
+
+    def pointer_context(self, stream=0xA000):
+        """An ExecContext standing in for a caller's (torch's): allocations and CuPy
+        scopes are recorded in `self.allocs` and `self.scopes`."""
+        return FakeContext(self, stream)
+
+    def device_array(self, shape, dtype, ctx, owner="caller"):
+        """A DeviceArray over a fresh fake address, as the torch bridge makes one."""
+        from convfuse.dtypes import canonical
+        from convfuse.ops.cudnn.device import DeviceArray
+
+        dt = canonical(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        ptr = self.next_ptr
+        self.next_ptr += -(-max(int(np.prod(shape)) * dt.itemsize, 1) // 4096) * 4096 + 4096
+        return DeviceArray(ptr, shape, dt, ctx, owner)
+
+    def forbid_cupy_arrays(self, monkeypatch):
+        """No CuPy array may be made on the pointer path, nor any DLPack exchange."""
+        def refuse(*a, **k):
+            raise AssertionError("the pointer path made a CuPy array or a DLPack exchange")
+
+        for name in ("empty", "empty_like", "from_dlpack", "ascontiguousarray"):
+            monkeypatch.setattr(self.cp, name, refuse)
+        torch = pytest.importorskip("torch")
+        monkeypatch.setattr(torch, "from_dlpack", refuse)
+
+    def real_handles(self, monkeypatch):
+        """The engine's own get_handle, over fake cuDNN handles that record setStream."""
+        from convfuse.ops.cudnn import handle
+
+        for kind in ("conv", "pooling", "batchnorm", "conv_transpose"):
+            mod = importlib.import_module(f"convfuse.ops.cudnn.{kind}")
+            monkeypatch.setattr(mod, "get_handle", handle.get_handle)
+        monkeypatch.setattr(handle, "require_gpu", lambda what: None)
+        monkeypatch.setattr(handle, "cudnn", lambda: type("Lib", (), {"Handle": FakeHandle}))
+        monkeypatch.setattr(handle._local, "bound", {}, raising=False)
+        monkeypatch.setattr(handle, "_all_handles", [])
+        return handle._all_handles
+
+
+class FakeHandle:
+    def __init__(self):
+        self.streams = []  # every setStream, in order
+
+    def setStream(self, ptr):
+        self.streams.append(ptr)
+
+
+class FakeContext(ExecContext):
+    """A caller's ExecContext (torch's, say) on device 0: allocations and CuPy scopes are
+    recorded in the fake GPU's `allocs` and `scopes`."""
+
+    __slots__ = ("gpu",)
+
+    def __init__(self, gpu, stream):
+        super().__init__(0, stream)
+        self.gpu = gpu
+        gpu.allocs, gpu.scopes = getattr(gpu, "allocs", []), getattr(gpu, "scopes", [])
+
+    def allocate(self, nbytes):
+        ptr = self.gpu.next_ptr
+        self.gpu.next_ptr += -(-nbytes // 4096) * 4096 + 4096
+        self.gpu.allocs.append(("allocate", nbytes, ptr))
+        return type("Block", (), {"ptr": ptr})()
+
+    def empty(self, shape, dtype):
+        a = self.gpu.device_array(shape, dtype, self, owner="ctx.empty")
+        self.gpu.allocs.append(("empty", tuple(a.shape), a.ptr))
+        return a
+
+    @contextlib.contextmanager
+    def _scope(self):
+        self.gpu.scopes.append("enter")
+        yield
+        self.gpu.scopes.append("exit")
+
+    def cupy_scope(self):
+        return self._scope()
 
 
 def ptr(a):

@@ -13,6 +13,7 @@ from convfuse._binding import cudnn
 from convfuse.errors import CudnnError
 from convfuse.ops.cudnn import conv as engine
 from convfuse.ops.cudnn import fused
+from convfuse.ops.cudnn.device import CupyContext
 from convfuse.plan import Candidate, FusedFallbackWarning
 
 lib = cudnn()
@@ -66,10 +67,10 @@ class StandInPlan:
     def workspace_allocated(self, direction, fused=False):
         pass
 
-    def choice(self, direction, handle, inputs=(0, 0), fused=False):
+    def choice(self, direction, handle, inputs=(0, 0), fused=False, allocate=None):
         return self.cands[0]
 
-    def reject(self, direction, cand, fused=False, out_of_memory=False):
+    def reject(self, direction, cand, fused=False, out_of_memory=False, allocate=None):
         assert cand == self.cands[0] and not out_of_memory
         self.cands.pop(0)
         return bool(self.cands)
@@ -83,6 +84,10 @@ class StandInPlan:
 
 def array(ptr):
     return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+
+#: The call's stream and allocator (Note [the pointer path]): device 0, stream 1.
+CTX = CupyContext(0, 1)
 
 
 @pytest.mark.parametrize("status", ["CUDNN_STATUS_NOT_SUPPORTED_LAYOUT",
@@ -100,7 +105,7 @@ def test_fused_forward_moves_on_after_a_specific_refusal(monkeypatch, status):
                            convolutionBiasActivationForward=fused_call)
     monkeypatch.setattr(fused, "cudnn", lambda: fake)
     plan = StandInPlan([6, 1])
-    fused.fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+    fused.fused_forward(plan, "H", CTX, array(16), array(32), array(48), None, 1.0, array(64))
     assert tried == [6, 1] and plan.fused_refusal is None
 
 
@@ -120,7 +125,7 @@ def test_fused_forward_falls_back_when_no_algorithm_is_left(monkeypatch):
     plan = StandInPlan([6])
     with pytest.warns(FusedFallbackWarning,
                       match=rf"\({lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE}\).*stand-in"):
-        fused.fused_forward(plan, "H", array(16), array(32), array(48), None, 1.0, array(64))
+        fused.fused_forward(plan, "H", CTX, array(16), array(32), array(48), None, 1.0, array(64))
     assert plan.fused_refusal.status == lib.CUDNN_STATUS_NOT_SUPPORTED_DATA_TYPE
     assert "stand-in geometry" in str(plan.fused_refusal)
     assert len(unfused) == 1
@@ -154,8 +159,8 @@ def test_zero_bias_never_comes_from_the_current_allocator(monkeypatch):
         raise AssertionError("the zero bias was taken from the private pool")
 
     with cp.cuda.using_allocator(private_pool_malloc):
-        bias = fused.zero_bias(cp, "float32", 5)
-        again = fused.zero_bias(cp, np.float32, 5)
+        bias = fused.zero_bias(cp, "float32", 5, CTX)
+        again = fused.zero_bias(cp, np.float32, 5, CTX)
         assert cp.cuda.get_allocator() is private_pool_malloc  # restored afterwards
     assert again is bias and bias.shape == (5,) and not bias.any()
     # Made once, from CuPy's default pool (issue #13: freeing raw memory is a cudaFree).

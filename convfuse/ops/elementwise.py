@@ -1,16 +1,18 @@
-"""Launchers for the activation kernels of convfuse/kernels/activation.cu (CuPy arrays).
+"""Launchers for the activation kernels of convfuse/kernels/activation.cu (CuPy arrays or
+the pointer path's DeviceArrays, Note [the pointer path] in ops/cudnn/device.py).
 
 The cuDNN engine calls these for every activation cuDNN's fused call cannot apply, and for
 the fused activation-backward + bias-gradient path (Note [fused activation-backward + bias
 gradient] in activation.cu). Everything is validated here, before any launch; launches go
-to the current stream of the arrays' device, with no host sync, so a step using them can
-be captured in a CUDA graph.
+to the stream of the arrays' ExecContext (CuPy's current one for CuPy arrays), with no
+host sync, so a step using them can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +22,10 @@ from .. import kernels
 from ..activations import normalize
 from ..backend import array_module
 from ..dtypes import canonical, compute_dtype
+from ..dtypes import name as dtype_name
 from ..errors import DeviceMismatchError
 from ..geometry import ConvGeometry
+from .cudnn.device import context_of, cupy_context
 
 #: Codes the kernels switch on; activation.cu's ACT_* defines mirror them.
 ACTIVATION_CODES: dict[str, int] = {
@@ -51,7 +55,7 @@ def activation_code(activation: str | None) -> int:
 
 def kernel_suffix(dtype: Any) -> str:
     """'f32', 'f64', 'f16' or 'bf16': the dtype part of a kernel's name."""
-    return _SUFFIXES[canonical(dtype).name]
+    return _SUFFIXES[dtype_name(dtype)]
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,17 @@ def activation_backward_bias(
 
 
 # ---- GPU-only launching ----
+#
+# Note [kernel arguments are pointers]
+# Each launch passes its arrays as device addresses (Python ints, 0 for NULL) and its
+# stream as the call's ExecContext's (Note [the pointer path] in ops/cudnn/device.py), so
+# CuPy arrays and DeviceArrays launch alike and no CuPy array is made. CuPy 14.2 packs a
+# Python int kernel argument as a CScalar of numpy int64, or uint64 from 2**63 up
+# (cupy/cuda/function.pyx `_pointer` -> cupy/_core/_scalar.pyx `CScalar.__init__` ->
+# `numpy_dtype_from_pyscalar`): 8 bytes either way, the size of a `T*` parameter, and
+# device addresses lie far below 2**63. (A CuPy ndarray argument would go through
+# `get_pointer()`, the same 8-byte address; a numpy.uint64 is a uint64 CScalar.) The
+# stream goes as `stream=`, which Function.__call__ reads as `stream.ptr` (`_get_stream`).
 
 @functools.cache
 def _sm_count(device_id: int) -> int:  # pragma: gpu
@@ -256,65 +271,99 @@ def _sm_count(device_id: int) -> int:  # pragma: gpu
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
-def _device_of_all(*arrays: Any) -> Any:  # pragma: gpu
+@functools.cache
+def _function(name: str, device_id: int) -> Any:  # pragma: gpu
+    """activation.cu's kernel `name` on `device_id` (current at the first call): looked up
+    once, where kernels.function builds a new RawKernel at every call."""
+    return kernels.function("activation", name)
+
+
+def _ptr(a: Any) -> int:
+    """An array's device address as a kernel argument, 0 (NULL) for None (Note [kernel
+    arguments are pointers])."""
+    return 0 if a is None else int(a.data.ptr)
+
+
+def _device_of_all(*arrays: Any) -> int:
     devices = {a.device.id for a in arrays if a is not None}
     if len(devices) > 1:
         raise DeviceMismatchError(f"arrays live on different GPUs {sorted(devices)}")
-    return arrays[0].device
+    return int(arrays[0].device.id)
 
 
-def _launch_elementwise(kernel: str, tensors: tuple[Any, ...], code: int) -> None:  # pragma: gpu
+def _launch(arrays: tuple[Any, ...], launch: Callable[[Any], None]) -> None:  # pragma: gpu
+    """launch(ctx) with the arrays' ExecContext, their device current: a CuPy array on
+    another device than the current one launches under that device with its current
+    stream, as CuPy would; the pointer path's caller made its device current."""
+    device = _device_of_all(*arrays)
+    ctx = context_of(arrays[0])
+    if ctx.device == device:
+        launch(ctx)
+        return
+    import cupy
+
+    with cupy.cuda.Device(device):
+        launch(cupy_context())
+
+
+def _launch_elementwise(kernel: str, tensors: tuple[Any, ...], code: int) -> None:
     """Launch act_forward (z, y) or act_backward (dy, saved, dz) over all elements."""
-    device = _device_of_all(*tensors)
     n = tensors[0].size
     if n == 0:
         return
-    with device:
-        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(device.id) * 32))
-        fn = kernels.function("activation", f"{kernel}_{kernel_suffix(tensors[0].dtype)}")
-        fn((blocks,), (ELEMENTWISE_BLOCK,), (*tensors, np.int64(n), np.int32(code)))
+    name = f"{kernel}_{kernel_suffix(tensors[0].dtype)}"
+    ptrs = tuple(_ptr(t) for t in tensors)
+
+    def launch(ctx: Any) -> None:
+        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(ctx.device) * 32))
+        _function(name, ctx.device)((blocks,), (ELEMENTWISE_BLOCK,), (*ptrs, n, np.int32(code)),
+                                    stream=ctx.stream)
+
+    _launch(tensors, launch)
 
 
 def _launch_bias_act(y: Any, bias: Any, res: Any, scale: float, code: int,
-                     geom: ConvGeometry) -> None:  # pragma: gpu
-    device = _device_of_all(y, bias, res)
+                     geom: ConvGeometry) -> None:
     n = y.size
     if n == 0:
         return
     spatial = n // (geom.output_shape[0] * geom.out_channels)
     inner = 1 if geom.channels_last else spatial
-    null = np.uint64(0)
-    with device:
-        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(device.id) * 32))
-        fn = kernels.function("activation", f"bias_act_forward_{kernel_suffix(y.dtype)}")
-        fn((blocks,), (ELEMENTWISE_BLOCK,),
-           (y, null if bias is None else bias, null if res is None else res, np.int64(n),
-            np.int64(geom.out_channels), np.int64(inner), np.float64(scale), np.int32(code)))
+    name = f"bias_act_forward_{kernel_suffix(y.dtype)}"
+
+    def launch(ctx: Any) -> None:
+        blocks = max(1, min(-(-n // ELEMENTWISE_BLOCK), _sm_count(ctx.device) * 32))
+        _function(name, ctx.device)(
+            (blocks,), (ELEMENTWISE_BLOCK,),
+            (_ptr(y), _ptr(bias), _ptr(res), n, geom.out_channels, inner, float(scale),
+             np.int32(code)), stream=ctx.stream)
+
+    _launch((y, bias, res), launch)
 
 
 def _launch_bias(dy: Any, saved: Any, code: int, geom: ConvGeometry, dz_out: Any, db_out: Any,
-                 beta: float) -> None:  # pragma: gpu
-    import cupy as cp
+                 beta: float) -> None:
+    suffix = kernel_suffix(dy.dtype)
+    sv = dy if saved is None else saved  # identity never reads it
 
-    device = _device_of_all(dy, saved, dz_out, db_out)
-    with device:
-        plan = plan_bias_grad(geom.output_shape, geom.channels_last, _sm_count(device.id))
-        suffix = kernel_suffix(dy.dtype)
-        # Scratch comes from CuPy's current allocator: under convfuse.graph.capture that is
-        # the captured step's private pool, which keeps it alive for every replay.
-        partial = (cp.empty(plan.partial_size, dtype=compute_dtype(dy.dtype))
-                   if plan.needs_finish else np.uint64(0))  # NULL: blocks write db directly
-        sv = dy if saved is None else saved  # identity never reads it
-        first = kernels.function("activation", f"act_bias_{plan.kernel}_{suffix}")
-        dz = np.uint64(0) if dz_out is None else dz_out  # NULL: no dz written
-        first(plan.grid, (plan.block,),
-              (dy, sv, dz, *(np.int64(v) for v in plan.int_args), partial, db_out,
-               np.float64(beta), np.int32(code)))
+    def launch(ctx: Any) -> None:
+        plan = plan_bias_grad(geom.output_shape, geom.channels_last, _sm_count(ctx.device))
+        # Scratch from the call's allocator: for CuPy arrays under convfuse.graph.capture
+        # that is the captured step's private pool, which keeps it alive for every replay.
+        itemsize = compute_dtype(dy.dtype).itemsize
+        partial = ctx.allocate(plan.partial_size * itemsize) if plan.needs_finish else None
+        partial_ptr = 0 if partial is None else int(partial.ptr)  # NULL: blocks write db
+        _function(f"act_bias_{plan.kernel}_{suffix}", ctx.device)(
+            plan.grid, (plan.block,),
+            (_ptr(dy), _ptr(sv), _ptr(dz_out), *plan.int_args, partial_ptr, _ptr(db_out),
+             float(beta), np.int32(code)), stream=ctx.stream)
         if plan.needs_finish:
-            finish = kernels.function("activation", f"act_bias_finish_{suffix}")
-            finish(plan.finish_grid, (BIAS_BLOCK,),
-                   (partial, np.int64(plan.parts), np.int64(plan.channels),
-                    np.int64(plan.group), db_out, np.float64(beta)))
+            _function(f"act_bias_finish_{suffix}", ctx.device)(
+                plan.finish_grid, (BIAS_BLOCK,),
+                (partial_ptr, plan.parts, plan.channels, plan.group, _ptr(db_out),
+                 float(beta)), stream=ctx.stream)
+
+    _launch((dy, saved, dz_out, db_out), launch)
 
 
 def kernel_names() -> list[str]:

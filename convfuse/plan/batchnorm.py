@@ -37,6 +37,7 @@ from typing import Any
 from .. import activations
 from .._binding import cudnn
 from ..dtypes import canonical
+from ..dtypes import name as dtype_name
 from ..errors import CudnnError
 from . import descriptors as d
 from .cache import CacheInfo, PlanCache
@@ -151,7 +152,7 @@ class BatchNormPlanKey:
                residual: bool = False, device: int | None = None) -> BatchNormPlanKey:
         if not isinstance(geom, BatchNormGeometry):
             raise TypeError(f"geom must be a BatchNormGeometry, got {type(geom).__name__}")
-        return cls(current_device() if device is None else int(device), canonical(dtype).name,
+        return cls(current_device() if device is None else int(device), dtype_name(dtype),
                    geom, activations.normalize(activation), bool(residual))
 
 

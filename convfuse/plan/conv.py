@@ -6,6 +6,7 @@ chosen on first execution, per direction, because that needs a handle and memory
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..backend import gpu_available
 from ..config import Flags
 from ..config import get as get_flags
 from ..dtypes import canonical
+from ..dtypes import name as dtype_name
 from ..errors import CudnnError
 from ..geometry import ConvGeometry
 from . import algorithms as algos
@@ -75,7 +77,7 @@ class PlanKey:
         f = flags if flags is not None else get_flags()
         return cls(
             device=current_device() if device is None else int(device),
-            dtype=dt.name, geometry=geom, activation=fused, residual=bool(residual),
+            dtype=dtype_name(dt), geometry=geom, activation=fused, residual=bool(residual),
             math_type=d.math_type_name(dt, f.allow_tf32), deterministic=f.deterministic,
             benchmark=f.benchmark, workspace_limit=f.workspace_limit,
         )
@@ -163,13 +165,16 @@ class ConvPlan(FusedFallbackState):
         return desc
 
     def choice(self, direction: str, handle: Any, inputs: tuple[int, int] = (0, 0),
-               fused: bool = False) -> algos.Candidate:
+               fused: bool = False,
+               allocate: Callable[[int], Any] | None = None) -> algos.Candidate:
         """The algorithm for `direction` ("fwd", "bwd_data", "bwd_filter"), chosen once.
 
         `fused=True` asks for the forward of convolutionBiasActivationForward; `inputs`
         are the device pointers Find*Ex runs on when config.benchmark is on. A slot
         demoted for lack of memory returns to its best candidate now and then
-        (Note [transient out-of-memory]).
+        (Note [transient out-of-memory]). `allocate` gives the trial and Find*Ex memory
+        (default `pool_alloc`, CuPy's current allocator): the caller's, on the pointer path
+        (Note [the pointer path] in ops/cudnn/device.py).
         """
         if direction not in algos.DIRECTIONS:
             raise ValueError(f"direction must be one of {algos.DIRECTIONS}, got {direction!r}")
@@ -178,7 +183,8 @@ class ConvPlan(FusedFallbackState):
             chosen = self._chosen.get(slot)
             if chosen is None:
                 refuse_in_capture(f"choosing the {slot} algorithm for {self.describe()}")
-                chosen = self._choose(direction, slot, handle, inputs)
+                chosen = self._choose(direction, slot, handle, inputs,
+                                      allocate if allocate is not None else pool_alloc)
                 self._chosen[slot] = chosen
             elif chosen.retry_in:
                 chosen.retry_in -= 1
@@ -187,7 +193,8 @@ class ConvPlan(FusedFallbackState):
             return chosen.candidate
 
     def reject(self, direction: str, cand: algos.Candidate, fused: bool = False,
-               out_of_memory: bool = False) -> bool:
+               out_of_memory: bool = False,
+               allocate: Callable[[int], Any] | None = None) -> bool:
         """Drop `cand` after cuDNN refused to run it (for good) or its workspace could not be
         allocated (until the next retry, Note [transient out-of-memory]); True if another
         candidate is now chosen."""
@@ -207,7 +214,8 @@ class ConvPlan(FusedFallbackState):
             rest = chosen.ranked[start:]
             if not rest:
                 return False
-            nxt, _ = algos.first_allocatable(rest, pool_alloc, self._what(slot))
+            nxt, _ = algos.first_allocatable(
+                rest, allocate if allocate is not None else pool_alloc, self._what(slot))
             chosen.index = chosen.ranked.index(nxt, start)
             if chosen.index == 0:
                 chosen.retry_in = chosen.backoff = 0
@@ -267,15 +275,15 @@ class ConvPlan(FusedFallbackState):
     def _what(self, slot: str) -> str:
         return f"cuDNN {slot} algorithm for {self.describe()}"
 
-    def _choose(self, direction: str, slot: str, handle: Any,
-                inputs: tuple[int, int]) -> Chosen:
+    def _choose(self, direction: str, slot: str, handle: Any, inputs: tuple[int, int],
+                alloc: Callable[[int], Any]) -> Chosen:
         lib, key = self.lib, self.key
         forced = slot == "fwd_identity"
         try:
             if forced:
                 perfs = algos.forced_identity_perf(lib, handle, self)
             elif key.benchmark:
-                perfs = algos.benchmark_perfs(lib, handle, self, direction, inputs, pool_alloc,
+                perfs = algos.benchmark_perfs(lib, handle, self, direction, inputs, alloc,
                                               key.workspace_limit)
             else:
                 perfs = algos.heuristic_perfs(lib, handle, self, direction)
@@ -297,7 +305,7 @@ class ConvPlan(FusedFallbackState):
                        f"(queried workspace bytes {sizes})")
             raise algos.NoAlgorithmError(f"no {self._what(slot)} fits: {why}")
         cands = fitting
-        first, _ = algos.first_allocatable(cands, pool_alloc, self._what(slot))
+        first, _ = algos.first_allocatable(cands, alloc, self._what(slot))
         index = cands.index(first)
         backoff = OOM_RETRY_FIRST if index else 0  # Note [transient out-of-memory]
         return Chosen(tuple(cands), index, forced, backoff, backoff)

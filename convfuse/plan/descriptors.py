@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from ..dtypes import canonical
+from ..dtypes import name as dtype_name
 from ..geometry import ConvGeometry
 
 _DATA_TYPES = {
@@ -41,7 +42,7 @@ def compute_type_name(dtype: Any) -> str:
 def math_type_name(dtype: Any, allow_tf32: bool) -> str:
     """float32 may use TF32 only when allowed (FMA_MATH forbids tensor cores); half and
     bfloat16 want tensor cores; double has no tensor-core path to ask for."""
-    name = canonical(dtype).name
+    name = dtype_name(dtype)
     if name == "float32":
         return "CUDNN_DEFAULT_MATH" if allow_tf32 else "CUDNN_FMA_MATH"
     if name in ("float16", "bfloat16"):

@@ -8,7 +8,7 @@ from typing import Any
 from .._binding import cudnn
 from ..config import Flags
 from ..config import get as get_flags
-from ..dtypes import canonical
+from ..dtypes import name as dtype_name
 from ..errors import CudnnError
 from . import descriptors as d
 from .conv import current_device
@@ -46,7 +46,7 @@ class PoolPlanKey:
         if not isinstance(pgeom, PoolGeometry):
             raise TypeError(f"pgeom must be a PoolGeometry, got {type(pgeom).__name__}")
         f = flags if flags is not None else get_flags()
-        return cls(current_device() if device is None else int(device), canonical(dtype).name,
+        return cls(current_device() if device is None else int(device), dtype_name(dtype),
                    pgeom, f.deterministic)
 
 

@@ -23,22 +23,40 @@ int16 views and are reinterpreted as ml_dtypes.bfloat16 on the NumPy side: same 
 copy. On CUDA, bfloat16 crosses DLPack natively.
 
 Note [CUDA streams and memory]
-Every op runs inside `engine_context(device)`: the tensor's device is current for CuPy,
-CuPy's current stream is PyTorch's current stream (`cupy.cuda.Stream.from_external`), so
-convfuse's cuDNN handle (re-bound to CuPy's current stream at every call, see
-convfuse/ops/cudnn/handle.py) and its CuPy kernels queue behind PyTorch's work without a
-sync; and CuPy allocates from PyTorch's caching allocator (`_torch_allocator`). That
-allocator therefore backs the outputs handed to PyTorch and the cuDNN workspace: one pool
-for the process instead of two caches competing for the same GPU memory, and memory
-PyTorch frees is reusable by convfuse's next call and the other way round. The blocks are
-taken on PyTorch's current stream, so PyTorch's stream rules for its own tensors apply.
-DLPack exchanges inside the context are on one stream, so they add no synchronisation.
+On CUDA every op runs on PyTorch's current stream of the tensors' device, with memory from
+PyTorch's caching allocator: convfuse's cuDNN handle and kernels queue behind PyTorch's
+work without a sync, and one pool serves the process instead of two caches competing for
+the same GPU memory (memory PyTorch frees is reusable by convfuse's next call and the
+other way round). Blocks are taken on PyTorch's current stream, so PyTorch's stream rules
+for its own tensors apply, and under torch.cuda.graph they come from the capture's pool.
+
+Note [the torch pointer path]
+By default (CONVFUSE_TORCH_CUDA_PATH unset or "pointer") a CUDA tensor crosses as a
+DeviceArray (Note [the pointer path] in convfuse/ops/cudnn/device.py): its data_ptr(),
+shape and dtype, and a TorchContext for (device, PyTorch's current raw stream), cached per
+pair. The engine binds its handle to that stream (only when it changed), launches its
+kernels there, and allocates through the context: outputs with torch.empty (C-contiguous
+in convfuse's order, so `to_tensor` hands back the very tensor, no exchange) and
+workspace as uint8 tensors from the caching allocator (no cudaMalloc, no sync: safe under
+torch.cuda.graph). `engine_context` is then a shared no-op (a device guard only when the
+tensors' device is not the current one). Per call this costs a few attribute reads per
+tensor and one torch.empty per output: no DLPack, no CuPy array, no context-manager
+stack. What the engine runs through CuPy on this path (float64 channels-last
+convolutions, windowed transposed convolutions, padding, batch-norm inference and
+evaluation backward) enters `TorchContext.cupy_scope`, which is the "cupy" path's setup,
+and its results cross to PyTorch through DLPack inside it (`TorchContext.adopt`).
+CONVFUSE_TORCH_CUDA_PATH=cupy selects the previous path, kept to compare on a GPU:
+`engine_context` makes the tensor's device current for CuPy, PyTorch's current stream
+CuPy's (`cupy.cuda.Stream.from_external`) and `_torch_allocator` CuPy's allocator;
+`to_array` is `cupy.from_dlpack` and `to_tensor` `torch.from_dlpack`, exchanges on one
+stream, so without a synchronisation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -47,8 +65,10 @@ import numpy as np
 import torch
 from torch._prims_common import suggest_memory_format
 
+from ..dtypes import canonical
 from ..geometry import layout_name
 from ..ops._checks import ALIGNMENT
+from ..ops.cudnn.device import MAX_CONTEXTS, DeviceArray, ExecContext
 
 G = TypeVar("G")
 
@@ -140,20 +160,54 @@ def _geometry(cls: Any, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
     return cls.create(x_shape, w_shape, *hyper, layout_name(channels_last, len(w_shape) - 2))
 
 
+#: Note [the torch pointer path]: "pointer" (the default) or "cupy". Read at import;
+#: tests and benchmarks may set the attribute.
+CUDA_PATH = os.environ.get("CONVFUSE_TORCH_CUDA_PATH", "pointer") or "pointer"
+if CUDA_PATH not in ("pointer", "cupy"):
+    raise ValueError(f"CONVFUSE_TORCH_CUDA_PATH must be 'pointer' or 'cupy', got {CUDA_PATH!r}")
+
+_NULL_CONTEXT = contextlib.nullcontext()
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+    torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+}
+_TORCH_DTYPES: dict[np.dtype, torch.dtype] = {v: k for k, v in _NUMPY_DTYPES.items()}
+
+
 def to_array(t: torch.Tensor) -> Any:
-    """A contiguous tensor as a NumPy (CPU) or CuPy (CUDA) array on the same memory."""
-    t = t.detach()
-    if t.device.type == "cuda":  # pragma: gpu
+    """A contiguous tensor as a NumPy (CPU) array, or on CUDA a DeviceArray (Note [the
+    torch pointer path]) or, on the "cupy" path, a CuPy array, on the same memory."""
+    if t.is_cuda:  # pragma: gpu
+        if CUDA_PATH == "pointer":
+            return device_array(t)
         import cupy
 
-        return cupy.from_dlpack(t)
+        return cupy.from_dlpack(t.detach())
+    t = t.detach()
     if t.dtype == torch.bfloat16:  # Note [bfloat16 on the CPU]
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
+def device_array(t: torch.Tensor) -> DeviceArray:
+    """A C-contiguous CUDA tensor as a DeviceArray on PyTorch's current stream of its
+    device; the array keeps `t` alive."""
+    if not t.is_contiguous():
+        raise ValueError(f"convfuse needs a C-contiguous tensor here, got strides {t.stride()} "
+                         f"for shape {tuple(t.shape)}")
+    dtype = _NUMPY_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"convfuse computes in {', '.join(map(str, _NUMPY_DTYPES))}, "
+                        f"not {t.dtype}")
+    return DeviceArray(t.data_ptr(), tuple(t.shape), dtype, torch_context(t.get_device()), t)
+
+
 def to_tensor(a: Any) -> torch.Tensor:
-    """A NumPy or CuPy array as a tensor on the same memory (PyTorch keeps it alive)."""
+    """A NumPy array, CuPy array or DeviceArray as a tensor on the same memory (PyTorch
+    keeps it alive): a DeviceArray's own tensor when PyTorch allocated it."""
+    if type(a) is DeviceArray:  # pragma: gpu
+        owner: torch.Tensor = a.owner  # the bridge's own tensor, or TorchContext.adopt's
+        return owner
     if isinstance(a, np.ndarray):
         a = np.ascontiguousarray(a)  # a no-op for the engine's results; the fake ops assume it
         if a.dtype == np.dtype(ml_dtypes.bfloat16):  # Note [bfloat16 on the CPU]
@@ -162,18 +216,106 @@ def to_tensor(a: Any) -> torch.Tensor:
     return torch.from_dlpack(a)  # pragma: gpu
 
 
-@contextlib.contextmanager
-def engine_context(device: torch.device) -> Iterator[None]:
-    """Run convfuse on `device` the way PyTorch would (Note [CUDA streams and memory])."""
+def engine_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Run convfuse on `device` the way PyTorch would (Note [CUDA streams and memory]): on
+    the pointer path nothing to enter unless `device` is not the current one."""
     if device.type != "cuda":
-        yield
-        return
-    import cupy  # pragma: gpu
+        return _NULL_CONTEXT
+    if CUDA_PATH == "cupy":  # pragma: gpu
+        return _cupy_engine_context(device)
+    index = device.index if device.index is not None else _current_device()  # pragma: gpu
+    if _current_device() == index:  # pragma: gpu
+        return _NULL_CONTEXT
+    return torch.cuda.device(index)  # pragma: gpu
 
-    stream = torch.cuda.current_stream(device)  # pragma: gpu
-    with (cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(stream),  # pragma: gpu
+
+@contextlib.contextmanager
+def _cupy_engine_context(device: torch.device) -> Iterator[None]:  # pragma: gpu
+    """The "cupy" path's setup (Note [the torch pointer path])."""
+    import cupy
+
+    stream = torch.cuda.current_stream(device)
+    with (cupy.cuda.Device(device.index), cupy.cuda.Stream.from_external(stream),
           cupy.cuda.using_allocator(_torch_allocator(device))):
-        yield  # pragma: gpu
+        yield
+
+
+def _current_device() -> int:
+    getter = getattr(torch._C, "_cuda_getDevice", None)
+    return int(getter()) if getter is not None else int(torch.cuda.current_device())
+
+
+def _current_raw_stream(index: int) -> int:
+    """PyTorch's current stream of device `index` as a cudaStream_t (what inductor's
+    generated code asks: torch._C._cuda_getCurrentRawStream)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return int(getter(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+class _Block:
+    """A workspace block: a uint8 tensor of PyTorch's cache and its address."""
+
+    __slots__ = ("ptr", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.ptr = tensor.data_ptr()
+
+
+class TorchContext(ExecContext):
+    """PyTorch's stream `stream_ptr` on device `device`, allocating from PyTorch's caching
+    allocator (Note [the torch pointer path])."""
+
+    __slots__ = ("torch_device",)
+
+    def __init__(self, device: int, stream_ptr: int) -> None:
+        super().__init__(device, stream_ptr)
+        self.torch_device = torch.device("cuda", device)
+
+    def allocate(self, nbytes: int) -> Any:
+        """A uint8 block of PyTorch's cache; PyTorch's out-of-memory becomes CuPy's
+        OutOfMemoryError, the MemoryError convfuse's fallbacks catch (_torch_allocator)."""
+        try:
+            block = torch.empty(int(nbytes), dtype=torch.uint8, device=self.torch_device)
+        except torch.OutOfMemoryError as err:
+            import cupy
+
+            raise cupy.cuda.memory.OutOfMemoryError(int(nbytes), 0, 0) from err
+        return _Block(block)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> DeviceArray:
+        dt = _TORCH_DTYPES.get(dtype)
+        np_dtype = dtype
+        if dt is None:
+            np_dtype = canonical(dtype)
+            dt = _TORCH_DTYPES[np_dtype]
+        t = torch.empty(tuple(shape), dtype=dt, device=self.torch_device)
+        return DeviceArray(t.data_ptr(), tuple(shape), np_dtype, self, t)
+
+    def cupy_scope(self) -> contextlib.AbstractContextManager[Any]:  # pragma: gpu
+        return _cupy_engine_context(self.torch_device)
+
+    def adopt(self, a: Any) -> DeviceArray:  # pragma: gpu
+        """A CuPy result as a tensor, inside `cupy_scope` (CuPy's stream is PyTorch's, so
+        the exchange records no event: none on the legacy stream under a capture)."""
+        t = torch.from_dlpack(a)
+        return DeviceArray(t.data_ptr(), tuple(t.shape), canonical(a.dtype), self, t)
+
+
+_torch_contexts: dict[tuple[int, int], TorchContext] = {}
+
+
+def torch_context(index: int) -> TorchContext:
+    """The context of PyTorch's current stream on CUDA device `index` (one per pair)."""
+    key = (index, _current_raw_stream(index))
+    ctx = _torch_contexts.get(key)
+    if ctx is None:
+        if len(_torch_contexts) >= MAX_CONTEXTS:  # streams made and dropped in a loop
+            _torch_contexts.clear()
+        ctx = _torch_contexts.setdefault(key, TorchContext(*key))
+    return ctx
 
 
 def _torch_allocator(device: torch.device) -> Any:

@@ -49,12 +49,12 @@ def _spy(monkeypatch, module, name, record):
     real = getattr(module, name)
 
     def wrapped(*args, **kwargs):
-        import cupy
-
+        from convfuse.ops.cudnn.device import context_of
         from convfuse.ops.cudnn.handle import get_handle
 
-        record.append({"stream": cupy.cuda.get_current_stream().ptr,
-                       "handle_stream": get_handle().getStream(), "args": args,
+        ctx = context_of(args[0])  # the stream the engine runs on, either path
+        record.append({"stream": ctx.stream_ptr,
+                       "handle_stream": get_handle(ctx).getStream(), "args": args,
                        "kwargs": kwargs})
         out = real(*args, **kwargs)
         record[-1]["out"] = out

@@ -9,21 +9,18 @@ from ... import activations
 from ...config import get as get_flags
 from .. import elementwise
 from . import conv
+from .device import context_of
 
 
 def activation_forward(z: Any, activation: str, out: Any = None) -> Any:  # pragma: gpu
-    import cupy as cp
-
-    y = out if out is not None else cp.empty_like(z)
+    y = out if out is not None else context_of(z).empty(tuple(z.shape), z.dtype)
     elementwise.activation_forward(z, activations.normalize(activation), y)
     return y
 
 
 def activation_backward(dy: Any, saved: Any, activation: str,
                         out: Any = None) -> Any:  # pragma: gpu
-    import cupy as cp
-
-    dz = out if out is not None else cp.empty_like(dy)
+    dz = out if out is not None else context_of(dy).empty(tuple(dy.shape), dy.dtype)
     elementwise.activation_backward(dy, saved, activations.normalize(activation), dz)
     return dz
 
@@ -33,11 +30,10 @@ def activation_backward_bias(dy: Any, saved: Any, activation: str, geom: Any,
                              beta: float = 0.0) -> tuple[Any, Any]:  # pragma: gpu
     """(dz, db). Never CuPy's generic reduction: either cuDNN's convolutionBackwardBias
     after the activation kernel, or one kernel doing both (config bias_grad="fused")."""
-    import cupy as cp
-
     act = activations.normalize(activation)
-    dz = cp.empty_like(dy)
-    db = db_out if db_out is not None else cp.empty(geom.bias_shape, dtype=dy.dtype)
+    ctx = context_of(dy)
+    dz = ctx.empty(tuple(dy.shape), dy.dtype)
+    db = db_out if db_out is not None else ctx.empty(geom.bias_shape, dy.dtype)
     beta = float(beta) if db_out is not None else 0.0
     if get_flags().bias_grad == "fused":
         elementwise.activation_backward_bias(dy, saved, act, geom, dz, db, beta)

@@ -9,7 +9,10 @@ read back to the host. Inference: cudnnBatchNormalizationForwardInference, then 
 add and activation. Backward: cudnnBatchNormalizationBackwardEx after a fused forward
 (it needs that forward's reserve space and output), else the activation kernel's backward
 then cudnnBatchNormalizationBackward; both accumulate into the parameter gradients through
-betaParamDiff. Workspace and reserve space come from CuPy's pool.
+betaParamDiff. Outputs, workspace and reserve space come from the call's ExecContext
+(CuPy's pool, or the caller's allocator on the pointer path: Note [the pointer path] in
+device.py, which also says why inference and the evaluation-mode backward take CuPy's
+path there).
 
 Note [BatchNorm fallback]
 Should cuDNN refuse the fused ops (any NOT_SUPPORTED status, conv.refused) at the size
@@ -36,12 +39,14 @@ from typing import Any
 
 from ... import activations
 from ...dtypes import compute_dtype
+from ...dtypes import name as dtype_name
 from ...errors import CudnnError
 from ...plan.batchnorm import BatchNormGeometry, BatchNormPlan, get_batchnorm_plan
 from ...plan.conv import FusedFallbackWarning
 from .. import elementwise
 from .constants import DeviceConstant, cached
 from .conv import refused
+from .device import ExecContext, context_of, is_device_array, on_cupy
 from .handle import Workspace, context, get_handle
 
 _affine_defaults: dict[tuple[int, str, int], DeviceConstant] = {}
@@ -56,16 +61,18 @@ class EngineState:
     reserve: Any = None  # Workspace
 
 
-def _ones_zeros(cp: Any, dtype: Any, channels: int) -> tuple[Any, Any]:  # pragma: gpu
+def _ones_zeros(cp: Any, dtype: Any, channels: int,
+                ctx: ExecContext) -> tuple[Any, Any]:  # pragma: gpu
     """cuDNN needs scale and bias pointers, so affine=False passes cached ones and zeros:
     like fused.zero_bias, from CuPy's default pool, never made inside a capture, and
     ordered before this call's stream reads them (Note [cached constants across streams]
     in constants.py)."""
-    key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
+    key = (ctx.device, dtype_name(dtype), int(channels))
     ones, zeros = cached(cp, _affine_defaults, _affine_lock, key,
                          f"the cached batch-normalization ones and zeros ({channels} x "
                          f"{key[1]})",
-                         lambda: (cp.ones((channels,), dtype), cp.zeros((channels,), dtype)))
+                         lambda: (cp.ones((channels,), dtype), cp.zeros((channels,), dtype)),
+                         ctx)
     return ones, zeros
 
 
@@ -73,11 +80,13 @@ def _ptr(a: Any) -> int:
     return a.data.ptr if a is not None else 0
 
 
-def _scale_shift(cp: Any, weight: Any, bias: Any, g: BatchNormGeometry,
-                 cd: Any) -> tuple[Any, Any]:  # pragma: gpu
+def _scale_shift(weight: Any, bias: Any, g: BatchNormGeometry, cd: Any,
+                 ctx: ExecContext) -> tuple[Any, Any]:  # pragma: gpu
     if weight is not None and bias is not None:  # affine: no cached buffer is needed
         return weight, bias
-    ones, zeros = _ones_zeros(cp, cd, g.channels)
+    import cupy as cp
+
+    ones, zeros = _ones_zeros(cp, cd, g.channels, ctx)
     return (weight if weight is not None else ones), (bias if bias is not None else zeros)
 
 
@@ -106,7 +115,8 @@ def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> No
             FusedFallbackWarning, stacklevel=6)  # one frame more: _allocate
 
 
-def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]]) -> list[Workspace] | None:
+def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]],
+              ctx: ExecContext) -> list[Workspace] | None:
     """Workspace objects for `sizes` ((what, bytes)), or None after an out-of-memory
     (recorded and warned once per plan)."""
     import cupy as cp
@@ -114,14 +124,14 @@ def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]]) -> list[Workspa
     out = []
     for what, nbytes in sizes:
         try:
-            out.append(Workspace(nbytes))
+            out.append(Workspace(nbytes, ctx))
         except cp.cuda.memory.OutOfMemoryError as err:
             _warn_out_of_memory(plan, err, what)
             return None
     return out
 
 
-def _finish_forward(plan: BatchNormPlan, handle: Any, y: Any, residual: Any,
+def _finish_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, y: Any, residual: Any,
                     act: str) -> tuple[Any, Any]:  # pragma: gpu
     """Add the residual and apply the activation after a plain BN call; (y, saved)."""
     lib = plan.lib
@@ -135,9 +145,7 @@ def _finish_forward(plan: BatchNormPlan, handle: Any, y: Any, residual: Any,
     if need == "output":
         elementwise.activation_forward(y, act, y)
         return y, y
-    import cupy as cp
-
-    out = cp.empty_like(y)
+    out = ctx.empty(tuple(y.shape), y.dtype)
     elementwise.activation_forward(y, act, out)
     return out, y
 
@@ -146,17 +154,16 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
                                running_var: Any, g: BatchNormGeometry, eps: float,
                                factor: float, act: str,
                                residual: Any) -> tuple[Any, ...]:  # pragma: gpu
-    import cupy as cp
-
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
     cd = compute_dtype(x.dtype)
-    scale, shift = _scale_shift(cp, weight, bias, g, cd)
-    y = cp.empty(g.shape, dtype=x.dtype)
-    mean = cp.empty((g.channels,), dtype=cd)
-    invstd = cp.empty((g.channels,), dtype=cd)
+    scale, shift = _scale_shift(weight, bias, g, cd, ctx)
+    y = ctx.empty(g.shape, x.dtype)
+    mean = ctx.empty((g.channels,), cd)
+    invstd = ctx.empty((g.channels,), cd)
     if not plan.fused_off():
-        reserve = _fused_forward(plan, handle, x, scale, shift, running_mean, running_var, eps,
+        reserve = _fused_forward(plan, handle, ctx, x, scale, shift, running_mean, running_var, eps,
                                  factor, residual, y, mean, invstd)
         if reserve is not None:
             return y, y, mean, invstd, EngineState(True, reserve)
@@ -165,11 +172,12 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
             handle, plan.training_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
             y.data.ptr, plan.bn_desc_training, scale.data.ptr, shift.data.ptr, factor,
             _ptr(running_mean), _ptr(running_var), eps, mean.data.ptr, invstd.data.ptr)
-    y, saved = _finish_forward(plan, handle, y, residual, act)
+    y, saved = _finish_forward(plan, handle, ctx, y, residual, act)
     return y, saved, mean, invstd, EngineState(False)
 
 
-def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: Any,
+def _fused_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, scale: Any,
+                   shift: Any,
                    running_mean: Any, running_var: Any, eps: float, factor: float,
                    residual: Any, y: Any, mean: Any, invstd: Any) -> Any:  # pragma: gpu
     """One ForwardTrainingEx; its reserve space, or None when the plain path must run
@@ -180,7 +188,7 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: 
     try:
         sizes = plan.sizes(handle)
         got = _allocate(plan, [("forward workspace", sizes.forward_workspace),
-                               ("reserve space", sizes.reserve)])
+                               ("reserve space", sizes.reserve)], ctx)
         if got is None:
             return None
         ws, reserve = got
@@ -204,19 +212,23 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, x: Any, scale: Any, shift: 
 def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
                                 running_var: Any, g: BatchNormGeometry, eps: float, act: str,
                                 residual: Any) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
+    if is_device_array(x):  # CuPy arithmetic below: Note [the pointer path]
+        return on_cupy(batchnorm_forward_inference, x, weight, bias, running_mean,
+                       running_var, g, eps, act, residual)
     import cupy as cp
 
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
     cd = compute_dtype(x.dtype)
-    scale, shift = _scale_shift(cp, weight, bias, g, cd)
-    y = cp.empty(g.shape, dtype=x.dtype)
+    scale, shift = _scale_shift(weight, bias, g, cd, ctx)
+    y = ctx.empty(g.shape, x.dtype)
     with context(lambda: _where(plan, "batchNormalizationForwardInference")):
         plan.lib.batchNormalizationForwardInference(
             handle, plan.inference_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
             y.data.ptr, plan.bn_desc_inference, scale.data.ptr, shift.data.ptr,
             running_mean.data.ptr, running_var.data.ptr, eps)
-    y, saved = _finish_forward(plan, handle, y, residual, act)
+    y, saved = _finish_forward(plan, handle, ctx, y, residual, act)
     mean = running_mean.copy()
     invstd = 1.0 / cp.sqrt(running_var + cd.type(eps))
     return y, saved, mean, invstd.astype(cd, copy=False)
@@ -226,41 +238,41 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
                        g: BatchNormGeometry, eps: float, act: str, residual: bool,
                        need_dx: bool, weight_grad: Any, bias_grad: Any,
                        beta: float) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
-    import cupy as cp
-
+    if not saved.training and is_device_array(dy):  # CuPy arithmetic: Note [the pointer path]
+        return on_cupy(batchnorm_backward, dy, x, weight, bias, saved, g, eps, act, residual,
+                       need_dx, weight_grad, bias_grad, beta)
+    ctx = context_of(dy)
     cd = compute_dtype(x.dtype)
     if weight_grad is not None:
         dw, db, pbeta = weight_grad, bias_grad, beta
     else:
-        dw, db, pbeta = cp.empty((g.channels,), cd), cp.empty((g.channels,), cd), 0.0
+        dw, db, pbeta = ctx.empty((g.channels,), cd), ctx.empty((g.channels,), cd), 0.0
     if not saved.training:
         dx, dres = _eval_backward(dy, x, weight, saved, g, act, residual, need_dx, dw, db, pbeta)
     else:
-        dx, dres = _training_backward(dy, x, weight, bias, saved, g, eps, act, residual, dw, db,
-                                      pbeta)
+        dx, dres = _training_backward(ctx, dy, x, weight, bias, saved, g, eps, act, residual,
+                                      dw, db, pbeta)
     if weight is None:
         dw = db = None
     return (dx if need_dx else None), dw, db, dres
 
 
-def _training_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
+def _training_backward(ctx: ExecContext, dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
                        g: BatchNormGeometry, eps: float, act: str, residual: bool, dw: Any,
                        db: Any, pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
-    import cupy as cp
-
-    handle = get_handle()
+    handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual)
     lib = plan.lib
     cd = compute_dtype(x.dtype)
-    scale, shift = _scale_shift(cp, weight, bias, g, cd)
-    dx = cp.empty(g.shape, dtype=x.dtype)
+    scale, shift = _scale_shift(weight, bias, g, cd, ctx)
+    dx = ctx.empty(g.shape, x.dtype)
     state = saved.engine_state
     if state is not None and state.fused and plan.fused_refusal is None:
-        dres = cp.empty(g.shape, dtype=x.dtype) if residual else None
+        dres = ctx.empty(g.shape, x.dtype) if residual else None
         stage = "getBatchNormalizationBackwardExWorkspaceSize"
         try:
             got = _allocate(plan, [("backward workspace",
-                                    plan.sizes(handle).backward_workspace)])
+                                    plan.sizes(handle).backward_workspace)], ctx)
             if got is not None:
                 ws, = got
                 stage = "batchNormalizationBackwardEx"
@@ -277,23 +289,21 @@ def _training_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
             if not refused(err, lib):
                 raise err.with_context(where) from None
             _warn_fallback(plan, err.with_context(where), stage)
-    dz = _activation_backward(dy, saved.saved, act)
+    dz = _activation_backward(ctx, dy, saved.saved, act)
     with context(lambda: _where(plan, "batchNormalizationBackward")):
         lib.batchNormalizationBackward(
             handle, plan.training_mode, 1.0, 0.0, 1.0, pbeta, plan.x_desc, x.data.ptr,
             plan.x_desc, dz.data.ptr, plan.x_desc, dx.data.ptr, plan.bn_desc_training,
             scale.data.ptr, dw.data.ptr, db.data.ptr, eps, saved.mean.data.ptr,
             saved.invstd.data.ptr)
-    dres = (dz.copy() if dz is dy else dz) if residual else None
+    dres = (ctx.copy(dz) if dz is dy else dz) if residual else None
     return dx, dres
 
 
-def _activation_backward(dy: Any, saved: Any, act: str) -> Any:  # pragma: gpu
+def _activation_backward(ctx: ExecContext, dy: Any, saved: Any, act: str) -> Any:  # pragma: gpu
     if act == "identity":
         return dy
-    import cupy as cp
-
-    dz = cp.empty_like(dy)
+    dz = ctx.empty(tuple(dy.shape), dy.dtype)
     elementwise.activation_backward(dy, saved, act, dz)
     return dz
 
@@ -303,7 +313,7 @@ def _eval_backward(dy: Any, x: Any, weight: Any, saved: Any, g: BatchNormGeometr
                    pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
     """Frozen statistics: dx = dz * weight * invstd; dweight = sum(dz * xhat); dbias = sum(dz)."""
     cd = compute_dtype(x.dtype)
-    dz = _activation_backward(dy, saved, act)
+    dz = _activation_backward(context_of(dy), dy, saved, act)
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
     invstd = saved.invstd.reshape(shape)

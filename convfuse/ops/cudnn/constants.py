@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from ...plan import capture
+from .device import ExecContext
 
 #: cudaEventWaitExternal (driver_types.h): a wait recorded into a graph as an external
 #: event node.
@@ -46,32 +47,33 @@ class DeviceConstant:
         self.event = event
         self.complete = False  # the host has seen the fill finish
 
-    def ordered(self, cp: Any) -> tuple[Any, ...]:  # pragma: gpu
-        """The arrays, with the current stream made to wait for their fill when it may
+    def ordered(self, cp: Any, ctx: ExecContext) -> tuple[Any, ...]:  # pragma: gpu
+        """The arrays, with the call's stream made to wait for their fill when it may
         still be running (Note [cached constants across streams])."""
         if not self.complete:
-            stream = cp.cuda.get_current_stream()
-            if capture.stream_is_capturing():
-                cp.cuda.runtime.streamWaitEvent(stream.ptr, self.event.ptr, EVENT_WAIT_EXTERNAL)
+            stream_ptr = ctx.stream_ptr
+            if ctx.is_capturing():
+                cp.cuda.runtime.streamWaitEvent(stream_ptr, self.event.ptr, EVENT_WAIT_EXTERNAL)
             elif self.event.done:
                 self.complete = True
             else:
-                cp.cuda.runtime.streamWaitEvent(stream.ptr, self.event.ptr, 0)
+                cp.cuda.runtime.streamWaitEvent(stream_ptr, self.event.ptr, 0)
         return self.arrays
 
 
 def cached(cp: Any, cache: dict[Any, DeviceConstant], lock: threading.Lock,
-           key: Hashable, what: str, make: Callable[[], tuple[Any, ...]]
+           key: Hashable, what: str, make: Callable[[], tuple[Any, ...]], ctx: ExecContext,
            ) -> tuple[Any, ...]:  # pragma: gpu
     """cache[key]'s arrays, made by `make()` on first use (`what` names them if that is
-    inside a capture), and ready for the current stream."""
+    inside a capture), and ready for the call's stream (`ctx`'s). The fill runs on
+    CuPy's current stream, which the event orders for every other."""
     with lock:
         item = cache.get(key)
         if item is None:
-            capture.refuse_in_capture(what)
+            capture.refuse_in_capture(what, ctx.capture_stream)
             with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
                 arrays = make()
             event = cp.cuda.Event(block=False, disable_timing=True)
             event.record()  # on the current stream, after the fill
             item = cache[key] = DeviceConstant(arrays, event)
-    return item.ordered(cp)
+    return item.ordered(cp, ctx)

@@ -1,7 +1,9 @@
 """The convolution ops on CuPy arrays: one cuDNN call each, through a cached ConvPlan.
 
-Outputs and workspace come from CuPy's pool; nothing else is allocated per call (the
-zero bias for bias-free layers is cached per device, dtype and channel count).
+Outputs and workspace come from the call's ExecContext (CuPy's pool for CuPy arrays, the
+caller's allocator for DeviceArrays: Note [the pointer path] in device.py); nothing else is
+allocated per call (the zero bias for bias-free layers is cached per device, dtype and
+channel count).
 
 The fused forward and its fallbacks live in fused.py (Note [unfused fallback], Note
 [forced algorithm versus speed]); running a plan's ranked algorithms in ranked.py; float64
@@ -20,6 +22,7 @@ from ...errors import CudnnError
 from ...plan import BiasGradFallbackWarning, Candidate, get_plan
 from .. import elementwise
 from . import fused, layout
+from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, refused, run_ranked, where
 
@@ -34,6 +37,8 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
     activation kernel when cuDNN cannot apply the activation itself (or the unfused path
     of Note [unfused fallback] when cuDNN refuses the fused call)."""
     if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        if is_device_array(x):  # CuPy copies: Note [the pointer path]
+            return on_cupy(conv_bias_act, x, w, b, geom, activation, residual, residual_scale)
         res = None if residual is None else layout.to_channels_first(residual)
         with layout.named_as(geom):
             y_cf, z_cf = _conv_bias_act(layout.to_channels_first(x),
@@ -47,17 +52,16 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity
 
 def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual: Any,
                    residual_scale: float) -> tuple[Any, Any]:  # pragma: gpu
-    import cupy as cp
-
     act = activations.normalize(activation)
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_plan(geom, x.dtype, act, residual is not None)
-    conv_out = cp.empty(geom.output_shape, dtype=x.dtype)
-    fused.fused_forward(plan, handle, x, w, b, residual, float(residual_scale), conv_out)
+    conv_out = ctx.empty(geom.output_shape, x.dtype)
+    fused.fused_forward(plan, handle, ctx, x, w, b, residual, float(residual_scale), conv_out)
     if act in activations.FUSED_IN_CUDNN:
         return conv_out, None
     if activations.saves(act) == "preactivation":
-        y = cp.empty_like(conv_out)
+        y = ctx.empty(geom.output_shape, x.dtype)
         elementwise.activation_forward(conv_out, act, y)
         return y, conv_out
     elementwise.activation_forward(conv_out, act, conv_out)
@@ -65,34 +69,36 @@ def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual:
 
 
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
-    import cupy as cp
-
     if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        if is_device_array(x):  # CuPy copies: Note [the pointer path]
+            return on_cupy(conv_forward, x, w, geom)
         with layout.named_as(geom):
             y_cf = conv_forward(layout.to_channels_first(x), layout.to_channels_first(w),
                                 layout.cudnn_geometry(geom, x.dtype))
         return layout.to_channels_last(y_cf)
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_plan(geom, x.dtype)
-    y = cp.empty(geom.output_shape, dtype=x.dtype)
-    forward_into(plan, handle, x, w, y, "conv_forward")
+    y = ctx.empty(geom.output_shape, x.dtype)
+    forward_into(plan, handle, ctx, x, w, y, "conv_forward")
     return y
 
 
 def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
                        beta: float = 0.0) -> Any:  # pragma: gpu
-    import cupy as cp
-
     if layout.runs_channels_first(geom, dz.dtype):  # Note [float64 runs channels-first]
+        if is_device_array(dz):  # CuPy copies: Note [the pointer path]
+            return on_cupy(conv_backward_data, dz, w, geom, out, beta)
         start = _prior(out, beta)
         with layout.named_as(geom):
             dx_cf = conv_backward_data(layout.to_channels_first(dz),
                                        layout.to_channels_first(w),
                                        layout.cudnn_geometry(geom, dz.dtype), start, beta)
         return layout.to_channels_last(dx_cf, out)
-    handle = get_handle()
+    ctx = context_of(dz)
+    handle = get_handle(ctx)
     plan = get_plan(geom, dz.dtype)
-    dx = out if out is not None else cp.empty(geom.input_shape, dtype=dz.dtype)
+    dx = out if out is not None else ctx.empty(geom.input_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
 
     def call(cand: Candidate, ws: Workspace) -> None:
@@ -100,24 +106,26 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.x_desc, dx.data.ptr)
 
-    run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), call, "conv_backward_data")
+    run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), ctx, call,
+               "conv_backward_data")
     return dx
 
 
 def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
                          beta: float = 0.0) -> Any:  # pragma: gpu
-    import cupy as cp
-
     if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
+        if is_device_array(x):  # CuPy copies: Note [the pointer path]
+            return on_cupy(conv_backward_filter, x, dz, geom, out, beta)
         start = _prior(out, beta)
         with layout.named_as(geom):
             dw_cf = conv_backward_filter(layout.to_channels_first(x),
                                          layout.to_channels_first(dz),
                                          layout.cudnn_geometry(geom, x.dtype), start, beta)
         return layout.to_channels_last(dw_cf, out)
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_plan(geom, x.dtype)
-    dw = out if out is not None else cp.empty(geom.weight_shape, dtype=x.dtype)
+    dw = out if out is not None else ctx.empty(geom.weight_shape, x.dtype)
     beta = float(beta) if out is not None else 0.0
 
     def call(cand: Candidate, ws: Workspace) -> None:
@@ -125,8 +133,8 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.w_desc, dw.data.ptr)
 
-    run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), call,
-                "conv_backward_filter")
+    run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), ctx, call,
+               "conv_backward_filter")
     return dw
 
 
@@ -139,14 +147,13 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
     Should cuDNN refuse BackwardBias for a plan (any NOT_SUPPORTED code), the plan
     remembers it, warns once (BiasGradFallbackWarning) and uses the kernel from then on.
     """
-    import cupy as cp
-
-    db = out if out is not None else cp.empty(geom.bias_shape, dtype=dz.dtype)
+    ctx = context_of(dz)
+    db = out if out is not None else ctx.empty(geom.bias_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
     if config.get().bias_grad == "fused":
         elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
         return db
-    handle = get_handle()
+    handle = get_handle(ctx)
     plan = get_plan(geom, dz.dtype)
     if plan.bias_grad_refusal is None:
         try:

@@ -26,6 +26,7 @@ from ...plan import Candidate, get_transpose_plan
 from ...transpose_geometry import ConvTransposeGeometry
 from .. import elementwise
 from . import layout
+from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, run_ranked
 
@@ -40,7 +41,16 @@ def _named(op: str, tgeom: ConvTransposeGeometry) -> Iterator[None]:
         raise err.with_context(f"in {op} of the {tgeom.describe()}") from None
 
 
+def _needs_cupy(tgeom: ConvTransposeGeometry, a: Any) -> bool:
+    """Whether a DeviceArray call takes the CuPy fallback of Note [the pointer path]: a
+    windowed output is sliced, and float64 channels-last is copied channels-first (Note
+    [float64 runs channels-first]), both with CuPy array arithmetic."""
+    return is_device_array(a) and tgeom.windowed
+
+
 def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
+    if _needs_cupy(tgeom, x):
+        return on_cupy(conv_transpose_forward, x, w, tgeom)
     with _named("conv_transpose_forward", tgeom):
         if layout.runs_channels_first(tgeom, x.dtype):  # Note [float64 runs channels-first]
             return layout.run_channels_first(_forward, tgeom, x.dtype, (x, w))
@@ -50,10 +60,11 @@ def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:
 def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
     import cupy as cp
 
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_transpose_plan(tgeom, x.dtype)
     g = tgeom.conv
-    core = cp.empty(g.input_shape, dtype=x.dtype)
+    core = ctx.empty(g.input_shape, x.dtype)
 
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardData(
@@ -61,7 +72,7 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.x_desc,
             core.data.ptr)
 
-    run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), call,
+    run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), ctx, call,
                "conv_transpose_forward")
     return tgeom.from_conv_output(core, cp)
 
@@ -69,8 +80,6 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
 def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry,
                             activation: str = "identity", residual: Any = None,
                             residual_scale: float = 1.0) -> tuple[Any, Any]:  # pragma: gpu
-    import cupy as cp
-
     act = activations.normalize(activation)
     y = conv_transpose_forward(x, w, tgeom)
     if b is None and residual is None and act == "identity":
@@ -80,13 +89,15 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry
         elementwise.bias_act_forward(y, b, residual, float(residual_scale), act, epi)
         return y, None
     elementwise.bias_act_forward(y, b, residual, float(residual_scale), "identity", epi)
-    out = cp.empty_like(y)
+    out = context_of(y).empty(tuple(y.shape), y.dtype)
     elementwise.activation_forward(y, act, out)
     return out, y
 
 
 def conv_transpose_backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any = None,
                                  beta: float = 0.0) -> Any:  # pragma: gpu
+    if _needs_cupy(tgeom, dz):
+        return on_cupy(conv_transpose_backward_data, dz, w, tgeom, out, beta)
     with _named("conv_transpose_backward_data", tgeom):
         if layout.runs_channels_first(tgeom, dz.dtype):  # Note [float64 runs channels-first]
             return layout.run_channels_first(_backward_data, tgeom, dz.dtype, (dz, w), out,
@@ -98,12 +109,13 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
                    beta: float) -> Any:  # pragma: gpu
     import cupy as cp
 
-    handle = get_handle()
+    ctx = context_of(dz)
+    handle = get_handle(ctx)
     plan = get_transpose_plan(tgeom, dz.dtype)
-    dx = out if out is not None else cp.empty(tgeom.input_shape, dtype=dz.dtype)
+    dx = out if out is not None else ctx.empty(tgeom.input_shape, dz.dtype)
     src = tgeom.to_conv_output(dz, cp)
     if out is None or float(beta) == 0.0:
-        forward_into(plan, handle, src, w, dx, "conv_transpose_backward_data")
+        forward_into(plan, handle, ctx, src, w, dx, "conv_transpose_backward_data")
         return dx
     b = float(beta)
 
@@ -112,13 +124,15 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
             handle, 1.0, plan.x_desc, src.data.ptr, plan.w_desc, w.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.y_desc, dx.data.ptr)
 
-    run_ranked(plan, "fwd", handle, (src.data.ptr, w.data.ptr), call,
+    run_ranked(plan, "fwd", handle, (src.data.ptr, w.data.ptr), ctx, call,
                "conv_transpose_backward_data")
     return dx
 
 
 def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry,
                                    out: Any = None, beta: float = 0.0) -> Any:  # pragma: gpu
+    if _needs_cupy(tgeom, x):
+        return on_cupy(conv_transpose_backward_filter, x, dz, tgeom, out, beta)
     with _named("conv_transpose_backward_filter", tgeom):
         if layout.runs_channels_first(tgeom, x.dtype):  # Note [float64 runs channels-first]
             return layout.run_channels_first(_backward_filter, tgeom, x.dtype, (x, dz), out,
@@ -130,9 +144,10 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
                      beta: float) -> Any:  # pragma: gpu
     import cupy as cp
 
-    handle = get_handle()
+    ctx = context_of(x)
+    handle = get_handle(ctx)
     plan = get_transpose_plan(tgeom, x.dtype)
-    dw = out if out is not None else cp.empty(tgeom.weight_shape, dtype=x.dtype)
+    dw = out if out is not None else ctx.empty(tgeom.weight_shape, x.dtype)
     b = float(beta) if out is not None else 0.0
     src = tgeom.to_conv_output(dz, cp)
 
@@ -141,7 +156,7 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
             handle, 1.0, plan.x_desc, src.data.ptr, plan.y_desc, x.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.w_desc, dw.data.ptr)
 
-    run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), call,
+    run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), ctx, call,
                "conv_transpose_backward_filter")
     return dw
 
@@ -153,10 +168,9 @@ def conv_transpose_activation_backward_bias(
     """One launch of the fused activation-backward + bias-gradient kernel (Note [fused
     activation-backward + bias gradient] in activation.cu); for identity it writes db only
     and dz is dy itself."""
-    import cupy as cp
-
-    db = db_out if db_out is not None else cp.empty(tgeom.bias_shape, dtype=dy.dtype)
+    ctx = context_of(dy)
+    db = db_out if db_out is not None else ctx.empty(tgeom.bias_shape, dy.dtype)
     b = float(beta) if db_out is not None else 0.0
-    dz = None if activation == "identity" else cp.empty_like(dy)
+    dz = None if activation == "identity" else ctx.empty(tuple(dy.shape), dy.dtype)
     elementwise.activation_backward_bias(dy, saved, activation, tgeom.epilogue, dz, db, b)
     return (dy if dz is None else dz), db

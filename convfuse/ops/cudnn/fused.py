@@ -46,6 +46,7 @@ import warnings
 from typing import Any
 
 from ..._binding import cudnn
+from ...dtypes import name as dtype_name
 from ...errors import CudnnError
 from ...plan import (
     ConvPlan,
@@ -58,25 +59,29 @@ from ...plan import (
 from ...plan.capture import refuse_in_capture
 from .. import elementwise
 from .constants import DeviceConstant, cached
+from .device import ExecContext, cupy_context
 from .ranked import algorithm_and_workspace, forward_into, refused, where
 
 _zero_bias: dict[tuple[int, str, int], DeviceConstant] = {}
 _zero_bias_lock = threading.Lock()
 
 
-def zero_bias(cp: Any, dtype: Any, channels: int) -> Any:  # pragma: gpu
+def zero_bias(cp: Any, dtype: Any, channels: int,
+              ctx: ExecContext | None = None) -> Any:  # pragma: gpu
     """The fused call needs a bias pointer (FACTS), so a bias-free layer passes zeros:
     cached per device, dtype and channel count, and ordered before this call's stream
-    reads them (Note [cached constants across streams] in constants.py)."""
-    key = (int(cp.cuda.runtime.getDevice()), cp.dtype(dtype).name, int(channels))
+    reads them (Note [cached constants across streams] in constants.py). `ctx`: the call's
+    (default: CuPy's current device and stream)."""
+    ctx = ctx if ctx is not None else cupy_context()
+    key = (ctx.device, dtype_name(dtype), int(channels))
     bias, = cached(cp, _zero_bias, _zero_bias_lock, key,
                    f"the cached zero bias ({channels} x {key[1]})",
-                   lambda: (cp.zeros((channels,), dtype=dtype),))
+                   lambda: (cp.zeros((channels,), dtype=dtype),), ctx)
     return bias
 
 
-def fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                  residual_scale: float, y: Any) -> None:  # pragma: gpu
+def fused_forward(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, b: Any,
+                  residual: Any, residual_scale: float, y: Any) -> None:  # pragma: gpu
     """y = act(conv(x, w) + b + residual_scale * residual), act being the plan's fused mode
     (relu or identity); b and residual may be None.
 
@@ -88,21 +93,22 @@ def fused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual:
     """
     if (plan.key.benchmark and plan.key.activation == "identity"
             and plan.forward_path is None and plan.fused_refusal is None):
-        _time_forward_paths(plan, handle, x, w, b, residual, residual_scale, y)
+        _time_forward_paths(plan, handle, ctx, x, w, b, residual, residual_scale, y)
         return
-    if plan.fused_off() or not _try_fused(plan, handle, x, w, b, residual, residual_scale, y):
-        _unfused_forward(plan, handle, x, w, b, residual, residual_scale, y)
+    args = (plan, handle, ctx, x, w, b, residual, residual_scale, y)
+    if plan.fused_off() or not _try_fused(*args):
+        _unfused_forward(*args)
 
 
-def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-               residual_scale: float, y: Any) -> bool:  # pragma: gpu
+def _try_fused(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, b: Any,
+               residual: Any, residual_scale: float, y: Any) -> bool:  # pragma: gpu
     """Run the fused call; False (after recording why, and warning once per plan) when
     the caller must take the unfused path instead."""
     import cupy as cp
 
     lib = cudnn()
     forced = plan.key.activation == "identity"  # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]
-    bias = b if b is not None else zero_bias(cp, x.dtype, plan.key.geometry.out_channels)
+    bias = b if b is not None else zero_bias(cp, x.dtype, plan.key.geometry.out_channels, ctx)
     if residual is not None:
         z_ptr, alpha2 = residual.data.ptr, residual_scale
     else:
@@ -111,7 +117,7 @@ def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: An
     while True:
         try:
             cand, ws = algorithm_and_workspace(plan, "fwd", handle, (x.data.ptr, w.data.ptr),
-                                                fused=True)
+                                                ctx, fused=True)
         except CudnnError as err:  # the forced algorithm's workspace query
             if not (forced and refused(err, lib)):
                 raise
@@ -134,7 +140,7 @@ def _try_fused(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: An
             about = where(plan, "convolutionBiasActivationForward", cand)
             if not refused(err, lib):
                 raise err.with_context(about) from None
-            if plan.reject("fwd", cand, fused=True):
+            if plan.reject("fwd", cand, fused=True, allocate=ctx.choice_allocator):
                 continue
             return _fall_back(plan, err.with_context(about), permanent=True)
         plan.fused_ran()
@@ -157,23 +163,24 @@ def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # p
     return False
 
 
-def _time_forward_paths(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                        residual_scale: float, y: Any, reps: int = 3) -> None:  # pragma: gpu
+def _time_forward_paths(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, b: Any,
+                        residual: Any, residual_scale: float, y: Any,
+                        reps: int = 3) -> None:  # pragma: gpu
     """Note [forced algorithm versus speed]: time the fused call against the unfused path
     on this call's arrays and keep the faster; y holds the result either way."""
     import cupy as cp
 
     refuse_in_capture(f"timing the fused and unfused forward of {plan.describe()}")
-    args = (plan, handle, x, w, b, residual, residual_scale, y)
+    args = (plan, handle, ctx, x, w, b, residual, residual_scale, y)
 
     def elapsed(run: Any) -> float | None:
         if not run(*args):  # the first run chooses algorithms and compiles kernels
             return None
         start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
+        start.record(ctx.stream)
         for _ in range(reps):
             run(*args)
-        end.record()
+        end.record(ctx.stream)
         end.synchronize()
         return cp.cuda.get_elapsed_time(start, end) / reps
 
@@ -212,11 +219,11 @@ def _fallback_message(plan: ConvPlan, reason: Exception, permanent: bool) -> str
     )
 
 
-def _unfused_forward(plan: ConvPlan, handle: Any, x: Any, w: Any, b: Any, residual: Any,
-                     residual_scale: float, y: Any) -> None:  # pragma: gpu
+def _unfused_forward(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, b: Any,
+                     residual: Any, residual_scale: float, y: Any) -> None:  # pragma: gpu
     """The fused call's result in two steps: Note [unfused fallback]."""
     fwd = get_plan(plan.key.geometry, plan.key.dtype)
-    forward_into(fwd, handle, x, w, y, "conv_bias_act unfused convolutionForward", plan)
+    forward_into(fwd, handle, ctx, x, w, y, "conv_bias_act unfused convolutionForward", plan)
     if b is not None or residual is not None or plan.key.activation == "relu":
         elementwise.bias_act_forward(y, b, residual, residual_scale, plan.key.activation,
                                      plan.key.geometry)

@@ -1,5 +1,6 @@
-"""What every cuDNN engine call needs besides its plan: a handle bound to the current
-stream, workspace from CuPy's pool, and error messages that name the call's shapes."""
+"""What every cuDNN engine call needs besides its plan: a handle bound to the call's
+stream, workspace from the call's allocator (device.py's ExecContext), and error messages
+that name the call's shapes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from ..._binding import cudnn
 from ...backend import require_gpu
 from ...errors import CudnnError
+from .device import ExecContext, cupy_context
 
 _local = threading.local()
 # Every handle ever created, kept for the life of the process. cudnnDestroy synchronises
@@ -21,43 +23,45 @@ _all_handles: list[Any] = []
 _all_handles_lock = threading.Lock()
 
 
-def get_handle() -> Any:
-    """This thread's cuDNN handle for the current device, bound to the current stream.
+def get_handle(ctx: ExecContext | None = None) -> Any:
+    """This thread's cuDNN handle for `ctx`'s device, bound to `ctx`'s stream (default:
+    CuPy's current device and stream).
 
     One handle per (device, thread): cuDNN handles are not safe to share between threads
-    that run concurrently, and a handle belongs to the device current at its creation.
-    The stream is re-bound at every call because CuPy's current stream can change between
-    calls (`with stream:` blocks, graph capture).
+    that run concurrently, and a handle belongs to the device current at its creation
+    (the engine's checks made `ctx.device` current). cudnnSetStream runs only when the
+    call's stream differs from the one the handle holds: the handle is private to this
+    module, so the stream it was last given is the one it has (Note [the pointer path]).
     """
-    cp = require_gpu("a cuDNN call")
-    return _bound_handle(cp)  # pragma: gpu
+    require_gpu("a cuDNN call")
+    return _bound_handle(ctx if ctx is not None else cupy_context())  # pragma: gpu
 
 
-def _bound_handle(cp: Any) -> Any:  # pragma: gpu
-    handles: dict[int, Any] | None = getattr(_local, "handles", None)
-    if handles is None:
-        handles = _local.handles = {}
-    device = int(cp.cuda.runtime.getDevice())
-    handle = handles.get(device)
-    if handle is None:
+def _bound_handle(ctx: ExecContext) -> Any:
+    bound: dict[int, list[Any]] | None = getattr(_local, "bound", None)
+    if bound is None:
+        bound = _local.bound = {}
+    entry = bound.get(ctx.device)
+    if entry is None:
         handle = cudnn().Handle()
-        handles[device] = handle
+        entry = bound[ctx.device] = [handle, None]
         with _all_handles_lock:
             _all_handles.append(handle)
-    handle.setStream(cp.cuda.get_current_stream().ptr)
-    return handle
+    if entry[1] != ctx.stream_ptr:
+        entry[0].setStream(ctx.stream_ptr)
+        entry[1] = ctx.stream_ptr
+    return entry[0]
 
 
 class Workspace:
-    """Device scratch memory from CuPy's pool for one call; `ptr` is 0 for zero bytes."""
+    """Device scratch memory for one call from `ctx`'s allocator; `ptr` is 0 for zero
+    bytes. Freed when the object goes: both allocators order reuse on the call's stream."""
 
     __slots__ = ("mem", "ptr", "size")
 
-    def __init__(self, nbytes: int) -> None:  # pragma: gpu
-        import cupy
-
+    def __init__(self, nbytes: int, ctx: ExecContext) -> None:
         self.size = int(nbytes)
-        self.mem = cupy.cuda.alloc(self.size) if self.size else None
+        self.mem = ctx.allocate(self.size) if self.size else None
         self.ptr = self.mem.ptr if self.mem is not None else 0
 
 

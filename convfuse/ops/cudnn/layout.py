@@ -33,7 +33,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ...dtypes import canonical
+from ...dtypes import name as dtype_name
 from ...errors import ConvfuseError, CudnnError
 from ...geometry import ConvGeometry
 from ...transpose_geometry import ConvTransposeGeometry
@@ -44,7 +44,7 @@ G = TypeVar("G", ConvGeometry, ConvTransposeGeometry)
 def runs_channels_first(geom: ConvGeometry | ConvTransposeGeometry, dtype: Any) -> bool:
     """Whether this convolution goes to cuDNN channels-first although its arrays are
     channels-last (Note [float64 runs channels-first])."""
-    return geom.channels_last and canonical(dtype).name == "float64"
+    return geom.channels_last and dtype_name(dtype) == "float64"
 
 
 def cudnn_geometry(geom: G, dtype: Any) -> G:

@@ -17,6 +17,7 @@ from ...plan import (
     WorkspaceUnavailableError,
 )
 from ...plan.algorithms import is_refusal
+from .device import ExecContext
 from .handle import Workspace
 
 
@@ -31,9 +32,10 @@ def refused(err: CudnnError, lib: Any) -> bool:
 
 
 def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
-                            inputs: tuple[int, int],
+                            inputs: tuple[int, int], ctx: ExecContext,
                             fused: bool = False) -> tuple[Candidate, Workspace]:  # pragma: gpu
-    """The plan's algorithm for `direction` and its workspace for this call.
+    """The plan's algorithm for `direction` and its workspace for this call, from `ctx`'s
+    allocator.
 
     The plan chose an algorithm whose workspace could be allocated then; memory may be
     scarcer now. Rather than fail, drop that algorithm for the next ranked one until a
@@ -43,12 +45,14 @@ def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
 
     skipped: list[Candidate] = []
     while True:
-        cand = plan.choice(direction, handle, inputs, fused=fused)
+        cand = plan.choice(direction, handle, inputs, fused=fused,
+                           allocate=ctx.choice_allocator)
         try:
-            ws = Workspace(cand.workspace)
+            ws = Workspace(cand.workspace, ctx)
         except cupy.cuda.memory.OutOfMemoryError as err:
             skipped.append(cand)
-            if not plan.reject(direction, cand, fused=fused, out_of_memory=True):
+            if not plan.reject(direction, cand, fused=fused, out_of_memory=True,
+                               allocate=ctx.choice_allocator):
                 tried = ", ".join(f"algo {c.algo} ({c.workspace} bytes)" for c in skipped)
                 raise WorkspaceUnavailableError(
                     f"{direction} workspace could not be allocated for {tried}, for "
@@ -65,7 +69,8 @@ def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
 
 
 def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, int],
-               call: Any, what: str, about: ConvPlan | None = None) -> None:  # pragma: gpu
+               ctx: ExecContext, call: Any, what: str,
+               about: ConvPlan | None = None) -> None:  # pragma: gpu
     """call(cand, ws) with the plan's algorithm for `direction`, walking down the ranking
     when cuDNN refuses one (NOT_SUPPORTED: it returns before launching anything, so a
     beta = 1 output is untouched), as PyTorch's algorithm search does; the plan keeps the
@@ -75,7 +80,7 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
     tried: list[Candidate] = []
     while True:
         try:
-            cand, ws = algorithm_and_workspace(plan, direction, handle, inputs)
+            cand, ws = algorithm_and_workspace(plan, direction, handle, inputs, ctx)
         except NoAlgorithmError as err:  # nothing ranked fits: name the op as well
             raise type(err)(f"{what}: {err}").with_traceback(err.__traceback__) \
                 from err.__cause__
@@ -86,7 +91,7 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
             if not refused(err, lib):
                 raise err.with_context(where(about or plan, what, cand)) from None
             tried.append(cand)
-            if plan.reject(direction, cand):
+            if plan.reject(direction, cand, allocate=ctx.choice_allocator):
                 continue
             algos = ", ".join(str(c.algo) for c in tried)
             raise err.with_context(
@@ -94,12 +99,12 @@ def run_ranked(plan: ConvPlan, direction: str, handle: Any, inputs: tuple[int, i
                 f"algorithm this call tried (algo {algos}) and none is left") from None
 
 
-def forward_into(plan: ConvPlan, handle: Any, x: Any, w: Any, y: Any, what: str,
-                 about: ConvPlan | None = None) -> None:  # pragma: gpu
+def forward_into(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w: Any, y: Any,
+                 what: str, about: ConvPlan | None = None) -> None:  # pragma: gpu
     """convolutionForward of x and w into y (beta = 0) with the plan's forward algorithm."""
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionForward(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.w_desc, w.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y.data.ptr)
 
-    run_ranked(plan, "fwd", handle, (x.data.ptr, w.data.ptr), call, what, about)
+    run_ranked(plan, "fwd", handle, (x.data.ptr, w.data.ptr), ctx, call, what, about)
