@@ -217,7 +217,7 @@ def test_convert_warns_once_per_layer_it_leaves_to_torch():
     assert len(texts) == len(left)
     assert any("complex" in t for t in texts)
     assert any("no fused layer for LazyConv2d" in t for t in texts)
-    assert any("SyncBatchNorm is not torch.nn.BatchNorm" in t for t in texts)
+    assert any("SyncBatchNorm: convfuse has no cross-rank" in t for t in texts)
 
 
 def test_converted_model_runs_convfuse(monkeypatch):
