@@ -30,13 +30,14 @@ from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 
 L = TypeVar("L", bound=_ConvLayer)
 B = TypeVar("B", bound=_BatchNormNd)
+State = tuple[frozenset[str], frozenset[str], frozenset[str]]  # parameters, buffers, modules
 Build = Callable[[nn.Module, type, "str | None"], "nn.Module | None"]
 
 
 class Kind(NamedTuple):
     family: str  # "conv", "conv_transpose" or "batchnorm"
     methods: tuple[str, ...]  # what the kind's forward runs: a subclass must not override
-    state: tuple[frozenset[str], frozenset[str], frozenset[str]]  # parameters, buffers, modules
+    state: State  # its Parameters', buffers' and submodules' names
     build: Build  # (module, kind's class, activation) -> the convfuse layer, or None (warned)
     folds_next: bool = True  # takes the activation after it in an nn.Sequential
 
@@ -79,7 +80,7 @@ def on_parameters_of(conv: nn.Module, cls: type[L], args: tuple[Any, ...],
         _warn_kept(conv, exc)
         return None
     for name in new._parameters:
-        new._parameters[name] = conv._parameters[name]
+        new._parameters[name] = conv._parameters.get(name)  # StdConv2d: gain None
     new.train(conv.training)
     return new
 
@@ -149,9 +150,10 @@ def _timm_batchnorm_act(bn: Any, base: type, activation: str | None) -> nn.Modul
                          act=nn.Identity() if folded is not None else act)
 
 
-_CONV_STATE = (frozenset({"weight", "bias"}), frozenset(), frozenset())
-_BN_STATE = (frozenset({"weight", "bias"}),
-             frozenset({"running_mean", "running_var", "num_batches_tracked"}), frozenset())
+_NONE: frozenset[str] = frozenset()
+_CONV_STATE: State = (frozenset({"weight", "bias"}), _NONE, _NONE)
+_BN_STATE: State = (frozenset({"weight", "bias"}),
+                    frozenset({"running_mean", "running_var", "num_batches_tracked"}), _NONE)
 
 _TORCH_KINDS: dict[type, Kind] = {
     **{c: Kind("conv", ("forward", "_conv_forward"), _CONV_STATE, _torch_conv)
@@ -170,8 +172,7 @@ _TIMM: dict[tuple[str, str], Kind] = {
     **{("timm.layers.std_conv", name): Kind("conv", ("forward",), _CONV_STATE, _timm_std_conv)
        for name in ("StdConv2d", "StdConv2dSame")},
     **{("timm.layers.std_conv", name): Kind(
-        "conv", ("forward",), (frozenset({"weight", "bias", "gain"}), frozenset(),
-                               frozenset()), _timm_std_conv)
+        "conv", ("forward",), (frozenset({"weight", "bias", "gain"}), _NONE, _NONE), _timm_std_conv)
        for name in ("ScaledStdConv2d", "ScaledStdConv2dSame")},
     ("timm.layers.norm_act", "BatchNormAct2d"):
         Kind("batchnorm", ("forward",), (_BN_STATE[0], _BN_STATE[1],
@@ -214,9 +215,10 @@ def classify(module: nn.Module, kinds: dict[type, Kind],
         return None, None, why
     kind = kinds[base]
     if parametrize.is_parametrized(module):
-        names = ", ".join(module.parametrizations.keys())  # type: ignore[operator]
-        return None, None, (f"{name}'s {names} is parametrized (torch.nn.utils.parametrize): convfuse's layer "
-                            "would drop the parametrization")
+        owned: Any = module.parametrizations
+        names = ", ".join(owned.keys())
+        return None, None, (f"{name}'s {names} is parametrized (torch.nn.utils.parametrize): "
+                            "convfuse's layer would drop the parametrization")
     if module._forward_hooks or module._forward_pre_hooks:
         return None, None, f"{name} has forward hooks, which convfuse's layer would not run"
     for method in kind.methods:

@@ -38,7 +38,7 @@ def _fused(module: nn.Module, family: str, activation: str | None) -> nn.Module 
                       f"unconverted ({why})", stacklevel=3)
     if kind is None or kind.family != family:
         return None
-    return kind.build(module, base, activation)  # type: ignore[arg-type]
+    return kind.build(module, base, activation)
 
 
 def _family_of(module: nn.Module) -> tuple[str, ...]:
@@ -113,7 +113,7 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
     if kind is None:
         return None
     act = activation_of(follower) if follower is not None and kind.folds_next else None
-    fused = kind.build(module, base, act)  # type: ignore[arg-type]
+    fused = kind.build(module, base, act)
     if fused is None:  # refused by convfuse's constructor, which warned
         return None
     return fused, (2 if act is not None else 1)

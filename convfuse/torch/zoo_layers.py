@@ -73,7 +73,9 @@ class StdConv2d(Conv2d):
 
     def standardized_weight(self) -> torch.Tensor:
         """The weight as timm's forward computes it."""
-        gain = None if self.gain is None else (self.gain * self.scale).view(-1)
+        gain = None
+        if self.gain is not None and self.scale is not None:
+            gain = (self.gain * self.scale).view(-1)
         return F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
                             weight=gain, training=True, momentum=0.0,
                             eps=self.eps).reshape_as(self.weight)
