@@ -39,15 +39,16 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _step(ref: nn.Module, model: nn.Module, x: torch.Tensor, tol: float = 1e-10) -> None:
+def _step(ref: nn.Module, model: nn.Module, x: torch.Tensor, tol: float = 1e-10,
+          forward=None) -> None:
     """One forward/backward/SGD step on both (the same RNG state before each forward, for
-    dropout): equal outputs, input and parameter gradients, and afterwards equal parameters
-    and buffers (running statistics)."""
+    dropout; `forward` runs `model`, itself by default): equal outputs, input and parameter
+    gradients, and afterwards equal parameters and buffers (running statistics)."""
     xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
     torch.manual_seed(7)
     y_ref = ref(xr)
     torch.manual_seed(7)
-    y = model(xm)
+    y = (forward or model)(xm)
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
     dy = torch.randn_like(y)
     y_ref.backward(dy)
@@ -279,6 +280,19 @@ def test_timm_convolution_folds_the_activation_after_it():
     assert [(type(m), getattr(m, "activation", None)) for m in model] == [
         (zoo_layers.StdConv2d, "relu"), (nn.Identity, None),
         (zoo_layers.Conv2dSame, "tanh"), (nn.Identity, None)]
+
+
+def test_timm_layers_compile_whole():
+    layers = _timm_layers()
+    torch.manual_seed(6)
+    ref = nn.Sequential(layers.ScaledStdConv2dSame(3, 4, 3, stride=2), layers.BatchNormAct2d(4),
+                        layers.Conv2dSame(4, 4, 3, stride=2),
+                        layers.BatchNormAct2d(4, act_layer=nn.Hardswish)).double()
+    model = ct.convert(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(2, 3, 9, 8, dtype=torch.float64)
+    _step(ref, model, x, forward=compiled)
+    assert int(model[1].num_batches_tracked) == 1
 
 
 def test_timm_stays_unimported():
