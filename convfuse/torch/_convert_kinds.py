@@ -231,7 +231,8 @@ def classify(module: nn.Module, kinds: dict[type, Kind],
     if have != kind.state:
         extra = sorted(set().union(*(h - k for h, k in zip(have, kind.state))))
         missing = sorted(set().union(*(k - h for h, k in zip(have, kind.state))))
-        return None, None, (f"{name} holds {extra or 'no'} beyond and lacks {missing or 'no'} "
-                            f"of {base.__name__}'s parameters, buffers and submodules: "
-                            "convfuse's layer would not carry them")
+        differs = " and ".join(([f"holds {extra} beyond"] if extra else [])
+                               + ([f"lacks {missing} of"] if missing else []))
+        return None, None, (f"{name} {differs} {base.__name__}'s parameters, buffers and "
+                            "submodules: convfuse's layer would not have the same state")
     return base, kind, None
