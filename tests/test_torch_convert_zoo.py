@@ -271,6 +271,24 @@ def test_timm_convolutions(build, shapes):
     assert _convert_warned(nn.Sequential(build(layers))) == []
 
 
+def test_timm_layers_keep_channels_last():
+    layers = _timm_layers()
+    torch.manual_seed(5)
+    cl = torch.channels_last
+    for ref in (layers.ScaledStdConv2d(4, 6, 3), layers.StdConv2dSame(4, 6, 3, stride=2),
+                layers.Conv2dSame(4, 6, 3, stride=2), layers.BatchNormAct2d(4)):
+        ref = ref.double().to(memory_format=cl)
+        model = ct.convert(copy.deepcopy(ref))
+        x = torch.randn(2, 4, 7, 6, dtype=torch.float64).to(memory_format=cl)
+        xr, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref, y = ref(xr), model(xm)
+        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+        y_ref.square().sum().backward()
+        y.square().sum().backward()
+        torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-10, atol=1e-10)
+        assert y.is_contiguous(memory_format=cl) and xm.grad.is_contiguous(memory_format=cl)
+
+
 def test_timm_convolution_folds_the_activation_after_it():
     layers = _timm_layers()
     torch.manual_seed(4)
