@@ -117,6 +117,8 @@ def record_cut(out: Path, chunk: str, expected: int, why: str) -> str:
     running = started[-1] if started and started[-1] not in outcomes else None
     reached = running or (started[-1] if started else None)
     missing = max(expected - len(outcomes), 0)
+    if not missing and running is None:  # it ran to its end (a failure, not a cut)
+        return ""
     row = {"chunk": chunk, "cut": reached, "running": running is not None,
            "finished": len(outcomes), "not_reached": missing, "expected": expected,
            "why": why}
@@ -128,7 +130,7 @@ def record_cut(out: Path, chunk: str, expected: int, why: str) -> str:
 def cut_text(row: dict) -> str:
     where = (f"{'running' if row.get('running') else 'last finished'} {row.get('cut')}"
              if row.get("cut") else "before its first test")
-    return (f"ended by {row.get('why')}: {where}; {row.get('not_reached')} of "
+    return (f"{row.get('why')}: {where}; {row.get('not_reached')} of "
             f"{row.get('expected')} tests not reached")
 
 
@@ -307,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--cut", metavar="CHUNK")
     p.add_argument("--expected", type=int, default=0)
-    p.add_argument("--why", default="its time cap")
+    p.add_argument("--why", default="cut by its time cap")
     p.add_argument("--failed", action="store_true")
     a = p.parse_args(argv)
     if a.cut:

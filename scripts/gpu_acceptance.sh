@@ -72,6 +72,8 @@ RESERVE=5          # kept for the last summary
 PART_LOG_BYTES=$((3 * 1024 * 1024))
 MAX_BYTES=$((16 * 1024 * 1024))
 TEST_TIMEOUT=${ACCEPT_TEST_TIMEOUT:-45}   # per test (pytest-timeout), where installed
+SANITIZER_MIN=${ACCEPT_SANITIZER_MIN:-30} # below this the sanitizer is skipped unstarted
+PART_MIN=${ACCEPT_PART_MIN:-8}            # below this no part starts
 STAMP_DIR="$ROOT/.cache/acceptance"       # ignored: a warm machine keeps it
 FILES="summary.md log.txt smoke.json tests.jsonl junit.xml bench.jsonl syncs.json"
 
@@ -247,26 +249,27 @@ while [ "$i" -lt "${#PARTS[@]}" ]; do
     rc=125; note="$GPU_REASON"
   elif [ "$name" = sanitizer ] && ! command -v compute-sanitizer >/dev/null; then
     rc=127; note="compute-sanitizer not on PATH"
-  elif [ "$name" = sanitizer ] && [ "$cap" -lt 30 ]; then
-    rc=122; note="only $cap s left in the stage's ${STAGE_CAP} s; it needs 30"
-  elif [ "$cap" -lt 8 ]; then
-    rc=124; note="no time left in the stage's ${STAGE_CAP} s"
+  elif [ "$name" = sanitizer ] && [ "$cap" -lt "$SANITIZER_MIN" ]; then
+    rc=122; note="only $cap s left in the stage's ${STAGE_CAP} s; it needs $SANITIZER_MIN"
+  elif [ "$cap" -lt "$PART_MIN" ]; then
+    rc=124; note="only $cap s left in the stage's ${STAGE_CAP} s"
   else
     summary "$name" "$t0"
     echo "== $name (cap $cap s, started $(date -u +%H:%M:%S) UTC): $cmd" >>"$LOG"
     PART_CAP=$cap timeout -s INT --kill-after=10 "$cap" bash -c "$cmd" 2>&1 | capped >>"$LOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 137 ] && rc=124
-    # the sanitizer's time is whatever the stage has left: a cut is not a finding
-    [ "$name" = sanitizer ] && [ "$rc" = 124 ] && { rc=122; note="cut by its $cap s cap"; }
+    [ "$rc" = 124 ] && note="cut by its $cap s cap"
   fi
+  # the sanitizer's time is whatever the stage has left: running out of it is not a finding
+  [ "$name" = sanitizer ] && [ "$rc" = 124 ] && rc=122
   if [[ " $cmd " =~ \ chunk\ $name\ ([0-9]+)\  ]]; then
     expected=${BASH_REMATCH[1]}
     if [ "$rc" != 0 ] && [ "$rc" != 125 ] && [ "$rc" != 126 ]; then
       # name the test it reached and how many it never reached (tests.jsonl and the note)
-      why="exit $rc"; [ "$rc" = 124 ] && why="its ${cap} s cap"
+      why=${note:-exit $rc (a per-test timeout, a crash or a failure)}
       cut_note=$("$PY" scripts/acceptance_summary.py "$OUT" "$STATUS" --cut "$name" \
-        --expected "${expected:-0}" --why "$why" 2>>"$LOG") && note="${note:+$note; }$cut_note"
+        --expected "$expected" --why "$why" 2>>"$LOG") && [ -n "$cut_note" ] && note=$cut_note
     fi
   fi
   spent=$(( $(date +%s) - t0 ))
