@@ -18,12 +18,17 @@ most MAX_STAGES stages are allowed: more, and the plan fails loudly (exit 1).
 Collection is `python -m pytest --collect-only -q tests/gpu`, which needs no GPU and no
 built binding; ACCEPT_COLLECTED names a file holding that output instead (the CPU tests).
 Parts are lines `name|cap|gpu|command` (caps: N, N-M at least N and up to M, N+ at least
-N and all the time left), read by gpu_acceptance.sh.
+N and all the time left), read by gpu_acceptance.sh, which runs its own install and plan
+parts first (INSTALL_PART, PLAN_PART in the environment: their minimums are reserved). A
+clean collection is kept in .cache/acceptance/ (ignored), keyed by the tests, the package
+and the interpreter, so a warm tree's next stage plans without collecting again.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import math
 import os
 import subprocess
@@ -82,14 +87,12 @@ class Part:
 
 
 def head_parts(stage: int) -> list[Part]:
-    """What every stage runs before its chunks (the plan part itself is the script's)."""
-    # The install: about 21 s on the GPU machine's 16 cores; a warm tree reuses its build
-    # in a few seconds. It gets up to 240 s where the later minimums leave that much.
-    parts = [Part("install", 30, 240, False, "offline_install")]
+    """What a stage runs before its chunks, after the script's own install and plan parts
+    (the install comes first: collecting tests/gpu imports the built binding)."""
     if stage == 1:
-        parts.append(Part("smoke", 40, 90, False,
-                          '"$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"'))
-    return parts
+        return [Part("smoke", 40, 90, False,
+                     '"$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"')]
+    return []
 
 
 def tail_parts(bench_sections: str) -> list[Part]:
@@ -105,17 +108,37 @@ def tail_parts(bench_sections: str) -> list[Part]:
     ]
 
 
-def collect(root: Path = ROOT) -> tuple[Counter, str]:
-    """Tests per tests/gpu file, and the collection's error text (empty when clean)."""
+def _collection_key(root: Path) -> str:
+    """What the collected tests depend on: every Python file of the tests and the package,
+    and the interpreter."""
+    h = hashlib.sha256(f"{sys.executable} {sys.version}".encode())
+    for path in sorted([*root.glob("tests/**/*.py"), *root.glob("convfuse/**/*.py"),
+                        *root.glob("convfuse/_cudnn*.so"), root / "pyproject.toml"]):
+        with contextlib.suppress(OSError):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def collect(root: Path = ROOT, cache: Path | None = None) -> tuple[Counter, str]:
+    """Tests per tests/gpu file, and the collection's error text (empty when clean). A
+    clean collection is kept in `cache` with its key, so a warm tree's next stage plans
+    without collecting again."""
     given = os.environ.get("ACCEPT_COLLECTED")
+    key = _collection_key(root) if cache and not given else ""
     if given:
         text, errors = Path(given).read_text(), ""
+    elif cache and cache.is_file() and cache.read_text().startswith(key + "\n"):
+        text, errors = cache.read_text(), ""
+        print(f"(collection reused from {cache.relative_to(root)})")
     else:
         proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                                "-p", "no:cacheprovider", GPU_TESTS], cwd=root,
                               capture_output=True, text=True)
         text = proc.stdout
         errors = "" if proc.returncode == 0 else (proc.stdout[-3000:] + proc.stderr[-2000:])
+        if cache and not errors:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(key + "\n" + text)
     counts: Counter = Counter()
     for line in text.splitlines():
         if "::" in line and line.startswith(GPU_TESTS + "/"):
@@ -178,8 +201,8 @@ class Plan:
 
 
 def pack(counts: Counter, files: list[str], room: int, bench_sections: str) -> Plan:
-    """Every part of every stage; `room` is a stage's seconds less the plan part's and the
-    reserve for the last summary."""
+    """Every part of every stage; `room` is a stage's seconds less the minimums of the
+    script's install and plan parts and the reserve for the last summary."""
     plan = Plan({}, room, [])
 
     def new_stage(stage: int) -> None:
@@ -219,10 +242,10 @@ def gpu_test_files(root: Path = ROOT) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in (root / GPU_TESTS).glob("test_*.py"))
 
 
-def make_plan(stage_cap: int, reserve: int, plan_s: int, bench_sections: str
-              ) -> tuple[Plan, Counter, str]:
-    counts, errors = collect()
-    plan = pack(counts, gpu_test_files(), stage_cap - reserve - plan_s, bench_sections)
+def make_plan(stage_cap: int, reserve: int, fixed_s: int, bench_sections: str,
+              cache: Path | None = None) -> tuple[Plan, Counter, str]:
+    counts, errors = collect(cache=cache)
+    plan = pack(counts, gpu_test_files(), stage_cap - reserve - fixed_s, bench_sections)
     return plan, counts, errors
 
 
@@ -232,7 +255,7 @@ def leases(plan: Plan) -> list[list[int]]:
 
 
 def print_dry_run(plan: Plan, counts: Counter, only: int | None, stage_cap: int,
-                  plan_part: str) -> None:
+                  fixed: list[str]) -> None:
     total = sum(counts.values())
     print(f"collected {total} tests in {GPU_TESTS}; a chunk of N tests is guaranteed "
           f"{CHUNK_PROCESS_S} s + {PER_TEST_S} s x N (estimates until a GPU run's tests.jsonl)")
@@ -244,13 +267,14 @@ def print_dry_run(plan: Plan, counts: Counter, only: int | None, stage_cap: int,
         if only is not None and stage != only:
             continue
         print(f"stage {stage} parts (name, cap, needs a GPU, command):")
-        name, cap, gpu, cmd = plan_part.split("|", 3)
-        print(f"  {name:<14} {cap:>7} s  gpu={gpu:<3}  {cmd}")
-        for p in plan.stages[stage]:
-            print(f"  {p.name:<14} {p.cap:>7} s  gpu={'yes' if p.gpu else 'no':<3}  {p.command}")
+        rows = [line.split("|", 3) for line in fixed]
+        rows += [[p.name, p.cap, "yes" if p.gpu else "no", p.command]
+                 for p in plan.stages[stage]]
+        for name, cap, gpu, cmd in rows:
+            print(f"  {name:<14} {cap:>7} s  gpu={gpu:<3}  {cmd}")
     for stage in sorted(plan.stages):
         if only is None or stage == only:
-            lo = plan.used(stage) + _minimum(plan_part)
+            lo = plan.used(stage) + sum(map(_minimum, fixed))
             print(f"stage {stage}: cap {stage_cap} s, minimums {lo} s")
     for i, group in enumerate(leases(plan), 1):
         print(f"lease {i}: stages {' '.join(map(str, group))}")
@@ -269,18 +293,20 @@ def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     p.add_argument("--stage-cap", type=int, default=int(env("STAGE_CAP", "295")))
     p.add_argument("--reserve", type=int, default=int(env("RESERVE", "5")))
-    p.add_argument("--plan-part", default=env("PLAN_PART", "plan|20|no|plan"),
-                   help="the script's own plan part, for the dry run's table")
     p.add_argument("--bench-sections", default=env("BENCH_SECTIONS",
                                                    "forward,biasgrad,adam,train"))
     a = p.parse_args(argv)
-    plan_s = _minimum(a.plan_part)
-    plan, counts, errors = make_plan(a.stage_cap, a.reserve, plan_s, a.bench_sections)
+    # the script's own parts, before the planned ones
+    a.fixed = [env("INSTALL_PART", "install|30-240|no|offline_install"),
+               env("PLAN_PART", "plan|20-60|no|plan")]
+    cache = None if a.dry_run else ROOT / ".cache" / "acceptance" / "collected.txt"
+    plan, counts, errors = make_plan(a.stage_cap, a.reserve, sum(map(_minimum, a.fixed)),
+                                     a.bench_sections, cache)
     if errors:
         print(f"pytest --collect-only {GPU_TESTS} reported errors (files with errors count "
               f"0 tests here and run anyway):\n{errors}", file=sys.stderr)
     if a.dry_run:
-        print_dry_run(plan, counts, a.stage, a.stage_cap, a.plan_part)
+        print_dry_run(plan, counts, a.stage, a.stage_cap, a.fixed)
     else:
         parts = plan.stages.get(a.stage or 0, [])
         for part in parts:

@@ -12,7 +12,7 @@
 # sanitizer. A 15-minute lease runs two stages (today: 1 = smoke and most tests, 2 = the
 # other tests and the sync count); stage 3 (the benchmarks, the sanitizer) takes a second.
 #
-# Each stage plans, then installs offline (the machine may be fresh): the interpreter is
+# Each stage installs offline (the machine may be fresh), then plans: the interpreter is
 # $PYTHON if set, else the machine's python3 (a .venv in the checkout is never used unless
 # PYTHON names it); `pip install --no-index --no-build-isolation --no-deps -e .` with
 # CONVFUSE_NO_WERROR=1 (the machine's g++ is unknown; CI keeps -Werror) and
@@ -82,15 +82,19 @@ FILES="summary.md log.txt smoke.json tests.jsonl junit.xml bench.jsonl syncs.jso
 # the time left). A part gets its maximum when the later parts can still have theirs, and
 # never less than its minimum while the later parts' minimums are kept. The plan part
 # collects tests/gpu (about 5 s) and writes the rest of the stage's parts.
-# (The planner reads STAGE_CAP, RESERVE, BENCH_SECTIONS and PLAN_PART from the environment.)
-PLAN_PART="plan|20|no|\"\$PY\" scripts/acceptance_plan.py --stage \"\$STAGE\" --parts \"\$SCRATCH/parts.txt\""
-export STAGE_CAP RESERVE BENCH_SECTIONS PLAN_PART
+# The install comes first (collecting tests/gpu imports the built binding); then the plan
+# part collects tests/gpu (about 5 s; a warm tree reuses the last collection) and writes
+# the rest of the stage's parts. The planner reads STAGE_CAP, RESERVE, BENCH_SECTIONS,
+# INSTALL_PART and PLAN_PART from the environment and reserves the two parts' minimums.
+INSTALL_PART="install|30-240|no|offline_install"
+PLAN_PART="plan|20-60|no|\"\$PY\" scripts/acceptance_plan.py --stage \"\$STAGE\" --parts \"\$SCRATCH/parts.txt\""
+export STAGE_CAP RESERVE BENCH_SECTIONS INSTALL_PART PLAN_PART
 
 stage_parts() {
   if [ -n "${ACCEPT_PARTS_FILE:-}" ]; then  # the CPU tests' stand-in parts, same format
     grep -v '^#' "$ACCEPT_PARTS_FILE"
   else
-    echo "$PLAN_PART"
+    printf '%s\n' "$INSTALL_PART" "$PLAN_PART"
   fi
 }
 

@@ -71,12 +71,12 @@ def test_dry_run_sizes_every_chunk_from_the_collected_tests(tmp_path):
     rows = {stage: re.findall(r"^  (\S+)\s+(\d+)(-\d+|\+)? s  gpu=(yes|no)\s+(.*)$", block,
                               re.M) for stage, block in parts.items()}
     for stage, found in rows.items():
-        assert [r[0] for r in found[:2]] == ["plan", "install"]
+        assert [r[0] for r in found[:2]] == ["install", "plan"]
         assert sum(int(r[1]) for r in found) == stage_caps[stage][1]
         for name, lo, _, _, cmd in found:
             if name in chunks:
                 assert int(lo) == chunks[name][1] and f"chunk {name} {chunks[name][0]} " in cmd
-    assert [r[0] for r in rows["1"][:3]] == ["plan", "install", "smoke"]
+    assert [r[0] for r in rows["1"][:3]] == ["install", "plan", "smoke"]
     where = {r[0]: stage for stage, found in rows.items() for r in found}
     assert where["gpu-core"] == "1" and set(where) >= set(chunks) | {"bench", "syncs"}
     assert int(where["bench"]) >= 2 and where["sanitizer"] == max(rows)

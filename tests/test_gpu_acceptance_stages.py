@@ -24,7 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 import acceptance_plan as plan  # noqa: E402
 import acceptance_summary  # noqa: E402
 
-ROOM = 295 - 5 - 20  # a stage's cap, less the reserve and the plan part
+ROOM = 295 - 5 - 30 - 20  # a stage's cap, less the reserve, the install and the plan
 
 
 def _files(counts: Counter) -> list[str]:
@@ -72,7 +72,7 @@ def test_todays_counts_fill_stages_1_and_2_with_tests_and_stage_3_with_the_bench
     result = plan.pack(counts, _files(counts), ROOM, "forward,adam")
     assert result.errors == []
     where = _check(result, counts)
-    assert [p.name for p in result.stages[1]][:2] == ["install", "smoke"]
+    assert result.stages[1][0].name == "smoke"
     assert where["gpu-core"] == 1 and where["gpu-ops"] == 1
     assert {where[c] for c in ("gpu-bn", "gpu-rest", "gpu-selfcheck")} <= {1, 2}
     rest = next(p for p in result.stages[where["gpu-rest"]] if p.name == "gpu-rest")
