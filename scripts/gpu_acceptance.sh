@@ -237,7 +237,8 @@ while [ "$i" -lt "${#PARTS[@]}" ]; do
   later_lo=0; later_hi=0
   for j in "${!PARTS[@]}"; do
     [ "$j" -le "$i" ] && continue
-    c=$(cut -d'|' -f2 <<<"${PARTS[$j]}"); l=${c%%[-+]*}
+    IFS='|' read -r _ c g _ <<<"${PARTS[$j]}"; l=${c%%[-+]*}
+    [ "$g" = yes ] && [ -n "$GPU_REASON" ] && continue  # skipped: it needs no time
     case "$c" in *-*) h=${c#*-} ;; *) h=$l ;; esac
     later_lo=$((later_lo + l)); later_hi=$((later_hi + h))
   done
