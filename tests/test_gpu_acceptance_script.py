@@ -8,7 +8,9 @@ line per test as it happens; the sync counter classifies nsys rows.
 The full offline rehearsal (a fresh clone, no network, the CUDA toolkit hidden, a copy of
 the GPU machine's Python) takes minutes and needs root for unshare: docs/VERIFYING.md
 section 7 gives the command, and test_offline_rehearsal runs it where
-CONVFUSE_REHEARSAL_PYTHON names that copy's bin folder."""
+CONVFUSE_REHEARSAL_PYTHON names that copy's bin folder. The stages' arithmetic (the plan,
+the warm tree's build, cut chunks, the sanitizer's skip) is tested in
+tests/test_gpu_acceptance_stages.py."""
 
 from __future__ import annotations
 
@@ -353,21 +355,26 @@ def test_stream_results_plugin_writes_a_line_per_test_as_it_happens(tmp_path):
                     reason="set CONVFUSE_REHEARSAL_PYTHON to the bin folder of a copy of the "
                            "GPU machine's Python (docs/VERIFYING.md section 7)")
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["1", "2"])
-def test_offline_rehearsal(tmp_path, stage):  # pragma: no cover (manual, minutes, root)
+def test_offline_rehearsal(tmp_path):  # pragma: no cover (manual, minutes, root)
+    """Every stage in one fresh clone, as on a warm machine: each exits 0 and says the GPU
+    parts were skipped, and the stages after the first reuse the first one's build."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    out = tmp_path / "out"
     (clone / ".venv" / "bin").mkdir(parents=True)  # broken: no interpreter inside
     bindir = os.environ["CONVFUSE_REHEARSAL_PYTHON"]
-    cmd = (f"mount -t tmpfs none /usr/local/cuda; PATH={bindir}:$PATH "
-           f"bash scripts/gpu_acceptance.sh --stage {stage} {out}")
-    proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", cmd], cwd=clone,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    names = [p.name for p in out.iterdir()]
-    assert len(names) <= 8 and all(SAFE_NAME.match(n) for n in names)
-    assert "GPU parts were skipped" in (out / "summary.md").read_text()
+    for stage in ("1", "2", "3"):
+        out = tmp_path / f"out{stage}"
+        cmd = (f"mount -t tmpfs none /usr/local/cuda; PATH={bindir}:$PATH "
+               f"bash scripts/gpu_acceptance.sh --stage {stage} {out}")
+        proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", cmd], cwd=clone,
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        names = [p.name for p in out.iterdir()]
+        assert len(names) <= 8 and all(SAFE_NAME.match(n) for n in names)
+        assert "GPU parts were skipped" in (out / "summary.md").read_text()
+        install = re.search(r"^gpu_acceptance: install exit 0 after (\d+) s", proc.stdout, re.M)
+        if stage != "1":
+            assert int(install[1]) <= 8 and "build reused" in (out / "log.txt").read_text()
 
 
 def _message(geom, dtype, activation):
