@@ -42,8 +42,8 @@ TITLES = {
     "syncs": "device-to-host syncs per training step (scripts/count_syncs.py)",
     "sanitizer": "compute-sanitizer memcheck: one eager step and one replay",
 }
-SKIP_CODES = {122: "SKIP (out of time)", 125: "SKIP (no usable GPU)", 126: "NOT RUN (install failed)",
-              127: "SKIP (tool missing)"}
+SKIP_CODES = {122: "SKIP (out of time)", 125: "SKIP (no usable GPU)",
+              126: "NOT RUN (install failed)", 127: "SKIP (tool missing)"}
 MAX_BYTES = 16 * 1024 * 1024
 
 
@@ -63,7 +63,7 @@ def _load(path: Path) -> dict | None:
 
 def _jsonl(path: Path) -> list[dict]:
     """Every complete line of a streamed JSON-lines file (a cut last line is ignored)."""
-    rows = []
+    rows: list[dict] = []
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -226,7 +226,7 @@ def verdict(name: str, rc: int, out: Path) -> str:
 
 
 def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
-    rows = []
+    rows: list[dict] = []
     with contextlib.suppress(OSError):
         for line in status_file.read_text().splitlines():
             fields = line.split(maxsplit=3)
