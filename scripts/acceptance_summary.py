@@ -226,7 +226,7 @@ def verdict(name: str, rc: int, out: Path) -> str:
 
 
 def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
-    rows: list[dict] = []
+    rows: list[tuple[str, int, float, str]] = []
     with contextlib.suppress(OSError):
         for line in status_file.read_text().splitlines():
             fields = line.split(maxsplit=3)
