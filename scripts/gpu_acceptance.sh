@@ -80,8 +80,7 @@ FILES="summary.md log.txt smoke.json tests.jsonl junit.xml bench.jsonl syncs.jso
 # name|cap|gpu (needs a GPU)|command (run from the checkout with OUT, PY, PART_CAP set).
 # cap: N (seconds), N-M (at least N, up to M when time is left) or N+ (at least N, and all
 # the time left). A part gets its maximum when the later parts can still have theirs, and
-# never less than its minimum while the later parts' minimums are kept. The plan part
-# collects tests/gpu (about 5 s) and writes the rest of the stage's parts.
+# never less than its minimum while the later parts' minimums are kept.
 # The install comes first (collecting tests/gpu imports the built binding); then the plan
 # part collects tests/gpu (about 5 s; a warm tree reuses the last collection) and writes
 # the rest of the stage's parts. The planner reads STAGE_CAP, RESERVE, BENCH_SECTIONS,
@@ -106,7 +105,8 @@ if [ "$DRY" = 1 ]; then
   fi
   PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" scripts/acceptance_plan.py --dry-run \
     ${STAGE:+--stage "$STAGE"} || {
-    echo "gpu_acceptance: the plan failed (above); $PY must run pytest to collect tests/gpu" >&2
+    echo "gpu_acceptance: the plan failed (above): $PY must collect tests/gpu with pytest," \
+      "and the parts must fit the stages planned for" >&2
     exit 1
   }
   echo "(caps: N s, N-M s = at least N and up to M, N+ s = at least N and all the time left;"
