@@ -205,7 +205,8 @@ chunk() {  # chunk NAME EXPECTED FILES...: one pytest chunk, streamed per test, 
     # SIGALRM handler run; the thread dumps every stack into log.txt and ends the chunk,
     # tests.jsonl names the test, and the next chunk starts
     timeout_opts=(--timeout "$per_test" --timeout-method thread)
-    echo "(per-test timeout $per_test s)"
+    if [ "$per_test" = 0 ]; then echo "(no per-test timeout: the chunk's cap governs)"
+    else echo "(per-test timeout $per_test s)"; fi
   else
     echo "(pytest-timeout not installed: no per-test timeout, only the chunk's cap)"
   fi
