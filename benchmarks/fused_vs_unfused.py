@@ -90,8 +90,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--stream", type=Path, default=None,
                    help="append one JSON line per section as it finishes (with the "
                         "environment), so a run cut short keeps every finished section")
-    p.add_argument("--suite", action="store_true",
-                   help="goals: also time the CPU test suite (about 90 s)")
     args = p.parse_args(argv)
     args.sections = _subset(p, "--sections", args.sections, SECTIONS)
     args.precisions = _subset(p, "--precisions", args.precisions, PRECISIONS)
@@ -133,8 +131,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         used_peaks, peaks_info = peaks.resolve(engine, args.quick)
         torch_side, torch_note = torch_cmp.load(engine, args.no_torch)
         ctx = Context(engine, used_peaks, args.quick, budget_for(engine, args.quick), args.seed,
-                      log, torch_side, torch_note, args.precisions, args.layouts,
-                      suite=args.suite)
+                      log, torch_side, torch_note, args.precisions, args.layouts)
         print(f"peaks for the floors: {used_peaks.source}", flush=True)
         print(f"PyTorch: {torch_note or torch_side.label}", flush=True)
         results = {}

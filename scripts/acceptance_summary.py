@@ -3,14 +3,22 @@ to come), with its verdict and key numbers read from the files the parts leave i
 
   python scripts/acceptance_summary.py OUTDIR STATUSFILE --stage N --plan "a b c"
          [--running NAME --since EPOCH] [--gpu-reason TEXT] [--started EPOCH]
+  python scripts/acceptance_summary.py OUTDIR STATUSFILE --cut CHUNK --expected N --why TEXT
+  python scripts/acceptance_summary.py OUTDIR STATUSFILE --failed
 
 The script calls it before the first part and after every part, so a run killed at any
 second leaves a summary naming the part that was cut. It writes summary.md atomically
 (a temporary file renamed over it) and uses only the standard library.
 
+--cut appends a `cut` line for a chunk that ended before its last test to tests.jsonl
+(the test it reached, how many it never reached) and prints the same as a note; --failed
+prints the parts that count as failures, one a line.
+
 STATUSFILE has one line per finished part: `name exit_code seconds [note...]`. Exit codes
-with a meaning of their own: 124 the part ran out of its time cap; 125 skipped, no usable
-GPU; 126 not run, because the install failed; 127 skipped, a tool is missing.
+with a meaning of their own: 122 skipped, out of time (the sanitizer, whose time is what
+the stage has left); 124 the part ran out of its time cap (a pytest chunk cut so, with no
+failing test, is CUT, not a failure: its tests were not reached, not wrong); 125 skipped,
+no usable GPU; 126 not run, because the install failed; 127 skipped, a tool is missing.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 TITLES = {
+    "plan": "plan: collect tests/gpu, size the chunks (scripts/acceptance_plan.py)",
     "install": "offline install (pip --no-index --no-build-isolation --no-deps -e .)",
     "smoke": "scripts/gpu_smoke.py: does the core work?",
     "collect": "pytest tests/gpu --collect-only",
@@ -33,8 +42,8 @@ TITLES = {
     "syncs": "device-to-host syncs per training step (scripts/count_syncs.py)",
     "sanitizer": "compute-sanitizer memcheck: one eager step and one replay",
 }
-SKIP_CODES = {125: "SKIP (no usable GPU)", 126: "NOT RUN (install failed)",
-              127: "SKIP (tool missing)"}
+SKIP_CODES = {122: "SKIP (out of time)", 125: "SKIP (no usable GPU)",
+              126: "NOT RUN (install failed)", 127: "SKIP (tool missing)"}
 MAX_BYTES = 16 * 1024 * 1024
 
 
@@ -54,7 +63,7 @@ def _load(path: Path) -> dict | None:
 
 def _jsonl(path: Path) -> list[dict]:
     """Every complete line of a streamed JSON-lines file (a cut last line is ignored)."""
-    rows = []
+    rows: list[dict] = []
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -70,13 +79,26 @@ def _jsonl(path: Path) -> list[dict]:
 def chunk_results(out: Path, chunk: str) -> tuple[Counter, list[str], str | None]:
     """Outcome counts, the failing test ids and the test still running (if any) of one
     pytest chunk, from the streamed tests.jsonl."""
+    outcomes, messages, started, _ = _chunk_rows(out, chunk)
+    counts = Counter(outcomes.values())
+    bad = [f"{t} ({messages.get(t, '')[:120]})" for t, o in outcomes.items()
+           if o in ("failed", "error")]
+    running = started[-1] if started and started[-1] not in outcomes else None
+    return counts, bad, running
+
+
+def _chunk_rows(out: Path, chunk: str
+                ) -> tuple[dict[str, str], dict[str, str], list[str], dict | None]:
     outcomes: dict[str, str] = {}
     messages: dict[str, str] = {}
     started: list[str] = []
+    cut = None
     for row in _jsonl(out / "tests.jsonl"):
         if row.get("chunk") != chunk:
             continue
-        if "start" in row:
+        if "cut" in row:
+            cut = row
+        elif "start" in row:
             started.append(str(row["start"]))
         elif "id" in row:
             test = str(row["id"])
@@ -85,11 +107,31 @@ def chunk_results(out: Path, chunk: str) -> tuple[Counter, list[str], str | None
                 outcomes[test] = new
             if new in ("failed", "error"):
                 messages[test] = str(row.get("message", ""))
-    counts = Counter(outcomes.values())
-    bad = [f"{t} ({messages.get(t, '')[:120]})" for t, o in outcomes.items()
-           if o in ("failed", "error")]
+    return outcomes, messages, started, cut
+
+
+def record_cut(out: Path, chunk: str, expected: int, why: str) -> str:
+    """Append the `cut` line of a chunk that ended early to tests.jsonl; return its note.
+    The test it reached is the one running when it ended, else the last one that finished."""
+    outcomes, _, started, _ = _chunk_rows(out, chunk)
     running = started[-1] if started and started[-1] not in outcomes else None
-    return counts, bad, running
+    reached = running or (started[-1] if started else None)
+    missing = max(expected - len(outcomes), 0)
+    if not missing and running is None:  # it ran to its end (a failure, not a cut)
+        return ""
+    row = {"chunk": chunk, "cut": reached, "running": running is not None,
+           "finished": len(outcomes), "not_reached": missing, "expected": expected,
+           "why": why}
+    with open(out / "tests.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    return cut_text(row)
+
+
+def cut_text(row: dict) -> str:
+    where = (f"{'running' if row.get('running') else 'last finished'} {row.get('cut')}"
+             if row.get("cut") else "before its first test")
+    return (f"{row.get('why')}: {where}; {row.get('not_reached')} of "
+            f"{row.get('expected')} tests not reached")
 
 
 def _junit_chunk(out: Path, chunk: str) -> str:
@@ -110,8 +152,11 @@ def details(name: str, out: Path, note: str = "") -> str:
     text = note
     if name.startswith("gpu-"):
         counts, bad, running = chunk_results(out, name)
+        cut = _chunk_rows(out, name)[3]
         parts = [", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no results"]
-        if running:
+        if cut and cut_text(cut) not in note:
+            parts.append(cut_text(cut))
+        elif running and not cut:
             parts.append(f"cut while running {running}")
         if bad:
             parts.append("failing: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
@@ -154,9 +199,17 @@ def details(name: str, out: Path, note: str = "") -> str:
     return text
 
 
+def _is_chunk(name: str) -> bool:
+    return name.startswith("gpu-")
+
+
 def verdict(name: str, rc: int, out: Path) -> str:
     if rc in SKIP_CODES:
         return SKIP_CODES[rc]
+    if rc == 124 and _is_chunk(name):
+        if chunk_results(out, name)[1]:
+            return "FAIL (then cut by its time cap)"
+        return "CUT (time cap reached; not a failure)"
     if rc == 124:
         return "FAIL (time cap reached)"
     if rc != 0:
@@ -173,7 +226,7 @@ def verdict(name: str, rc: int, out: Path) -> str:
 
 
 def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
-    rows = []
+    rows: list[tuple[str, int, float, str]] = []
     with contextlib.suppress(OSError):
         for line in status_file.read_text().splitlines():
             fields = line.split(maxsplit=3)
@@ -181,6 +234,14 @@ def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
                 rows.append((fields[0], int(fields[1]), float(fields[2]),
                              fields[3] if len(fields) > 3 else ""))
     return rows
+
+
+def failed_parts(out: Path, rows: list[tuple[str, int, float, str]]) -> list[str]:
+    """The parts that count as failures: not passed, not skipped, and not a chunk its cap
+    cut before it found anything wrong."""
+    return [name for name, rc, *_ in rows
+            if rc == 126 or (rc not in (0, *SKIP_CODES)
+                             and not verdict(name, rc, out).startswith("CUT"))]
 
 
 def _utc(epoch: float) -> str:
@@ -213,7 +274,7 @@ def render(out: Path, status_file: Path, stage: str, plan: list[str],
                      f"{text} |")
     lines += [f"| {title(name)} | not reached | | |" for name in plan
               if name not in done and name != running]
-    failed = [name for name, rc, *_ in rows if rc == 126 or rc not in (0, *SKIP_CODES)]
+    failed = failed_parts(out, rows)
     big = [p.name for p in out.iterdir() if p.is_file() and p.stat().st_size >= MAX_BYTES]
     lines += ["", f"Failed parts: {', '.join(failed) or 'none'}. Full output of every part: "
               "log.txt; per-test results: tests.jsonl (one JSON line per test) and junit.xml."]
@@ -246,7 +307,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--started", type=float)
     p.add_argument("--gpu-reason")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--cut", metavar="CHUNK")
+    p.add_argument("--expected", type=int, default=0)
+    p.add_argument("--why", default="cut by its time cap")
+    p.add_argument("--failed", action="store_true")
     a = p.parse_args(argv)
+    if a.cut:
+        print(record_cut(a.out, a.cut, a.expected, a.why))
+        return 0
+    if a.failed:
+        print("".join(f"{n}\n" for n in failed_parts(a.out, read_status(a.status))), end="")
+        return 0
     text = write(a.out, a.status, a.stage, a.plan.split(), running=a.running, since=a.since,
                  gpu_reason=a.gpu_reason, started=a.started)
     if not a.quiet:

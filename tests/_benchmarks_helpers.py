@@ -11,7 +11,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCH / "fused_vs_unfused.py"
 sys.path.insert(0, str(BENCH))
 
-from bench import biasgrad, cases, checks, engine, peaks, roofline, suite, timing  # noqa: E402
+from bench import biasgrad, cases, checks, engine, peaks, roofline, timing  # noqa: E402
 
 __all__ = ["BENCH", "SCRIPT", "biasgrad", "cases", "checks", "engine", "peaks", "roofline",
-           "suite", "timing"]
+           "timing"]

@@ -123,11 +123,9 @@ def test_quick_cpu_run_reports_the_goals(cpu_run):
     proc, out = cpu_run
     d = json.loads((out / "r.json").read_text())
     goals = {r["case"]: r for r in d["results"]["goals"]}
-    assert set(goals) == {"mnist_step", "resnet_block_step", "adam_bandwidth", "test_suite"}
+    assert set(goals) == {"mnist_step", "resnet_block_step", "adam_bandwidth"}
     for name in ("mnist_step", "resnet_block_step", "adam_bandwidth"):
         assert goals[name]["status"] == "ok", goals[name].get("reason")
-    assert goals["test_suite"]["status"] == "skipped" and "--suite" in goals["test_suite"][
-        "reason"]
     assert goals["mnist_step"]["goal"]["target"] == 1.5
     assert goals["resnet_block_step"]["goal"]["target"] == 1.3
     adam = goals["adam_bandwidth"]

@@ -8,7 +8,9 @@ line per test as it happens; the sync counter classifies nsys rows.
 The full offline rehearsal (a fresh clone, no network, the CUDA toolkit hidden, a copy of
 the GPU machine's Python) takes minutes and needs root for unshare: docs/VERIFYING.md
 section 7 gives the command, and test_offline_rehearsal runs it where
-CONVFUSE_REHEARSAL_PYTHON names that copy's bin folder."""
+CONVFUSE_REHEARSAL_PYTHON names that copy's bin folder. The stages' arithmetic (the plan,
+the warm tree's build, cut chunks, the sanitizer's skip) is tested in
+tests/test_gpu_acceptance_stages.py."""
 
 from __future__ import annotations
 
@@ -33,13 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 SCRIPT = SCRIPTS / "gpu_acceptance.sh"
 sys.path.insert(0, str(SCRIPTS))
+import acceptance_plan  # noqa: E402
 import acceptance_summary  # noqa: E402
 import count_syncs  # noqa: E402
 import fusion_strict  # noqa: E402
 
-STAGE_PARTS = {"1": ["install", "smoke", "gpu-core", "gpu-ops"],
-               "2": ["install", "gpu-bn", "gpu-rest", "bench", "syncs", "sanitizer"]}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+BENCH_SECTIONS = re.search(r'^BENCH_SECTIONS="([^"]+)"', SCRIPT.read_text(), re.M)[1]
 
 
 def _run(args, env=None, cwd=None, timeout=120):
@@ -47,36 +49,68 @@ def _run(args, env=None, cwd=None, timeout=120):
                           env={**os.environ, **(env or {})}, cwd=cwd, timeout=timeout)
 
 
-def test_dry_run_prints_every_part_with_its_cap_and_each_stage_cap(tmp_path):
+def test_dry_run_sizes_every_chunk_from_the_collected_tests(tmp_path):
+    """Issue 23 item 1: one line per chunk with its tests and guaranteed seconds (at least
+    15 + 0.1 s per test), every tests/gpu file in exactly one chunk, every stage's
+    minimums within its cap, and the stages fit two leases."""
     out = tmp_path / "out"
-    # it needs no interpreter at all: PYTHON points nowhere
-    proc = _run(["--dry-run", str(out)], env={"PYTHON": str(tmp_path / "no-python")},
-                cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _run(["--dry-run", str(out)], env={"PYTHON": sys.executable}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
     assert "dry run" in text and not out.exists()
-    stage_caps = {m[0]: int(m[1]) for m in re.findall(r"^stage (\d): cap (\d+) s$", text, re.M)}
-    assert set(stage_caps) == {"1", "2"} and all(c <= 300 for c in stage_caps.values())
+    total = int(re.search(r"^collected (\d+) tests in tests/gpu", text, re.M)[1])
+    chunks = {m[0]: (int(m[1]), int(m[2])) for m in
+              re.findall(r"^chunk (\S+): (\d+) tests, at least (\d+) s$", text, re.M)}
+    assert {"gpu-core", "gpu-ops", "gpu-bn", "gpu-selfcheck"} <= set(chunks)
+    assert all(m >= 0.1 * n + 15 for n, m in chunks.values())
+    assert sum(n for n, _ in chunks.values()) == total - 1  # the deselected selfcheck CLI
+    stage_caps = {m[0]: (int(m[1]), int(m[2])) for m in
+                  re.findall(r"^stage (\d): cap (\d+) s, minimums (\d+) s$", text, re.M)}
+    assert all(lo <= cap - 5 <= 295 for cap, lo in stage_caps.values())
     blocks = re.split(r"^stage (\d) parts.*$", text, flags=re.M)
-    parts = {blocks[i]: blocks[i + 1] for i in range(1, len(blocks) - 1, 2)}
-    for stage, names in STAGE_PARTS.items():
-        rows = re.findall(r"^  (\S+)\s+(\d+)(-\d+|\+)? s  gpu=(yes|no)\s+(.*)$", parts[stage],
-                          re.M)
-        assert [r[0] for r in rows] == names
-        # the minimums fit, with 5 s left for the last summary
-        assert sum(int(r[1]) for r in rows) <= stage_caps[stage] - 5
-        cmds = {r[0]: r[4] for r in rows}
-        assert cmds["install"] == "offline_install"
-    assert "benchmarks/fused_vs_unfused.py" in parts["2"] and "--stream" in parts["2"]
-    assert 0 < int(re.search(r"^  bench\s+\d+-(\d+) s", parts["2"], re.M)[1]) <= 120
+    parts = {blocks[i]: blocks[i + 1].split("\nstage ")[0] for i in range(1, len(blocks), 2)}
+    assert set(parts) == set(stage_caps)
+    rows = {stage: re.findall(r"^  (\S+)\s+(\d+)(-\d+|\+)? s  gpu=(yes|no)\s+(.*)$", block,
+                              re.M) for stage, block in parts.items()}
+    for stage, found in rows.items():
+        assert [r[0] for r in found[:2]] == ["install", "plan"]
+        assert sum(int(r[1]) for r in found) == stage_caps[stage][1]
+        for name, lo, _, _, cmd in found:
+            if name in chunks:
+                assert int(lo) == chunks[name][1] and f"chunk {name} {chunks[name][0]} " in cmd
+    assert [r[0] for r in rows["1"][:3]] == ["install", "plan", "smoke"]
+    where = {r[0]: stage for stage, found in rows.items() for r in found}
+    assert where["gpu-core"] == "1" and set(where) >= set(chunks) | {"bench", "syncs"}
+    assert int(where["bench"]) >= 2 and where["sanitizer"] == max(rows)
+    assert f"--sections {BENCH_SECTIONS} " in rows[where["bench"]][
+        [r[0] for r in rows[where["bench"]]].index("bench")][4]
     # every GPU test file is in exactly one chunk
-    listed = re.findall(r"tests/gpu/(test_\w+\.py)(?!::)", text)
+    listed = re.findall(r"tests/gpu/(test_\w+\.py)(?!::)", "".join(
+        r[4] for found in rows.values() for r in found if r[0] in chunks))
     assert sorted(listed) == sorted(p.name for p in (REPO / "tests/gpu").glob("test_*.py"))
-    one = _run(["--dry-run", "--stage", "2"])
-    assert "stage 2: cap" in one.stdout and "stage 1" not in one.stdout
+    leases = re.findall(r"^lease (\d): stages ([\d ]+)$", text, re.M)
+    assert leases[0] == ("1", "1 2") and len(leases) <= 2
+    collected = tmp_path / "collected.txt"
+    collected.write_text("tests/gpu/test_cudnn_ops.py::test_a[1]\n")
+    one = _run(["--dry-run", "--stage", "1"], env={"PYTHON": sys.executable,
+                                                   "ACCEPT_COLLECTED": str(collected)})
+    assert "stage 1: cap" in one.stdout and "stage 2 parts" not in one.stdout
+    assert "chunk gpu-ops: 1 tests, at least 16 s" in one.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["--stage", "1"], ["--stage", "3", "x"], ["--bogus"]])
+def test_the_benchmark_sections_are_one_variable_near_the_top():
+    lines = SCRIPT.read_text().splitlines()
+    found = [i for i, line in enumerate(lines) if line.startswith("BENCH_SECTIONS=")]
+    assert len(found) == 1 and found[0] < 60
+    assert BENCH_SECTIONS.split(",") == ["forward", "biasgrad", "adam", "train"]
+
+
+def test_a_dry_run_without_pytest_fails_loudly(tmp_path):
+    proc = _run(["--dry-run"], env={"PYTHON": str(tmp_path / "no-python")}, cwd=tmp_path)
+    assert proc.returncode == 1 and "the plan failed" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [[], ["--stage", "1"], ["--stage", "5", "x"], ["--bogus"]])
 def test_usage_errors_exit_2(args):
     proc = _run(args, timeout=60)
     assert proc.returncode == 2 and ("usage" in proc.stderr or "stage" in proc.stderr
@@ -89,17 +123,20 @@ def test_outdir_keeps_to_eight_safe_names_no_deeper_than_the_folder():
     assert len(files) <= 8 and all(SAFE_NAME.match(f) for f in files)
     # every path the script, its parts or the summary write under $OUT is a listed file,
     # plus the two temporaries renamed over their targets
-    written = set(re.findall(r'\$OUT/([A-Za-z0-9._-]+)', text))
+    written = set(re.findall(r'\$OUT/([A-Za-z0-9._-]+)',
+                             text + (SCRIPTS / "acceptance_plan.py").read_text()))
     written |= set(re.findall(r'out / "([^"]+)"', (SCRIPTS / "acceptance_summary.py")
                               .read_text()))
     assert written <= {*files, ".summary.md.tmp"}, written - set(files)
     assert "/" not in "".join(written)
     assert len(set(files) | {".summary.md.tmp", "junit.xml.tmp"}) <= 9
-    # a stage writes a subset: stage 1 never writes bench/syncs, stage 2 never smoke
+    # a stage writes a subset: smoke.json only in stage 1, which has no tail part
+    # (acceptance_plan.TAIL_FIRST_STAGE), so bench.jsonl and syncs.json never with it
+    assert acceptance_plan.TAIL_FIRST_STAGE >= 2
     stage1 = {"summary.md", "log.txt", "smoke.json", "tests.jsonl", "junit.xml"}
-    stage2 = {"summary.md", "log.txt", "tests.jsonl", "junit.xml", "bench.jsonl",
-              "syncs.json"}
-    assert len(stage1) + 2 <= 8 and len(stage2) + 2 <= 8 and stage1 | stage2 == set(files)
+    later = {"summary.md", "log.txt", "tests.jsonl", "junit.xml", "bench.jsonl",
+             "syncs.json"}
+    assert len(stage1) + 2 <= 8 and len(later) + 2 <= 8 and stage1 | later == set(files)
 
 
 def _parts_file(tmp_path, lines):
@@ -146,8 +183,8 @@ def test_a_pytest_chunk_streams_its_tests_and_merges_its_junit(tmp_path):
     tests = tmp_path / "test_chunk.py"
     tests.write_text("def test_ok():\n    pass\n\ndef test_bad():\n    assert 2 + 2 == 5\n")
     out = tmp_path / "out"
-    parts = _parts_file(tmp_path, [f"gpu-a|30|no|chunk gpu-a {tests}",
-                                   f"gpu-b|30|no|chunk gpu-b {tests}::test_ok"])
+    parts = _parts_file(tmp_path, [f"gpu-a|30|no|chunk gpu-a 2 {tests}",
+                                   f"gpu-b|30|no|chunk gpu-b 1 {tests}::test_ok"])
     proc = _run(["--stage", "1", str(out)], env=_env(tmp_path, parts), timeout=300)
     assert proc.returncode == 1  # gpu-a has a failing test
     import xml.etree.ElementTree as ET
@@ -267,7 +304,8 @@ def test_summary_reads_each_part(tmp_path):
     smoke = rows[t("smoke")]
     assert "| FAIL |" in smoke and "failed: conv fp32 NCHW" in smoke and "SKIP=1" in smoke
     core = rows[t("gpu-core")]
-    assert "FAIL (time cap reached)" in core and "cut while running t.py::hang" in core
+    # a chunk cut by its cap after a failure: the failure counts, the cut is said
+    assert "FAIL (then cut by its time cap)" in core and "cut while running t.py::hang" in core
     assert "passed=1" in core and "failed=1" in core and "t.py::b (AssertionError" in core
     assert "JUnit: tests=1" in rows[t("gpu-ops")] and "skipped=1" in rows[t("gpu-ops")]
     assert "NVIDIA H100" in rows[t("bench")] and "errors: 1" in rows[t("bench")]
@@ -317,21 +355,26 @@ def test_stream_results_plugin_writes_a_line_per_test_as_it_happens(tmp_path):
                     reason="set CONVFUSE_REHEARSAL_PYTHON to the bin folder of a copy of the "
                            "GPU machine's Python (docs/VERIFYING.md section 7)")
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["1", "2"])
-def test_offline_rehearsal(tmp_path, stage):  # pragma: no cover (manual, minutes, root)
+def test_offline_rehearsal(tmp_path):  # pragma: no cover (manual, minutes, root)
+    """Every stage in one fresh clone, as on a warm machine: each exits 0 and says the GPU
+    parts were skipped, and the stages after the first reuse the first one's build."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    out = tmp_path / "out"
     (clone / ".venv" / "bin").mkdir(parents=True)  # broken: no interpreter inside
     bindir = os.environ["CONVFUSE_REHEARSAL_PYTHON"]
-    cmd = (f"mount -t tmpfs none /usr/local/cuda; PATH={bindir}:$PATH "
-           f"bash scripts/gpu_acceptance.sh --stage {stage} {out}")
-    proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", cmd], cwd=clone,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    names = [p.name for p in out.iterdir()]
-    assert len(names) <= 8 and all(SAFE_NAME.match(n) for n in names)
-    assert "GPU parts were skipped" in (out / "summary.md").read_text()
+    for stage in ("1", "2", "3"):
+        out = tmp_path / f"out{stage}"
+        cmd = (f"mount -t tmpfs none /usr/local/cuda; PATH={bindir}:$PATH "
+               f"bash scripts/gpu_acceptance.sh --stage {stage} {out}")
+        proc = subprocess.run(["unshare", "-n", "-m", "bash", "-c", cmd], cwd=clone,
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        names = [p.name for p in out.iterdir()]
+        assert len(names) <= 8 and all(SAFE_NAME.match(n) for n in names)
+        assert "GPU parts were skipped" in (out / "summary.md").read_text()
+        install = re.search(r"^gpu_acceptance: install exit 0 after (\d+) s", proc.stdout, re.M)
+        if stage != "1":
+            assert int(install[1]) <= 8 and "build reused" in (out / "log.txt").read_text()
 
 
 def _message(geom, dtype, activation):

@@ -10,10 +10,7 @@
 - adam_bandwidth: convfuse's Adam step on 10M float32 parameters moves 28 bytes per
                parameter; achieved bandwidth / this machine's memcpy bandwidth (np.copyto
                of 256 MiB, the faster of 1 thread and the goals' thread count, timed
-               interleaved with the step: `_adam`) >= 0.40;
-- test_suite:  the tests of the commit the issue was filed against, timed on this checkout
-               and on that commit's code: ratio <= 1 (only with --suite, which runs both;
-               bench/suite.py says how).
+               interleaved with the step: `_adam`) >= 0.40.
 Both engines use the same thread count (PyTorch's torch.get_num_threads(), given to the
 reference engine's pool; BLAS keeps its own setting), and compared forms are timed
 interleaved. Each goal records target, measured value with its interval, and met/unstable.
@@ -33,7 +30,7 @@ try:  # a convfuse without the reference engine's thread pool (for before/after 
 except ImportError:  # pragma: no cover
     _threads = None
 
-from . import checks, records, roofline, suite, timing
+from . import checks, records, roofline, timing
 from .peaks import COPY_BYTES
 from .records import Context
 
@@ -43,7 +40,6 @@ TARGETS = {  # name: (comparison, target, unit)
     "mnist_step": ("<=", 1.5, "x PyTorch"),
     "resnet_block_step": ("<=", 1.3, "x PyTorch"),
     "adam_bandwidth": (">=", 0.40, "of memcpy bandwidth"),
-    "test_suite": ("<=", 1.0, f"x on {suite.BASELINE}'s code"),
 }
 LR = 1e-3
 GRAD_TOL = 1e-4
@@ -64,20 +60,11 @@ def run(ctx: Context) -> list[dict[str, Any]]:
     if _threads is not None:
         _threads.set_num_threads(threads)
     try:
-        out = [
+        return [
             _guard(ctx, "mnist_step", threads, _mnist),
             _guard(ctx, "resnet_block_step", threads, _block),
             _guard(ctx, "adam_bandwidth", threads, _adam),
         ]
-        suite_rec = _new("test_suite", threads=threads)
-        if getattr(ctx, "suite", False):
-            out.append(records.guarded(ctx, suite_rec, "goal test_suite",
-                                       lambda: _suite(suite_rec)))
-        else:
-            out.append(records.skip(suite_rec, "CPU: the test-suite goal is measured only "
-                                               "with --suite (it runs the suite twice: "
-                                               "minutes)"))
-        return out
     finally:
         if _threads is not None:
             _threads.set_num_threads(None)
@@ -313,36 +300,3 @@ def _adam(ctx: Context, rec: dict) -> None:
     r, lo, hi, unstable = timing.ratio_interval(copy, st)
     scale = work.bytes / copy_bytes
     _met(rec, scale * r, scale * lo, scale * hi, unstable or st.unstable)
-
-
-# -- the CPU test suite ---------------------------------------------------------------------
-
-def _suite(rec: dict) -> None:
-    rec["shape"] = (f"pytest -q tests, the tests of {suite.BASELINE}: this checkout / "
-                    f"{suite.BASELINE}'s code")
-    try:
-        base, ours = suite.measure(ROOT)
-    except suite.Unavailable as exc:
-        records.skip(rec, f"CPU: {exc}")
-        return
-    ok = base["returncode"] == 0
-    rec["checks"].append({"what": f"the tests pass on {suite.BASELINE}'s code", "ok": ok,
-                          "rel_err": 0.0, "tol": 0.0, "tail": base["summary"]})
-    if not ok:
-        records.check_failed(rec, base["summary"])
-        return
-    for name, run in (("baseline", base), ("checkout", ours)):
-        wall = run["wall_s"]
-        rec["timings"][name] = {"median_s": wall, "min_s": wall, "max_s": wall, "reps": 1,
-                                "samples_s": [wall], "spread": None, "unstable": None}
-    rec["notes"].append(f"one run each, {suite.BASELINE}'s code first: its spread is not "
-                        f"measured; on this checkout: {ours['summary']}")
-    if ours["failed"]:
-        rec["notes"].append(f"{len(ours['failed'])} of {suite.BASELINE}'s tests fail on this "
-                            "checkout (internals later work replaced): "
-                            + ", ".join(ours["failed"][:5])
-                            + (" ..." if len(ours["failed"]) > 5 else ""))
-    rec["shape"] = (f"pytest -q tests, the tests of {suite.BASELINE}: {ours['wall_s']:.0f} s "
-                    f"on this checkout / {base['wall_s']:.0f} s on {suite.BASELINE}'s code")
-    ratio = ours["wall_s"] / base["wall_s"]
-    _met(rec, ratio, ratio, ratio, False)

@@ -26,7 +26,6 @@ class Context:
     layouts: tuple[str, ...] = ("NCHW", "NHWC")
     # fused forward medians by (case, precision, layout), for backward/forward ratios
     forward_medians: dict[tuple[str, str, str], float] = field(default_factory=dict)
-    suite: bool = False  # goals: also time the CPU test suite
 
     def time(self, fn: Callable[[int], Any], n_sets: int) -> Stats:
         return measure_interleaved({"only": (self.engine.timer, fn)}, n_sets,
