@@ -45,7 +45,7 @@ def _needs_cupy(tgeom: ConvTransposeGeometry, a: Any) -> bool:
     """Whether a DeviceArray call takes the CuPy fallback of Note [the pointer path]: a
     windowed output is sliced, and float64 channels-last is copied channels-first (Note
     [float64 runs channels-first]), both with CuPy array arithmetic."""
-    return is_device_array(a) and tgeom.windowed
+    return is_device_array(a) and (tgeom.windowed or layout.runs_channels_first(tgeom, a.dtype))
 
 
 def conv_transpose_forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gpu
