@@ -48,7 +48,7 @@ import torch
 from .. import activations, ops
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
-from . import _double
+from . import _double, _eager
 from ._arrays import (
     batchnorm_channels_last,
     empty_in_layout,
@@ -95,9 +95,7 @@ def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor
     return yt, mean, invstd, zt
 
 
-@torch.library.custom_op("convfuse::batchnorm_training",
-                         mutates_args=("running_mean", "running_var"))
-def batchnorm_training(
+def _batchnorm_training(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
     residual: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
@@ -141,8 +139,12 @@ def batchnorm_training(
     return out
 
 
-@torch.library.custom_op("convfuse::batchnorm_inference", mutates_args=())
-def batchnorm_inference(
+batchnorm_training = torch.library.custom_op(
+    "convfuse::batchnorm_training", _batchnorm_training,
+    mutates_args=("running_mean", "running_var"))
+
+
+def _batchnorm_inference(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor, running_var: torch.Tensor, residual: torch.Tensor | None,
     eps: float, activation: str,
@@ -156,6 +158,10 @@ def batchnorm_inference(
             _per_channel(running_mean, cd), _per_channel(running_var, cd), _layout(cl), eps,
             activation, None if residual is None else to_array(physical(residual, cl)))
         return _result(y, saved, cl, x)
+
+
+batchnorm_inference = torch.library.custom_op(
+    "convfuse::batchnorm_inference", _batchnorm_inference, mutates_args=())
 
 
 def _fake_forward(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
@@ -179,8 +185,7 @@ def _(x, weight, bias, running_mean, running_var, residual, eps, activation):
     return _fake_forward(x, activation)
 
 
-@torch.library.custom_op("convfuse::batchnorm_backward", mutates_args=())
-def batchnorm_backward(
+def _batchnorm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     saved: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, training: bool,
     eps: float, activation: str, need_dx: bool, need_dres: bool,
@@ -212,6 +217,10 @@ def batchnorm_backward(
         )
 
 
+batchnorm_backward = torch.library.custom_op(
+    "convfuse::batchnorm_backward", _batchnorm_backward, mutates_args=())
+
+
 @batchnorm_backward.register_fake
 def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_dx,
       need_dres):
@@ -225,25 +234,50 @@ def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_
     )
 
 
+def _bump(*stats: torch.Tensor | None) -> None:
+    """What the custom op's ADInplaceOrView kernel does for its mutated arguments (outside
+    inference mode): the running statistics' version counters move on."""
+    if not torch.is_inference_mode_enabled():
+        torch.autograd.graph.increment_version([t for t in stats if t is not None])
+
+
+def _forward(eager: bool, x: torch.Tensor, weight: torch.Tensor | None,
+             bias: torch.Tensor | None, residual: torch.Tensor | None,
+             running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+             num_batches_tracked: torch.Tensor | None, use_batch_stats: bool,
+             momentum: float | None, eps: float, activation: str) -> tuple[torch.Tensor, ...]:
+    """(y, mean, invstd, z) from the custom op, or on the eager path its body (Note [two
+    call paths] in _eager.py)."""
+    if use_batch_stats:
+        if not eager:
+            return torch.ops.convfuse.batchnorm_training(
+                x, weight, bias, running_mean, running_var, residual, num_batches_tracked,
+                momentum, eps, activation)
+        _bump(running_mean, running_var)
+        return _batchnorm_training(x, weight, bias, running_mean, running_var, residual,
+                                   num_batches_tracked, momentum, eps, activation)
+    op = _batchnorm_inference if eager else torch.ops.convfuse.batchnorm_inference
+    return op(x, weight, bias, running_mean, running_var, residual, eps, activation)
+
+
 class BatchNormFunction(torch.autograd.Function):
     """act(batchnorm(x) + residual) through the ops above (Note [autograd for a mutating
-    custom op]). `use_batch_stats` picks batchnorm_training; running_mean/var are then
+    custom op]), or in plain eager mode through their bodies (Note [two call paths] in
+    _eager.py). `use_batch_stats` picks batchnorm_training; running_mean/var are then
     updated when given."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running_mean, running_var,
                 num_batches_tracked, use_batch_stats, momentum, eps, activation):
-        if use_batch_stats:
-            y, mean, invstd, z = torch.ops.convfuse.batchnorm_training(
-                x, weight, bias, running_mean, running_var, residual, num_batches_tracked,
-                momentum, eps, activation)
-        else:
-            y, mean, invstd, z = torch.ops.convfuse.batchnorm_inference(
-                x, weight, bias, running_mean, running_var, residual, eps, activation)
+        eager = _eager.takes_eager_path(x, weight, bias, residual, running_mean, running_var,
+                                        num_batches_tracked)
+        y, mean, invstd, z = _forward(eager, x, weight, bias, residual, running_mean,
+                                      running_var, num_batches_tracked, use_batch_stats,
+                                      momentum, eps, activation)
         kind = activations.saves(activation)
         saved = {"none": None, "output": y, "preactivation": z}[kind]
         ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
-        ctx.hyper = (bool(use_batch_stats), float(eps), activation)
+        ctx.hyper = (bool(use_batch_stats), float(eps), activation, eager)
         # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
         ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
         ctx.set_materialize_grads(False)
@@ -252,7 +286,7 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dinvstd, dz_output):
         x, weight, bias, saved, mean, invstd = ctx.saved_tensors
-        training, eps, activation = ctx.hyper
+        training, eps, activation, eager = ctx.hyper
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         none7 = (None,) * 7
         if _double.takes_recorded_path(dz_output):
@@ -268,10 +302,24 @@ class BatchNormFunction(torch.autograd.Function):
             return (None,) * 4 + none7
         dx = dw = db = dres = None
         if need_dx or need_dw or need_db or (need_dres and not identity):
-            dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(
-                dy, x, weight, bias, saved, mean, invstd, training, eps, activation,
-                bool(need_dx), bool(need_dres) and not identity)
+            op = _batchnorm_backward if eager and _eager.takes_eager_path(dy) \
+                else torch.ops.convfuse.batchnorm_backward
+            dx, dw, db, dres = op(dy, x, weight, bias, saved, mean, invstd, training, eps,
+                                  activation, bool(need_dx), bool(need_dres) and not identity)
         if need_dres and identity:
             dres = dy  # the gradient at the sum is dy itself: no copy, no op
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 dres if need_dres else None, *none7)
+
+
+def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, running_mean: torch.Tensor | None,
+                   running_var: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
+                   use_batch_stats: bool, momentum: float | None, eps: float,
+                   activation: str) -> torch.Tensor:
+    """A batch-norm layer's call: BatchNormFunction, or its forward alone where autograd
+    records nothing on the eager path (Note [two call paths] in _eager.py)."""
+    args = (x, weight, bias, residual, running_mean, running_var, num_batches_tracked)
+    if not _eager.needs_graph(x, weight, bias, residual) and _eager.takes_eager_path(*args):
+        return _forward(True, *args, use_batch_stats, momentum, eps, activation)[0]
+    return BatchNormFunction.apply(*args, use_batch_stats, momentum, eps, activation)[0]
