@@ -219,7 +219,7 @@ class _BatchNormNd(nn.Module):
         a trace, whose sizes may be symbolic)."""
         if (type(x) is not torch.Tensor or (residual is not None
                                             and type(residual) is not torch.Tensor)
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
             return None
         return (type(self), x.shape, x.dtype, x.device,
                 None if residual is None else (residual.shape, residual.dtype,

@@ -66,7 +66,7 @@ class _ConvLayer(nn.Module):
         a trace, whose sizes may be symbolic)."""
         if (type(x) is not torch.Tensor or (residual is not None
                                             and type(residual) is not torch.Tensor)
-                or torch.compiler.is_compiling()):
+                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
             return None
         w, dev = self.weight, x.device
         return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
