@@ -272,9 +272,17 @@ def eager_function(name: str, forward_body: Any, backward_body: Any,
     _eager.py): the custom op's body as forward, its setup_context, and its backward
     formula calling the backward op's body."""
     setup_context, backward = fused_autograd(backward_body, recorded)
+
+    # forward(ctx, ...) calling setup_context itself: a Function with a separate
+    # setup_context makes `apply` bind the arguments with inspect.signature at every call.
+    def forward(ctx: Any, *args: Any) -> Any:
+        output = forward_body(*args)
+        setup_context(ctx, args, output)
+        return output
+
     return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(forward_body), "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(backward), "__module__": __name__,
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__module__": __name__,
         "__doc__": f"{forward_body.__name__.lstrip('_')} as one autograd node (eager path)."})
 
 
