@@ -308,3 +308,16 @@ def test_hyperparameters_reassigned_after_construction_are_honoured():
     bn.eps = 0.0
     with pytest.raises(ValueError, match="eps must be positive"):
         bn(torch.randn(2, 2, 3, 3))
+
+
+def test_batchnorm_statistics_that_overlap_are_refused_after_a_good_call():
+    """Overlap depends on addresses, not on the signature: it is checked every call."""
+    bn = ct.BatchNorm2d(2)
+    x = torch.randn(2, 2, 3, 3)
+    bn(x)
+    bn(x)  # the signature's second call: the direct engine call
+    bn.running_var = bn.running_mean
+    before = bn.running_mean.clone()
+    with pytest.raises(ValueError, match="overlaps"):
+        bn(x)
+    assert torch.equal(bn.running_mean, before)

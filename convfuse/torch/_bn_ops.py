@@ -46,18 +46,21 @@ from typing import Any
 import torch
 
 from .. import activations, ops
+from ..geometry import from_channels_first
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
+from ..plan.batchnorm import BatchNormGeometry
 from . import _double, _eager
 from ._arrays import (
     batchnorm_channels_last,
     empty_in_layout,
-    engine_context,
     logical,
     physical,
     to_array,
     to_tensor,
 )
+from ._ops import aligned, context
+from ._signature import Prepared, SignatureCache, lookup, op, tensor_key
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -84,6 +87,36 @@ def _layout(cl: bool) -> str:
     return "NHWC" if cl else "NCHW"
 
 
+_PREPARED = SignatureCache()
+
+
+def _prepare(name: str, x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...],
+             scalars: tuple[Any, ...]) -> Prepared:
+    """The layout and geometry of convfuse.ops.<name> for this signature, once (Note
+    [per-signature decisions] in _signature.py)."""
+    key = (name, tensor_key(x), *(tensor_key(t) for t in tensors), scalars)
+    prep = lookup(_PREPARED, key)
+    if prep is None:
+        cl = batchnorm_channels_last(x)
+        try:
+            geom = BatchNormGeometry.create(from_channels_first(x.shape, cl), _layout(cl), name)
+        except (TypeError, ValueError):  # the op refuses it, with its own words
+            geom = None
+        prep = _PREPARED.remember(key, Prepared(cl, geom, direct=geom is not None))
+    return prep
+
+
+def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the contiguous `outputs` share no byte with each other or with `inputs` (the
+    overlap convfuse.ops refuses, which depends on addresses, not on the signature)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for t in (*outputs, *(i for i in inputs if i is not None))]
+    for k, (lo, hi) in enumerate(spans[:len(outputs)]):
+        if any(lo < h and l2 < hi for j, (l2, h) in enumerate(spans) if j != k):
+            return False
+    return True
+
+
 def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     yt = logical(to_tensor(y), cl)
@@ -107,24 +140,31 @@ def _batchnorm_training(
     1/num_batches_tracked (already incremented by the caller, as PyTorch does) for
     momentum=None (Note [the cumulative average on the device]). z is the pre-activation
     when the activation's backward needs it."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
     cumulative = running_mean is not None and momentum is None \
         and num_batches_tracked is not None
     # nothing to update / fresh statistics to fill / momentum (or 1 with no count, as torch)
     factor = 0.0 if running_mean is None else 1.0 if cumulative else as_factor(momentum, 1)
+    prep = _prepare("batchnorm_forward_training", x, (weight, bias, running_mean,
+                                                      running_var, residual),
+                    (factor, eps, activation))
+    cl = prep.cl
     # Statistics not already contiguous in the compute dtype run on a copy, written back;
     # for the cumulative average the op writes the batch's statistics into fresh ones.
     stats = [s if s is None or (_usable(s, cd) and not cumulative)
              else torch.zeros(s.shape, dtype=cd, device=s.device) if cumulative
              else s.to(cd, copy=True).contiguous()
              for s in (running_mean, running_var)]
-    with engine_context(x.device):
-        y, saved = ops.batchnorm_forward_training(
-            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
+    xp, rp = physical(x, cl), None if residual is None else physical(residual, cl)
+    written = [s for s, t in zip(stats, (running_mean, running_var)) if s is not None and s is t]
+    with context(x.device):
+        y, saved = op(
+            prep, x.device.type, "batchnorm_forward_training", to_array(xp),
+            _per_channel(weight, cd), _per_channel(bias, cd),
             None if stats[0] is None else to_array(stats[0]),
             None if stats[1] is None else to_array(stats[1]), _layout(cl), eps, factor,
-            activation, None if residual is None else to_array(physical(residual, cl)))
+            activation, None if rp is None else to_array(rp),
+            aligned=not written or _apart(written, (xp, rp, weight, bias)))
         out = _result(y, saved, cl, x)
     if cumulative:
         assert num_batches_tracked is not None  # part of `cumulative`
@@ -150,13 +190,17 @@ def _batchnorm_inference(
     eps: float, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, invstd, z) as batchnorm_training, with the running statistics."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
-    with engine_context(x.device):
-        y, saved = ops.batchnorm_forward_inference(
-            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
-            _per_channel(running_mean, cd), _per_channel(running_var, cd), _layout(cl), eps,
-            activation, None if residual is None else to_array(physical(residual, cl)))
+    prep = _prepare("batchnorm_forward_inference", x, (weight, bias, running_mean,
+                                                       running_var, residual),
+                    (eps, activation))
+    cl = prep.cl
+    with context(x.device):
+        y, saved = op(
+            prep, x.device.type, "batchnorm_forward_inference", to_array(physical(x, cl)),
+            _per_channel(weight, cd), _per_channel(bias, cd), _per_channel(running_mean, cd),
+            _per_channel(running_var, cd), _layout(cl), eps, activation,
+            None if residual is None else to_array(physical(residual, cl)))
         return _result(y, saved, cl, x)
 
 
@@ -194,20 +238,24 @@ def _batchnorm_backward(
     dres only when asked for, else empty. dweight/dbias (in the parameters' dtype) come
     from the same pass whenever weight is given (cuDNN computes them together with dx);
     empty for affine=False."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
+    prep = _prepare("batchnorm_backward", x, (dy, weight, bias, saved, mean, invstd),
+                    (training, eps, activation))
+    cl = prep.cl
     xp = physical(x, cl)
     # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad (affine only).
     dw = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
     db = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
-    with engine_context(x.device):
+    with context(x.device):
         state = ops.BatchNormSaved(
             to_array(mean), to_array(invstd),
             None if saved is None else to_array(physical(saved, cl)), training)
-        dx, _, _, dres = ops.batchnorm_backward(
-            to_array(physical(dy, cl)), to_array(xp), _per_channel(weight, cd),
-            _per_channel(bias, cd), state, _layout(cl), eps, activation, need_dres, need_dx,
-            None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0)
+        dx, _, _, dres = op(
+            prep, x.device.type, "batchnorm_backward", to_array(physical(dy, cl)),
+            to_array(xp), _per_channel(weight, cd), _per_channel(bias, cd), state,
+            _layout(cl), eps, activation, need_dres, need_dx,
+            None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0,
+            aligned=aligned(mean) and aligned(invstd))
         empty = dy.new_empty(0)
         return (
             logical(to_tensor(dx), cl) if dx is not None else empty,

@@ -28,9 +28,11 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import activations, ops
+from ..ops.batchnorm import _accumulate
 
 _MAX_ENTRIES = 4096  # distinct signatures remembered before starting over
 
@@ -88,33 +90,68 @@ def _act(a: Any) -> str:
     return activations.normalize(a)
 
 
-# convfuse.ops function -> (engine module kind, engine function, the engine's arguments
-# from the op's, with the defaults convfuse.ops fills in): the op minus its validation.
-_DIRECT: dict[str, tuple[str, str, Callable[..., tuple[Any, ...]]]] = {
-    "conv_bias_act": ("conv", "conv_bias_act",
-                      lambda x, w, b, g, activation, residual: (x, w, b, g, _act(activation),
-                                                                residual, 1.0)),
-    "conv_backward_bias": ("conv", "conv_backward_bias", lambda dz, g, out: (dz, g, out, 0.0)),
-    "conv_backward_filter": ("conv", "conv_backward_filter",
-                             lambda x, dz, g, out: (x, dz, g, out, 0.0)),
-    "conv_backward_data": ("conv", "conv_backward_data",
-                           lambda dz, w, g, out: (dz, w, g, out, 0.0)),
-    "activation_backward_bias": ("activation", "activation_backward_bias",
-                                 lambda dy, s, a, g, db_out: (dy, s, _act(a), g, db_out, 0.0)),
-    "activation_backward": ("activation", "activation_backward",
-                            lambda dy, s, a: (dy, s, _act(a), None)),
-    "conv_transpose_bias_act": ("conv_transpose", "conv_transpose_bias_act",
-                                lambda x, w, b, g, activation, residual:
-                                (x, w, b, g, _act(activation), residual, 1.0)),
-    "conv_transpose_backward_bias": ("conv_transpose", "conv_transpose_activation_backward_bias",
-                                     lambda dz, g, out: (dz, None, "identity", g, out, 0.0)),
+def _bn_training(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
+                 _layout: str, eps: float, f: float, a: Any, r: Any) -> Any:
+    out = e.batchnorm_forward_training(x, w, b, rm, rv, p.geom, eps, f, _act(a), r)
+    y, saved, mean, invstd = out[:4]
+    return y, ops.BatchNormSaved(mean, invstd, saved, True, out[4] if len(out) > 4 else None)
+
+
+def _bn_inference(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
+                  _layout: str, eps: float, a: Any, r: Any) -> Any:
+    y, saved, mean, invstd = e.batchnorm_forward_inference(x, w, b, rm, rv, p.geom, eps,
+                                                           _act(a), r)
+    return y, ops.BatchNormSaved(mean, invstd, saved, False)
+
+
+def _bn_backward(e: ModuleType, p: Prepared, dy: Any, x: Any, w: Any, b: Any, saved: Any,
+                 _layout: str, eps: float, a: Any, residual: bool, need_dx: bool, wg: Any,
+                 bg: Any, beta: float) -> Any:
+    if not isinstance(dy, np.ndarray):  # cuDNN writes and accumulates the outputs itself
+        return e.batchnorm_backward(dy, x, w, b, saved, p.geom, eps, _act(a), bool(residual),
+                                    bool(need_dx), wg, bg, beta)
+    dx, dw, db, dres = e.batchnorm_backward(dy, x, w, saved.saved, saved.mean, saved.invstd,
+                                            saved.training, p.geom, _act(a), bool(residual),
+                                            bool(need_dx))
+    if w is None:
+        return dx, None, None, dres
+    if wg is not None:
+        _accumulate(wg, dw, beta)
+        _accumulate(bg, db, beta)
+        dw, db = wg, bg
+    return dx, dw, db, dres
+
+
+# convfuse.ops function -> (engine module kind, the engine's call with the op's arguments
+# and the defaults convfuse.ops fills in): the op minus its validation.
+_DIRECT: dict[str, tuple[str, Callable[..., Any]]] = {
+    "conv_bias_act": ("conv", lambda e, p, x, w, b, g, a, r:
+                      e.conv_bias_act(x, w, b, g, _act(a), r, 1.0)),
+    "conv_backward_bias": ("conv", lambda e, p, dz, g, out:
+                           e.conv_backward_bias(dz, g, out, 0.0)),
+    "conv_backward_filter": ("conv", lambda e, p, x, dz, g, out:
+                             e.conv_backward_filter(x, dz, g, out, 0.0)),
+    "conv_backward_data": ("conv", lambda e, p, dz, w, g, out:
+                           e.conv_backward_data(dz, w, g, out, 0.0)),
+    "activation_backward_bias": ("activation", lambda e, p, dy, s, a, g, db_out:
+                                 e.activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+    "activation_backward": ("activation", lambda e, p, dy, s, a:
+                            e.activation_backward(dy, s, _act(a), None)),
+    "conv_transpose_bias_act": ("conv_transpose", lambda e, p, x, w, b, g, a, r:
+                                e.conv_transpose_bias_act(x, w, b, g, _act(a), r, 1.0)),
+    "conv_transpose_backward_bias": (
+        "conv_transpose", lambda e, p, dz, g, out:
+        e.conv_transpose_activation_backward_bias(dz, None, "identity", g, out, 0.0)[1]),
     "conv_transpose_activation_backward_bias": (
-        "conv_transpose", "conv_transpose_activation_backward_bias",
-        lambda dy, s, a, g, db_out: (dy, s, _act(a), g, db_out, 0.0)),
-    "conv_transpose_backward_filter": ("conv_transpose", "conv_transpose_backward_filter",
-                                       lambda x, dz, g, out: (x, dz, g, out, 0.0)),
-    "conv_transpose_backward_data": ("conv_transpose", "conv_transpose_backward_data",
-                                     lambda dz, w, g, out: (dz, w, g, out, 0.0)),
+        "conv_transpose", lambda e, p, dy, s, a, g, db_out:
+        e.conv_transpose_activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+    "conv_transpose_backward_filter": ("conv_transpose", lambda e, p, x, dz, g, out:
+                                       e.conv_transpose_backward_filter(x, dz, g, out, 0.0)),
+    "conv_transpose_backward_data": ("conv_transpose", lambda e, p, dz, w, g, out:
+                                     e.conv_transpose_backward_data(dz, w, g, out, 0.0)),
+    "batchnorm_forward_training": ("batchnorm", _bn_training),
+    "batchnorm_forward_inference": ("batchnorm", _bn_inference),
+    "batchnorm_backward": ("batchnorm", _bn_backward),
 }
 _ORIGINAL = {name: getattr(ops, name) for name in _DIRECT}
 _ENGINES: dict[tuple[str, str], ModuleType] = {}
@@ -134,8 +171,8 @@ def op(prep: Prepared, device_type: str, name: str, *args: Any, aligned: bool = 
     time `prep`'s signature calls it and a direct engine call after that."""
     fn = getattr(ops, name)
     if name in prep.checked and aligned and fn is _ORIGINAL[name]:
-        kind, engine_name, engine_args = _DIRECT[name]
-        return getattr(_engine(device_type, kind), engine_name)(*engine_args(*args))
+        kind, direct = _DIRECT[name]
+        return direct(_engine(device_type, kind), prep, *args)
     out = fn(*args)
     if prep.direct:
         prep.checked.add(name)
