@@ -304,8 +304,8 @@ def _forward(eager: bool, x: torch.Tensor, weight: torch.Tensor | None,
         _bump(running_mean, running_var)
         return _batchnorm_training(x, weight, bias, running_mean, running_var, residual,
                                    num_batches_tracked, momentum, eps, activation)
-    op = _batchnorm_inference if eager else torch.ops.convfuse.batchnorm_inference
-    return op(x, weight, bias, running_mean, running_var, residual, eps, activation)
+    infer: Any = _batchnorm_inference if eager else torch.ops.convfuse.batchnorm_inference
+    return infer(x, weight, bias, running_mean, running_var, residual, eps, activation)
 
 
 class BatchNormFunction(torch.autograd.Function):

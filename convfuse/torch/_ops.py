@@ -75,9 +75,9 @@ def prepare(kind: type, x: torch.Tensor, weight: torch.Tensor, hyper: tuple[Any,
     prep = _PREPARED.get(key)
     if prep is None:
         cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
-        args = (stride, padding, dilation, groups) if opad is None \
+        args: tuple[Any, ...] = (stride, padding, dilation, groups) if opad is None \
             else (stride, padding, output_padding, dilation, groups)
-        geom = geometry(kind, from_channels_first(x.shape, cl),
+        geom: Any = geometry(kind, from_channels_first(x.shape, cl),
                         from_channels_first(weight.shape, cl), cl, *args)
         prep = _PREPARED.remember(key, Prepared(cl, geom))
     return prep
