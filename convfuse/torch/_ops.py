@@ -4,7 +4,10 @@
 are `torch.library.custom_op`s with fake (meta) implementations, and the forward's
 gradient is registered with `register_autograd`. So `torch.compile(model, fullgraph=True)`
 sees each layer as one op in the forward graph and one in the backward graph, with no graph
-break, and never traces into NumPy or CuPy.
+break, and never traces into NumPy or CuPy. In plain eager mode the layers skip the
+dispatcher and run the same bodies inside one autograd.Function, `ConvBiasAct` (Note [two
+call paths] in _eager.py); what a body decides from its signature is decided once (Note
+[per-signature decisions] in _signature.py).
 
 Both ops work on the tensors' memory through convfuse's stateless ops (convfuse.ops), with
 the layout rules of Note [layouts across the bridge] and, on CUDA, PyTorch's stream and

@@ -5,8 +5,9 @@ shapes, same RNG draws in the same order), so state dicts are interchangeable an
 construction gives the same numbers. The constructor takes torch.nn's arguments in
 torch.nn's order; convfuse's additions (`activation`) are keyword-only.
 `forward(x, residual=None)` is one call of the `convfuse::conv_bias_act` custom op
-(see _ops.py), after torch.nn's own handling of what cuDNN cannot pad
-(Note [padding convfuse leaves to torch]).
+(see _ops.py; in plain eager mode its body inside one autograd.Function, Note [two call
+paths] in _eager.py), its input checks made once per signature, after torch.nn's own
+handling of what cuDNN cannot pad (Note [padding convfuse leaves to torch]).
 
 Note [padding convfuse leaves to torch]
 cuDNN pads with zeros, the same amount on both sides. torch.nn's conv does the rest by

@@ -1,6 +1,7 @@
 """ConvTranspose1d, ConvTranspose2d, ConvTranspose3d as torch.nn.Modules running convfuse's
 fused transposed convolution (one `convfuse::conv_transpose_bias_act` custom op per call,
-see _transpose_ops.py).
+see _transpose_ops.py, or in plain eager mode its body inside one autograd.Function, Note
+[two call paths] in _eager.py).
 
 Constructor arguments are torch.nn.ConvTranspose*d's, in its order, plus keyword-only
 `activation=`; parameters are created, named and initialised as torch.nn's (weight
