@@ -33,10 +33,13 @@ DTYPES = [torch.float64, torch.float32]
 def _cuda_torch():
     if not torch.cuda.is_available():
         pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with cf.config.flags(allow_tf32=False):
-        yield
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with cf.config.flags(allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _poison(nbytes: int = 64 << 20) -> None:
