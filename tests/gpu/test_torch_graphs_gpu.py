@@ -202,10 +202,24 @@ def test_compile_reduce_overhead():
     torch._dynamo.reset()
 
 
+ENGINES = {"conv": ("conv", "conv_bias_act"),
+           "transpose": ("conv_transpose", "conv_transpose_bias_act"),
+           "bn": ("batchnorm", "batchnorm_forward_training")}
+
+
 @pytest.mark.parametrize("layer", ["conv", "transpose", "bn"])
-def test_an_eager_call_never_syncs(layer):
+def test_an_eager_call_never_syncs(layer, monkeypatch):
     """After its first call (plans, algorithm choice), a layer's forward and backward make
-    no synchronising call: torch's sync debug mode raises on any."""
+    no synchronising call: torch's sync debug mode raises on any. The cuDNN engine runs
+    (through the direct engine call from the signature's second call on) on the eager
+    path, with no custom op dispatched."""
+    import importlib
+
+    module = importlib.import_module(f"convfuse.ops.cudnn.{ENGINES[layer][0]}")
+    calls = []
+    real = getattr(module, ENGINES[layer][1])
+    monkeypatch.setattr(module, ENGINES[layer][1],
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     dtype = torch.float32
     make = {
         "conv": lambda: ct.Conv2d(8, 8, 3, padding=1, activation="silu"),
@@ -221,7 +235,13 @@ def test_an_eager_call_never_syncs(layer):
     try:
         _step(model, x)
         with torch.no_grad():
-            model(x)
+            y = model(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert len(calls) == 3
+    assert not y.isnan().any()
+    x = x.detach().requires_grad_()
+    assert type(model(x).grad_fn).__name__ in ("ConvBiasActBackward",
+                                                "ConvTransposeBiasActBackward",
+                                                "BatchNormFunctionBackward")
