@@ -74,3 +74,13 @@ def register_conv(op: Any) -> None:
                 return overload(*(_cast(a, _dev, dtype) for a in args))
 
         _LIB.impl(name.split("::")[-1], kernel, key, with_keyset=True)
+
+
+def cast_args(device_type: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The Autocast kernel's cast of a convolution op's arguments, for a call that does not
+    go through the dispatcher (Note [two call paths] in _eager.py): `args` unchanged
+    outside autocast."""
+    if device_type not in _DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
+        return args
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(_cast(a, device_type, dtype) for a in args)

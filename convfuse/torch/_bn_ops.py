@@ -46,18 +46,21 @@ from typing import Any
 import torch
 
 from .. import activations, ops
+from ..geometry import from_channels_first
 from ..ops._checks import ALIGNMENT
 from ..ops.batchnorm import as_factor
-from . import _double
+from ..plan.batchnorm import BatchNormGeometry
+from . import _double, _eager
 from ._arrays import (
     batchnorm_channels_last,
     empty_in_layout,
-    engine_context,
     logical,
     physical,
     to_array,
     to_tensor,
 )
+from ._ops import aligned, context
+from ._signature import Prepared, SignatureCache, lookup, op, tensor_key
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -84,6 +87,36 @@ def _layout(cl: bool) -> str:
     return "NHWC" if cl else "NCHW"
 
 
+_PREPARED = SignatureCache()
+
+
+def _prepare(name: str, x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...],
+             scalars: tuple[Any, ...]) -> Prepared:
+    """The layout and geometry of convfuse.ops.<name> for this signature, once (Note
+    [per-signature decisions] in _signature.py)."""
+    key = (name, tensor_key(x), *(tensor_key(t) for t in tensors), scalars)
+    prep = lookup(_PREPARED, key)
+    if prep is None:
+        cl = batchnorm_channels_last(x)
+        try:
+            geom = BatchNormGeometry.create(from_channels_first(x.shape, cl), _layout(cl), name)
+        except (TypeError, ValueError):  # the op refuses it, with its own words
+            geom = None
+        prep = _PREPARED.remember(key, Prepared(cl, geom, direct=geom is not None))
+    return prep
+
+
+def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether the contiguous `outputs` share no byte with each other or with `inputs` (the
+    overlap convfuse.ops refuses, which depends on addresses, not on the signature)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+             for t in (*outputs, *(i for i in inputs if i is not None))]
+    for k, (lo, hi) in enumerate(spans[:len(outputs)]):
+        if any(lo < h and l2 < hi for j, (l2, h) in enumerate(spans) if j != k):
+            return False
+    return True
+
+
 def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     yt = logical(to_tensor(y), cl)
@@ -95,9 +128,7 @@ def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor
     return yt, mean, invstd, zt
 
 
-@torch.library.custom_op("convfuse::batchnorm_training",
-                         mutates_args=("running_mean", "running_var"))
-def batchnorm_training(
+def _batchnorm_training(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
     residual: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
@@ -109,24 +140,31 @@ def batchnorm_training(
     1/num_batches_tracked (already incremented by the caller, as PyTorch does) for
     momentum=None (Note [the cumulative average on the device]). z is the pre-activation
     when the activation's backward needs it."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
     cumulative = running_mean is not None and momentum is None \
         and num_batches_tracked is not None
     # nothing to update / fresh statistics to fill / momentum (or 1 with no count, as torch)
     factor = 0.0 if running_mean is None else 1.0 if cumulative else as_factor(momentum, 1)
+    prep = _prepare("batchnorm_forward_training", x, (weight, bias, running_mean,
+                                                      running_var, residual),
+                    (factor, eps, activation))
+    cl = prep.cl
     # Statistics not already contiguous in the compute dtype run on a copy, written back;
     # for the cumulative average the op writes the batch's statistics into fresh ones.
     stats = [s if s is None or (_usable(s, cd) and not cumulative)
              else torch.zeros(s.shape, dtype=cd, device=s.device) if cumulative
              else s.to(cd, copy=True).contiguous()
              for s in (running_mean, running_var)]
-    with engine_context(x.device):
-        y, saved = ops.batchnorm_forward_training(
-            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
+    xp, rp = physical(x, cl), None if residual is None else physical(residual, cl)
+    written = [s for s, t in zip(stats, (running_mean, running_var)) if s is not None and s is t]
+    with context(x.device):
+        y, saved = op(
+            prep, x.device.type, "batchnorm_forward_training", to_array(xp),
+            _per_channel(weight, cd), _per_channel(bias, cd),
             None if stats[0] is None else to_array(stats[0]),
             None if stats[1] is None else to_array(stats[1]), _layout(cl), eps, factor,
-            activation, None if residual is None else to_array(physical(residual, cl)))
+            activation, None if rp is None else to_array(rp),
+            aligned=not written or _apart(written, (xp, rp, weight, bias)))
         out = _result(y, saved, cl, x)
     if cumulative:
         assert num_batches_tracked is not None  # part of `cumulative`
@@ -141,21 +179,33 @@ def batchnorm_training(
     return out
 
 
-@torch.library.custom_op("convfuse::batchnorm_inference", mutates_args=())
-def batchnorm_inference(
+batchnorm_training = torch.library.custom_op(
+    "convfuse::batchnorm_training", _batchnorm_training,
+    mutates_args=("running_mean", "running_var"))
+
+
+def _batchnorm_inference(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     running_mean: torch.Tensor, running_var: torch.Tensor, residual: torch.Tensor | None,
     eps: float, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, invstd, z) as batchnorm_training, with the running statistics."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
-    with engine_context(x.device):
-        y, saved = ops.batchnorm_forward_inference(
-            to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
-            _per_channel(running_mean, cd), _per_channel(running_var, cd), _layout(cl), eps,
-            activation, None if residual is None else to_array(physical(residual, cl)))
+    prep = _prepare("batchnorm_forward_inference", x, (weight, bias, running_mean,
+                                                       running_var, residual),
+                    (eps, activation))
+    cl = prep.cl
+    with context(x.device):
+        y, saved = op(
+            prep, x.device.type, "batchnorm_forward_inference", to_array(physical(x, cl)),
+            _per_channel(weight, cd), _per_channel(bias, cd), _per_channel(running_mean, cd),
+            _per_channel(running_var, cd), _layout(cl), eps, activation,
+            None if residual is None else to_array(physical(residual, cl)))
         return _result(y, saved, cl, x)
+
+
+batchnorm_inference = torch.library.custom_op(
+    "convfuse::batchnorm_inference", _batchnorm_inference, mutates_args=())
 
 
 def _fake_forward(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, ...]:
@@ -179,8 +229,7 @@ def _(x, weight, bias, running_mean, running_var, residual, eps, activation):
     return _fake_forward(x, activation)
 
 
-@torch.library.custom_op("convfuse::batchnorm_backward", mutates_args=())
-def batchnorm_backward(
+def _batchnorm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
     saved: torch.Tensor | None, mean: torch.Tensor, invstd: torch.Tensor, training: bool,
     eps: float, activation: str, need_dx: bool, need_dres: bool,
@@ -189,20 +238,24 @@ def batchnorm_backward(
     dres only when asked for, else empty. dweight/dbias (in the parameters' dtype) come
     from the same pass whenever weight is given (cuDNN computes them together with dx);
     empty for affine=False."""
-    cl = batchnorm_channels_last(x)
     cd = _compute_dtype(x)
+    prep = _prepare("batchnorm_backward", x, (dy, weight, bias, saved, mean, invstd),
+                    (training, eps, activation))
+    cl = prep.cl
     xp = physical(x, cl)
     # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad (affine only).
     dw = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
     db = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
-    with engine_context(x.device):
+    with context(x.device):
         state = ops.BatchNormSaved(
             to_array(mean), to_array(invstd),
             None if saved is None else to_array(physical(saved, cl)), training)
-        dx, _, _, dres = ops.batchnorm_backward(
-            to_array(physical(dy, cl)), to_array(xp), _per_channel(weight, cd),
-            _per_channel(bias, cd), state, _layout(cl), eps, activation, need_dres, need_dx,
-            None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0)
+        dx, _, _, dres = op(
+            prep, x.device.type, "batchnorm_backward", to_array(physical(dy, cl)),
+            to_array(xp), _per_channel(weight, cd), _per_channel(bias, cd), state,
+            _layout(cl), eps, activation, need_dres, need_dx,
+            None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0,
+            aligned=aligned(mean) and aligned(invstd))
         empty = dy.new_empty(0)
         return (
             logical(to_tensor(dx), cl) if dx is not None else empty,
@@ -210,6 +263,10 @@ def batchnorm_backward(
             db.to(weight.dtype) if db is not None and weight is not None else empty.clone(),
             logical(to_tensor(dres), cl) if dres is not None else empty.clone(),
         )
+
+
+batchnorm_backward = torch.library.custom_op(
+    "convfuse::batchnorm_backward", _batchnorm_backward, mutates_args=())
 
 
 @batchnorm_backward.register_fake
@@ -225,25 +282,50 @@ def _(dy, x, weight, bias, saved, mean, invstd, training, eps, activation, need_
     )
 
 
+def _bump(*stats: torch.Tensor | None) -> None:
+    """What the custom op's ADInplaceOrView kernel does for its mutated arguments (outside
+    inference mode): the running statistics' version counters move on."""
+    if not torch.is_inference_mode_enabled():
+        torch.autograd.graph.increment_version([t for t in stats if t is not None])
+
+
+def _forward(eager: bool, x: torch.Tensor, weight: torch.Tensor | None,
+             bias: torch.Tensor | None, residual: torch.Tensor | None,
+             running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+             num_batches_tracked: torch.Tensor | None, use_batch_stats: bool,
+             momentum: float | None, eps: float, activation: str) -> tuple[torch.Tensor, ...]:
+    """(y, mean, invstd, z) from the custom op, or on the eager path its body (Note [two
+    call paths] in _eager.py)."""
+    if use_batch_stats:
+        if not eager:
+            return torch.ops.convfuse.batchnorm_training(
+                x, weight, bias, running_mean, running_var, residual, num_batches_tracked,
+                momentum, eps, activation)
+        _bump(running_mean, running_var)
+        return _batchnorm_training(x, weight, bias, running_mean, running_var, residual,
+                                   num_batches_tracked, momentum, eps, activation)
+    infer: Any = _batchnorm_inference if eager else torch.ops.convfuse.batchnorm_inference
+    return infer(x, weight, bias, running_mean, running_var, residual, eps, activation)
+
+
 class BatchNormFunction(torch.autograd.Function):
     """act(batchnorm(x) + residual) through the ops above (Note [autograd for a mutating
-    custom op]). `use_batch_stats` picks batchnorm_training; running_mean/var are then
+    custom op]), or in plain eager mode through their bodies (Note [two call paths] in
+    _eager.py). `use_batch_stats` picks batchnorm_training; running_mean/var are then
     updated when given."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, running_mean, running_var,
                 num_batches_tracked, use_batch_stats, momentum, eps, activation):
-        if use_batch_stats:
-            y, mean, invstd, z = torch.ops.convfuse.batchnorm_training(
-                x, weight, bias, running_mean, running_var, residual, num_batches_tracked,
-                momentum, eps, activation)
-        else:
-            y, mean, invstd, z = torch.ops.convfuse.batchnorm_inference(
-                x, weight, bias, running_mean, running_var, residual, eps, activation)
+        eager = _eager.takes_eager_path(x, weight, bias, residual, running_mean, running_var,
+                                        num_batches_tracked)
+        y, mean, invstd, z = _forward(eager, x, weight, bias, residual, running_mean,
+                                      running_var, num_batches_tracked, use_batch_stats,
+                                      momentum, eps, activation)
         kind = activations.saves(activation)
         saved = {"none": None, "output": y, "preactivation": z}[kind]
         ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
-        ctx.hyper = (bool(use_batch_stats), float(eps), activation)
+        ctx.hyper = (bool(use_batch_stats), float(eps), activation, eager)
         # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
         ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
         ctx.set_materialize_grads(False)
@@ -252,7 +334,7 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, _dmean, _dinvstd, dz_output):
         x, weight, bias, saved, mean, invstd = ctx.saved_tensors
-        training, eps, activation = ctx.hyper
+        training, eps, activation, eager = ctx.hyper
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         none7 = (None,) * 7
         if _double.takes_recorded_path(dz_output):
@@ -268,10 +350,24 @@ class BatchNormFunction(torch.autograd.Function):
             return (None,) * 4 + none7
         dx = dw = db = dres = None
         if need_dx or need_dw or need_db or (need_dres and not identity):
-            dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(
-                dy, x, weight, bias, saved, mean, invstd, training, eps, activation,
-                bool(need_dx), bool(need_dres) and not identity)
+            op = _batchnorm_backward if eager and _eager.takes_eager_path(dy) \
+                else torch.ops.convfuse.batchnorm_backward
+            dx, dw, db, dres = op(dy, x, weight, bias, saved, mean, invstd, training, eps,
+                                  activation, bool(need_dx), bool(need_dres) and not identity)
         if need_dres and identity:
             dres = dy  # the gradient at the sum is dy itself: no copy, no op
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 dres if need_dres else None, *none7)
+
+
+def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, running_mean: torch.Tensor | None,
+                   running_var: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
+                   use_batch_stats: bool, momentum: float | None, eps: float,
+                   activation: str) -> torch.Tensor:
+    """A batch-norm layer's call: BatchNormFunction, or its forward alone where autograd
+    records nothing on the eager path (Note [two call paths] in _eager.py)."""
+    args = (x, weight, bias, residual, running_mean, running_var, num_batches_tracked)
+    if not _eager.needs_graph(x, weight, bias, residual) and _eager.takes_eager_path(*args):
+        return _forward(True, *args, use_batch_stats, momentum, eps, activation)[0]
+    return BatchNormFunction.apply(*args, use_batch_stats, momentum, eps, activation)[0]

@@ -4,7 +4,10 @@
 are `torch.library.custom_op`s with fake (meta) implementations, and the forward's
 gradient is registered with `register_autograd`. So `torch.compile(model, fullgraph=True)`
 sees each layer as one op in the forward graph and one in the backward graph, with no graph
-break, and never traces into NumPy or CuPy.
+break, and never traces into NumPy or CuPy. In plain eager mode the layers skip the
+dispatcher and run the same bodies inside one autograd.Function, `ConvBiasAct` (Note [two
+call paths] in _eager.py); what a body decides from its signature is decided once (Note
+[per-signature decisions] in _signature.py).
 
 Both ops work on the tensors' memory through convfuse's stateless ops (convfuse.ops), with
 the layout rules of Note [layouts across the bridge] and, on CUDA, PyTorch's stream and
@@ -20,14 +23,16 @@ back as empty tensors (never read), and the residual's gradient for an identity 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .. import activations, ops
-from ..geometry import ConvGeometry
-from . import _autocast, _double
+from .. import activations
+from ..geometry import ConvGeometry, from_channels_first
+from ..ops._checks import ALIGNMENT
+from . import _autocast, _double, _eager
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
@@ -39,31 +44,78 @@ from ._arrays import (
     to_tensor,
 )
 from ._grad_ops import conv_output_shape  # and registers the differentiable ops
+from ._signature import Prepared, SignatureCache, op, tensor_key
+
+_PREPARED = SignatureCache()
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
     return None if t is None else to_array(physical(t, channels_last))
 
 
-@torch.library.custom_op("convfuse::conv_bias_act", mutates_args=())
-def conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  residual: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
-                  dilation: Sequence[int], groups: int,
+def context(device: torch.device) -> Any:
+    """engine_context(device), skipped on the CPU where it has nothing to set."""
+    return engine_context(device) if device.type == "cuda" else _NO_CONTEXT
+
+
+def aligned(t: torch.Tensor | None) -> bool:
+    """Whether a tensor handed to convfuse without physical() (a bias) is at an address
+    convfuse's GPU ops accept; convfuse.ops checks it where this is False."""
+    return t is None or t.device.type != "cuda" or t.data_ptr() % ALIGNMENT == 0
+
+
+def prepare(kind: type, x: torch.Tensor, weight: torch.Tensor, hyper: tuple[Any, ...],
+            others: tuple[Any, ...], output_padding: Sequence[int] | None = None) -> Prepared:
+    """The layout and geometry of a convolution (`kind` ConvGeometry) or transposed one
+    (ConvTransposeGeometry, with `output_padding`), once per signature (Note
+    [per-signature decisions] in _signature.py); `hyper` is (stride, padding, dilation,
+    groups), `others` the keys of the op's other tensors."""
+    stride, padding, dilation, groups = hyper
+    opad = None if output_padding is None else tuple(output_padding)
+    key = (kind, tensor_key(x), tensor_key(weight), tuple(stride), tuple(padding),
+           tuple(dilation), groups, opad, others)
+    prep = _PREPARED.get(key)
+    if prep is None:
+        cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
+        args: tuple[Any, ...] = (stride, padding, dilation, groups) if opad is None \
+            else (stride, padding, output_padding, dilation, groups)
+        geom: Any = geometry(kind, from_channels_first(x.shape, cl),
+                        from_channels_first(weight.shape, cl), cl, *args)
+        prep = _PREPARED.remember(key, Prepared(cl, geom))
+    return prep
+
+
+def fused_forward(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None, residual: torch.Tensor | None,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, z): y = act(conv(x, weight) + bias + residual); z is the pre-activation when the
-    activation's backward needs it (silu, gelu), else an empty tensor. Both are in the
-    memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
-    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
+    """The body of a fused forward op (conv_bias_act's or conv_transpose_bias_act's): (y, z)
+    from convfuse.ops.<name>, in the layout `prep` decided."""
+    cl = prep.cl
     xp, wp = physical(x, cl), physical(weight, cl)
-    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
-    with engine_context(x.device):
-        y, z = ops.conv_bias_act(
-            to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
-            activation=activation, residual=_array_or_none(residual, cl),
-        )
+    with context(x.device):
+        y, z = op(prep, x.device.type, name, to_array(xp), to_array(wp),
+                  None if bias is None else to_array(bias), prep.geom, activation,
+                  _array_or_none(residual, cl), aligned=aligned(bias))
         yt = logical(to_tensor(y), cl)
         zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
     return yt, zt
+
+
+def _conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
+                   dilation: Sequence[int], groups: int,
+                   activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, z): y = act(conv(x, weight) + bias + residual); z is the pre-activation when the
+    activation's backward needs it (silu, gelu), else an empty tensor. Both are in the
+    memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
+    prep = prepare(ConvGeometry, x, weight, (stride, padding, dilation, groups),
+                   (tensor_key(bias), tensor_key(residual)))
+    return fused_forward("conv_bias_act", prep, x, weight, bias, residual, activation)
+
+
+conv_bias_act = torch.library.custom_op("convfuse::conv_bias_act", _conv_bias_act,
+                                        mutates_args=())
 
 
 @conv_bias_act.register_fake
@@ -76,8 +128,7 @@ def _(x, weight, bias, residual, stride, padding, dilation, groups, activation):
     return y, x.new_empty(0)
 
 
-@torch.library.custom_op("convfuse::conv_bias_act_backward", mutates_args=())
-def conv_bias_act_backward(
+def _conv_bias_act_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
     activation: str, need_dx: bool, need_dw: bool, need_db: bool, need_dz: bool,
@@ -85,11 +136,14 @@ def conv_bias_act_backward(
     """(dx, dw, db, dz) of conv_bias_act, each computed only when its `need_*` is set
     (else an empty tensor). dz is the pre-activation's gradient, which is the residual's;
     for identity it is dy itself, so the op never returns it then."""
-    cl = conv_channels_last(x, weight, stride, padding, dilation, groups)
-    xp, wp = physical(x, cl), physical(weight, cl)
-    geom = geometry(ConvGeometry, xp.shape, wp.shape, cl, stride, padding, dilation, groups)
-    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+    prep = prepare(ConvGeometry, x, weight, (stride, padding, dilation, groups),
+                   (tensor_key(dy), tensor_key(saved)))
+    return fused_backward(dy, x, weight, saved, prep, activation,
                           (need_dx, need_dw, need_db, need_dz), CONV_BACKWARD)
+
+
+conv_bias_act_backward = torch.library.custom_op(
+    "convfuse::conv_bias_act_backward", _conv_bias_act_backward, mutates_args=())
 
 
 #: The convfuse.ops functions a fused backward calls, by name (looked up at each call):
@@ -99,37 +153,39 @@ CONV_BACKWARD = ("conv_backward_bias", "activation_backward_bias", "conv_backwar
 
 
 def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                   saved: torch.Tensor | None, xp: torch.Tensor, wp: torch.Tensor, geom: Any,
-                   cl: bool, activation: str, needs: tuple[bool, bool, bool, bool],
-                   names: tuple[str, str, str, str],
+                   saved: torch.Tensor | None, prep: Prepared, activation: str,
+                   needs: tuple[bool, bool, bool, bool], names: tuple[str, str, str, str],
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of a fused backward op (conv_bias_act's or conv_transpose_bias_act's):
     (dx, dw, db, dz), each only when asked (else an empty tensor), with convfuse's fused
-    activation-backward + bias-gradient kernel; `names` are the ops to call."""
-    bias_grad, act_bias_grad, filter_grad, data_grad = (getattr(ops, n) for n in names)
+    activation-backward + bias-gradient kernel; `names` are the convfuse.ops to call."""
+    bias_grad, act_bias_grad, filter_grad, data_grad = names
     need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
+    cl, geom, dev = prep.cl, prep.geom, x.device.type
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
     # views), written by convfuse through `out=` on their physical views.
     dx_t = empty_in_layout(x, x.shape, cl) if need_dx else None
     dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
-    with engine_context(x.device):
+    with context(x.device):
         dya = to_array(physical(dy, cl))
         sa = _array_or_none(saved, cl)
         db_a = None if db_t is None else to_array(db_t)
         if act == "identity":
             dz = dya
             if need_db:
-                bias_grad(dz, geom, out=db_a)
+                op(prep, dev, bias_grad, dz, geom, db_a)
         elif need_db:
-            dz, _ = act_bias_grad(dya, sa, act, geom, db_out=db_a)
+            dz, _ = op(prep, dev, act_bias_grad, dya, sa, act, geom, db_a)
         else:
-            dz = ops.activation_backward(dya, sa, act)
+            dz = op(prep, dev, "activation_backward", dya, sa, act)
         if dw_t is not None:  # need_dw
-            filter_grad(to_array(xp), dz, geom, out=to_array(physical(dw_t, cl)))
+            op(prep, dev, filter_grad, to_array(physical(x, cl)), dz, geom,
+               to_array(physical(dw_t, cl)))
         if dx_t is not None:  # need_dx
-            data_grad(dz, to_array(wp), geom, out=to_array(physical(dx_t, cl)))
+            op(prep, dev, data_grad, dz, to_array(physical(weight, cl)), geom,
+               to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     empty = dy.new_empty(0)
     return (
@@ -162,13 +218,13 @@ def empty_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, cl: 
     return dx, dw, db, dz
 
 
-def register_fused_autograd(forward: Any, backward_op: Any, recorded: str) -> None:
-    """Autograd for a fused forward op `forward(x, weight, bias, residual, *hyper,
-    activation) -> (y, z)` (conv_bias_act, conv_transpose_bias_act): its fused backward op
-    `backward_op(dy, x, weight, saved, *hyper, activation, need_dx, need_dw, need_db,
-    need_dz)`, or _double's function named `recorded`, (ctx, dy, dz, x, weight, saved,
-    *hyper, activation), when the backward itself is recorded (Note [two backward paths]
-    in _double.py)."""
+def fused_autograd(backward_op: Any, recorded: str) -> tuple[Any, Any]:
+    """(setup_context, backward) of a fused forward `forward(x, weight, bias, residual,
+    *hyper, activation) -> (y, z)` (conv_bias_act, conv_transpose_bias_act): its fused
+    backward `backward_op(dy, x, weight, saved, *hyper, activation, need_dx, need_dw,
+    need_db, need_dz)` (the custom op, or its body on the eager path), or _double's
+    function named `recorded`, (ctx, dy, dz, x, weight, saved, *hyper, activation), when
+    the backward itself is recorded (Note [two backward paths] in _double.py)."""
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         x, weight, bias, _residual, *hyper, activation = inputs
@@ -204,9 +260,55 @@ def register_fused_autograd(forward: Any, backward_op: Any, recorded: str) -> No
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 dres, *rest)
 
+    return setup_context, backward
+
+
+def register_fused_autograd(forward: Any, backward_op: Any, recorded: str) -> None:
+    """Autograd for the fused forward custom op `forward` (fused_autograd's)."""
+    setup_context, backward = fused_autograd(backward_op, recorded)
     forward.register_autograd(backward, setup_context=setup_context)
+
+
+def eager_function(name: str, forward_body: Any, backward_body: Any,
+                   recorded: str) -> type[torch.autograd.Function]:
+    """The eager path's autograd.Function of a fused op (Note [two call paths] in
+    _eager.py): the custom op's body as forward, its setup_context, and its backward
+    formula calling the backward op's body."""
+    setup_context, backward = fused_autograd(backward_body, recorded)
+
+    # forward(ctx, ...) calling setup_context itself: a Function with a separate
+    # setup_context makes `apply` bind the arguments with inspect.signature at every call.
+    def forward(ctx: Any, *args: Any) -> Any:
+        output = forward_body(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__module__": __name__,
+        "__doc__": f"{forward_body.__name__.lstrip('_')} as one autograd node (eager path)."})
+
+
+def call_fused(custom_op: Any, function: Any, body: Any, args: tuple[Any, ...]) -> Any:
+    """A fused forward `(x, weight, bias, residual, *rest)`: the custom op where a tracer
+    or transform must see it, else the eager path (Note [two call paths] in _eager.py)."""
+    x, weight, bias, residual = args[:4]
+    if not _eager.takes_eager_path(x, weight, bias, residual):
+        return custom_op(*args)
+    args = _autocast.cast_args(x.device.type, args)
+    if _eager.needs_graph(*args[:4]):
+        return function.apply(*args)
+    return body(*args)
 
 
 register_fused_autograd(conv_bias_act, torch.ops.convfuse.conv_bias_act_backward,
                         "conv_backward")
 _autocast.register_conv(conv_bias_act)
+
+ConvBiasAct = eager_function("ConvBiasAct", _conv_bias_act, _conv_bias_act_backward,
+                             "conv_backward")
+
+
+def conv_bias_act_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops.convfuse.conv_bias_act(*args), taking the eager path where it may."""
+    return call_fused(torch.ops.convfuse.conv_bias_act, ConvBiasAct, _conv_bias_act, args)

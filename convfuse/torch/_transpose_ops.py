@@ -19,23 +19,24 @@ has an autocast kernel that casts like torch's conv_transpose (Note [autocast]).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from .. import activations, ops
+from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
 from . import _autocast
-from ._arrays import (
-    conv_channels_last,
-    empty_in_layout,
-    engine_context,
-    geometry,
-    logical,
-    physical,
-    to_array,
-    to_tensor,
+from ._arrays import conv_channels_last, empty_in_layout
+from ._ops import (
+    call_fused,
+    eager_function,
+    empty_backward,
+    fused_backward,
+    fused_forward,
+    prepare,
+    register_fused_autograd,
 )
-from ._ops import _array_or_none, empty_backward, fused_backward, register_fused_autograd
+from ._signature import tensor_key
 
 
 def output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
@@ -47,25 +48,21 @@ def output_shape(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequenc
     return [x_shape[0], w_shape[1] * groups, *spatial]
 
 
-@torch.library.custom_op("convfuse::conv_transpose_bias_act", mutates_args=())
-def conv_transpose_bias_act(
+def _conv_transpose_bias_act(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     residual: torch.Tensor | None, stride: Sequence[int], padding: Sequence[int],
     output_padding: Sequence[int], dilation: Sequence[int], groups: int, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv_transpose(x, weight) + bias + residual); z is the
     pre-activation when the activation's backward needs it (silu, gelu), else empty."""
-    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
-    xp, wp = physical(x, cl), physical(weight, cl)
-    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
-                    output_padding, dilation, groups)
-    with engine_context(x.device):
-        y, z = ops.conv_transpose_bias_act(
-            to_array(xp), to_array(wp), None if bias is None else to_array(bias), geom,
-            activation=activation, residual=_array_or_none(residual, cl))
-        yt = logical(to_tensor(y), cl)
-        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
-    return yt, zt
+    prep = prepare(ConvTransposeGeometry, x, weight, (stride, padding, dilation, groups),
+                   (tensor_key(bias), tensor_key(residual)), output_padding)
+    return fused_forward("conv_transpose_bias_act", prep, x, weight, bias, residual,
+                         activation)
+
+
+conv_transpose_bias_act = torch.library.custom_op(
+    "convfuse::conv_transpose_bias_act", _conv_transpose_bias_act, mutates_args=())
 
 
 @conv_transpose_bias_act.register_fake
@@ -79,8 +76,7 @@ def _(x, weight, bias, residual, stride, padding, output_padding, dilation, grou
     return y, x.new_empty(0)
 
 
-@torch.library.custom_op("convfuse::conv_transpose_bias_act_backward", mutates_args=())
-def conv_transpose_bias_act_backward(
+def _conv_transpose_bias_act_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor | None,
     stride: Sequence[int], padding: Sequence[int], output_padding: Sequence[int],
     dilation: Sequence[int], groups: int, activation: str, need_dx: bool, need_dw: bool,
@@ -88,13 +84,15 @@ def conv_transpose_bias_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db, dz), each computed only when its `need_*` is set (else empty). dz is the
     pre-activation's gradient (the residual's); for identity it is dy, never returned."""
-    cl = conv_channels_last(x, weight, stride, padding, dilation, groups, output_padding)
-    xp, wp = physical(x, cl), physical(weight, cl)
-    geom = geometry(ConvTransposeGeometry, xp.shape, wp.shape, cl, stride, padding,
-                    output_padding, dilation, groups)
-    return fused_backward(dy, x, weight, saved, xp, wp, geom, cl, activation,
+    prep = prepare(ConvTransposeGeometry, x, weight, (stride, padding, dilation, groups),
+                   (tensor_key(dy), tensor_key(saved)), output_padding)
+    return fused_backward(dy, x, weight, saved, prep, activation,
                           (need_dx, need_dw, need_db, need_dz), _BACKWARD)
 
+
+conv_transpose_bias_act_backward = torch.library.custom_op(
+    "convfuse::conv_transpose_bias_act_backward", _conv_transpose_bias_act_backward,
+    mutates_args=())
 
 _BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward_bias",
              "conv_transpose_backward_filter", "conv_transpose_backward_data")
@@ -112,3 +110,14 @@ register_fused_autograd(conv_transpose_bias_act,
                         torch.ops.convfuse.conv_transpose_bias_act_backward,
                         "conv_transpose_backward")
 _autocast.register_conv(conv_transpose_bias_act)
+
+ConvTransposeBiasAct = eager_function(
+    "ConvTransposeBiasAct", _conv_transpose_bias_act, _conv_transpose_bias_act_backward,
+    "conv_transpose_backward")
+
+
+def conv_transpose_bias_act_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops.convfuse.conv_transpose_bias_act(*args), taking the eager path where it
+    may."""
+    return call_fused(torch.ops.convfuse.conv_transpose_bias_act, ConvTransposeBiasAct,
+                      _conv_transpose_bias_act, args)

@@ -21,7 +21,8 @@ from torch import nn
 
 from .. import activations
 from ._arrays import SUPPORTED_DTYPES
-from ._bn_ops import BatchNormFunction
+from ._bn_ops import batchnorm_call
+from ._signature import SignatureCache, lookup
 from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -39,6 +40,13 @@ def _torch_allows_zero_eps_in_eval() -> bool:
 
 
 _ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
+
+#: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
+_CHECKED = SignatureCache()
+
+
+def _meta(t: Any) -> Any:
+    return None if t is None else (t.dtype, t.device)
 
 
 class _BatchNormNd(nn.Module):
@@ -185,7 +193,10 @@ class _BatchNormNd(nn.Module):
         between batch and running statistics and whether the running ones are updated."""
         use_batch_stats = self.training or (self.running_mean is None
                                             and self.running_var is None)
-        self._check(x, residual, use_batch_stats)  # before any state changes
+        key = self._signature(x, residual, use_batch_stats)
+        if lookup(_CHECKED, key) is None:
+            self._check(x, residual, use_batch_stats)  # before any state changes
+            _CHECKED.remember(key, True)
         factor_momentum = self.momentum
         update = self.training and self.track_running_stats
         if update and self.num_batches_tracked is not None:
@@ -198,10 +209,23 @@ class _BatchNormNd(nn.Module):
         rv = self.running_var if stats else None
         if x.numel() == 0:
             return self._empty_batch(x, residual, rm, rv, use_batch_stats)
-        y, _, _, _ = BatchNormFunction.apply(
-            x, self.weight, self.bias, residual, rm, rv, self.num_batches_tracked,
-            use_batch_stats, factor_momentum, float(self.eps), self.activation)
-        return y
+        return batchnorm_call(x, self.weight, self.bias, residual, rm, rv,
+                              self.num_batches_tracked, use_batch_stats, factor_momentum,
+                              float(self.eps), self.activation)
+
+    def _signature(self, x: Any, residual: Any, use_batch_stats: bool) -> Any:
+        """The key of an input's checks (Note [per-signature decisions] in _signature.py),
+        or None where they must run every time (a non-tensor argument, which they refuse;
+        a trace, whose sizes may be symbolic)."""
+        if (type(x) is not torch.Tensor or (residual is not None
+                                            and type(residual) is not torch.Tensor)
+                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
+            return None
+        return (type(self), x.shape, x.dtype, x.device,
+                None if residual is None else (residual.shape, residual.dtype,
+                                               residual.device),
+                _meta(self.weight), _meta(self.bias), _meta(self.running_mean),
+                _meta(self.running_var), self.num_features, self.eps, use_batch_stats)
 
     def _empty_batch(self, x: torch.Tensor, residual: torch.Tensor | None, rm: Any, rv: Any,
                      use_batch_stats: bool) -> torch.Tensor:

@@ -5,8 +5,9 @@ shapes, same RNG draws in the same order), so state dicts are interchangeable an
 construction gives the same numbers. The constructor takes torch.nn's arguments in
 torch.nn's order; convfuse's additions (`activation`) are keyword-only.
 `forward(x, residual=None)` is one call of the `convfuse::conv_bias_act` custom op
-(see _ops.py), after torch.nn's own handling of what cuDNN cannot pad
-(Note [padding convfuse leaves to torch]).
+(see _ops.py; in plain eager mode its body inside one autograd.Function, Note [two call
+paths] in _eager.py), its input checks made once per signature, after torch.nn's own
+handling of what cuDNN cannot pad (Note [padding convfuse leaves to torch]).
 
 Note [padding convfuse leaves to torch]
 cuDNN pads with zeros, the same amount on both sides. torch.nn's conv does the rest by
@@ -32,8 +33,12 @@ from torch import nn
 from .. import activations
 from ..errors import ConvfuseError
 from ..geometry import IntOrTuple, as_tuple, same_padding
-from . import _autocast, _ops  # noqa: F401  (_ops registers torch.ops.convfuse.*)
+from . import _autocast, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
+from ._signature import SignatureCache, lookup
+
+#: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
+_CHECKED = SignatureCache()
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _FUNCTIONAL = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -49,6 +54,26 @@ class _ConvLayer(nn.Module):
     the dtype, their parameters and initialisation, and the checks of an input."""
 
     _rank = 0
+
+    def _hyper(self) -> tuple[Any, ...]:
+        """Every attribute the input checks read (the cache key's hyperparameters)."""
+        return (self.in_channels, self.out_channels, self.kernel_size, self.stride,
+                self.padding, self.dilation, self.groups, self.padding_mode,
+                self.output_padding, getattr(self, "_pads", None))
+
+    def _signature(self, x: Any, residual: Any, *extra: Any) -> Any:
+        """The key of an input's checks (Note [per-signature decisions] in _signature.py),
+        or None where they must run every time (a non-tensor argument, which they refuse;
+        a trace, whose sizes may be symbolic)."""
+        if (type(x) is not torch.Tensor or (residual is not None
+                                            and type(residual) is not torch.Tensor)
+                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
+            return None
+        w, dev = self.weight, x.device
+        return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
+                None if residual is None else (residual.shape, residual.dtype,
+                                               residual.device),
+                torch.is_autocast_enabled(dev.type), self._hyper(), extra)
 
     def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
@@ -236,7 +261,10 @@ class _ConvNd(_ConvLayer):
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """torch.nn's hook for subclasses that transform the weight (weight standardisation),
         plus the residual."""
-        self._check(x, residual)
+        key = self._signature(x, residual)
+        if lookup(_CHECKED, key) is None:
+            self._check(x, residual)
+            _CHECKED.remember(key, True)
         batched = x.dim() == self._rank + 2
         if not batched:  # torch.nn's rule: run it as a batch of one, drop that dim again
             x = x.unsqueeze(0)
@@ -245,7 +273,7 @@ class _ConvNd(_ConvLayer):
         if x.shape[0] == 0:
             y = self._empty_batch(x, weight, bias, padding, residual)
         else:
-            y, _ = torch.ops.convfuse.conv_bias_act(
+            y, _ = _ops.conv_bias_act_call(
                 x, weight, bias, residual, list(self.stride), padding, list(self.dilation),
                 self.groups, self.activation)
         return y if batched else y.squeeze(0)

@@ -1,6 +1,7 @@
 """ConvTranspose1d, ConvTranspose2d, ConvTranspose3d as torch.nn.Modules running convfuse's
 fused transposed convolution (one `convfuse::conv_transpose_bias_act` custom op per call,
-see _transpose_ops.py).
+see _transpose_ops.py, or in plain eager mode its body inside one autograd.Function, Note
+[two call paths] in _eager.py).
 
 Constructor arguments are torch.nn.ConvTranspose*d's, in its order, plus keyword-only
 `activation=`; parameters are created, named and initialised as torch.nn's (weight
@@ -21,7 +22,8 @@ from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import output_padding_for
 from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
-from .conv import _ConvLayer
+from ._signature import lookup
+from .conv import _CHECKED, _ConvLayer
 
 
 class _ConvTransposeNd(_ConvLayer):
@@ -87,9 +89,28 @@ class _ConvTransposeNd(_ConvLayer):
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
         it runs in the autocast dtype, a residual cast too (Note [autocast])."""
-        name = type(self).__name__
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
+        sizes = None if output_size is None else tuple(output_size)
+        key = self._signature(input, residual, sizes)
+        opad = lookup(_CHECKED, key)
+        if opad is None:
+            opad = _CHECKED.remember(key, self._check(input, output_size, residual))
+        unbatched = input.dim() == self._rank + 1
+        x = input.unsqueeze(0) if unbatched else input
+        res = residual
+        if res is not None and unbatched:
+            res = res.unsqueeze(0)
+        y, _ = _transpose_ops.conv_transpose_bias_act_call(
+            x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
+            list(self.dilation), self.groups, self.activation)
+        return y.squeeze(0) if unbatched else y
+
+    def _check(self, input: torch.Tensor, output_size: Sequence[int] | None,
+               residual: torch.Tensor | None) -> tuple[int, ...]:
+        """The checks of a call (input, output_size, residual), refusing bad input before
+        anything runs; returns the output_padding the call runs with."""
+        name = type(self).__name__
         self._check_input(input)
         if residual is not None and not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
@@ -120,10 +141,7 @@ class _ConvTransposeNd(_ConvLayer):
                                           and not _autocast.casts(x, res)):
                 raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
                                 f"{x.dtype} on {x.device}")
-        y, _ = torch.ops.convfuse.conv_transpose_bias_act(
-            x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
-            list(self.dilation), self.groups, self.activation)
-        return y.squeeze(0) if unbatched else y
+        return tuple(opad)
 
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

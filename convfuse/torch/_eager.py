@@ -1,0 +1,52 @@
+"""When a layer may skip the custom-op dispatcher (Note [two call paths]).
+
+Note [two call paths]
+A torch.library custom op with autograd costs tens of microseconds of host time before its
+body runs (default filling, redispatch, the autograd wrapper): more than a small
+convolution's arithmetic, and on a GPU host time per call is what a step at small and
+medium batch sizes waits on. So in plain eager mode a layer's call is one
+torch.autograd.Function (`apply` costs a few microseconds) whose forward and backward run
+the very bodies the custom ops run, with the same setup_context and backward formula: the
+same numbers bit for bit, the same errors, one autograd node per call, saved-tensor version
+checks, needs_input_grad and create_graph behaving as the custom op's do.
+
+The custom ops stay what every tracer sees: under torch.compile / export (dynamo sets
+torch.compiler.is_compiling()), torch.jit tracing, a torch function or dispatch mode (fake
+tensors, make_fx, FlopCounter, ...), a torch.func transform (vmap, grad, jvp: functorch's
+interpreter stack is not empty), or any argument that is a tensor subclass or a functorch
+wrapper, the layers call torch.ops.convfuse.* as before, so whatever intercepts operators
+sees the operators it knows. torch.func.functional_call alone swaps parameters for plain
+tensors and keeps the eager path.
+
+Autocast: the custom ops' Autocast kernels cast before autograd sees the op (Note
+[autocast]); the eager path applies the same cast (`_autocast.cast_args`) before the
+Function, so autograd records the same casts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
+    """Whether a layer's call may run its autograd.Function instead of the custom op
+    (Note [two call paths])."""
+    if (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or (type(t) in _PLAIN and not _wrapped(t)) for t in tensors)
+
+
+def needs_graph(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call: grad mode on and some input requiring grad.
+    Otherwise the eager path runs the body alone, as a custom op's autograd wrapper does
+    under no_grad."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in tensors)

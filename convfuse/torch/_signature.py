@@ -1,0 +1,179 @@
+"""Decisions the bridge makes once per call signature, and the engine calls they allow.
+
+Note [per-signature decisions]
+Everything a call decides from its tensors' shapes, strides, dtypes and devices and from
+the layer's hyperparameters (the argument checks, the output memory format torch would
+pick, the geometry, which engine runs) gives the same answer every time the signature
+recurs, so it is decided once and looked up after that. A key holds exactly what a
+decision reads, hyperparameters included, so reassigning a layer's hyperparameters after
+construction makes a new key instead of reusing a stale answer. Nothing is remembered from
+a call that failed: bad input misses the cache, takes the checked path and gets the same
+typed error before any engine call, every time.
+
+Once a convfuse.ops function has validated a signature (`op`), later calls with that
+signature call its engine function directly: convfuse.ops' validation reads only what the
+key holds, given what the bridge guarantees about the arrays it hands over: physical()
+makes data contiguous (and aligned on CUDA), outputs are fresh tensors (no overlap), and
+the caller passes `aligned` for what physical() does not touch. An op replaced on
+convfuse.ops (a test's spy) is always called through, so patching either level still
+observes every call; engine functions are looked up on their module at each call, as
+convfuse.ops does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import activations, ops
+from ..ops.batchnorm import _accumulate
+
+_MAX_ENTRIES = 4096  # distinct signatures remembered before starting over
+
+
+class SignatureCache(dict[Any, Any]):
+    """A dict of per-signature decisions that forgets everything when it grows too big
+    (a program that keeps changing shapes pays the decisions again, never unbounded
+    memory)."""
+
+    def remember(self, key: Any, value: Any) -> Any:
+        """`value`, stored under `key` unless that is unhashable (see `lookup`)."""
+        if key is None:
+            return value
+        if len(self) >= _MAX_ENTRIES:
+            self.clear()
+        with contextlib.suppress(TypeError):
+            self[key] = value
+        return value
+
+
+def lookup(cache: SignatureCache, key: Any) -> Any:
+    """cache[key], or None when absent or when `key` is None or unhashable (a list assigned
+    to a hyperparameter after construction: such a call is checked every time)."""
+    if key is None:
+        return None
+    try:
+        return cache.get(key)
+    except TypeError:
+        return None
+
+
+def tensor_key(t: torch.Tensor | None) -> Any:
+    """What the checks read of a tensor argument (strides included: layout and contiguity
+    decisions depend on them)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+class Prepared:
+    """One signature's decisions: the layout (channels last or not), the geometry, and the
+    convfuse.ops functions that validated it (Note [per-signature decisions])."""
+
+    __slots__ = ("checked", "cl", "direct", "geom")
+
+    def __init__(self, cl: bool, geom: Any, direct: bool = True) -> None:
+        self.cl, self.geom = cl, geom
+        self.checked: set[str] = set()
+        # False where convfuse.ops does more than validate for this geometry (an empty
+        # batch of a transposed convolution): always call through it then.
+        self.direct = direct and getattr(geom, "batch", 1) != 0
+
+
+def _act(a: Any) -> str:
+    return activations.normalize(a)
+
+
+def _bn_training(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
+                 _layout: str, eps: float, f: float, a: Any, r: Any) -> Any:
+    out = e.batchnorm_forward_training(x, w, b, rm, rv, p.geom, eps, f, _act(a), r)
+    y, saved, mean, invstd = out[:4]
+    return y, ops.BatchNormSaved(mean, invstd, saved, True, out[4] if len(out) > 4 else None)
+
+
+def _bn_inference(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
+                  _layout: str, eps: float, a: Any, r: Any) -> Any:
+    y, saved, mean, invstd = e.batchnorm_forward_inference(x, w, b, rm, rv, p.geom, eps,
+                                                           _act(a), r)
+    return y, ops.BatchNormSaved(mean, invstd, saved, False)
+
+
+def _bn_backward(e: ModuleType, p: Prepared, dy: Any, x: Any, w: Any, b: Any, saved: Any,
+                 _layout: str, eps: float, a: Any, residual: bool, need_dx: bool, wg: Any,
+                 bg: Any, beta: float) -> Any:
+    if not isinstance(dy, np.ndarray):  # cuDNN writes and accumulates the outputs itself
+        return e.batchnorm_backward(dy, x, w, b, saved, p.geom, eps, _act(a), bool(residual),
+                                    bool(need_dx), wg, bg, beta)
+    dx, dw, db, dres = e.batchnorm_backward(dy, x, w, saved.saved, saved.mean, saved.invstd,
+                                            saved.training, p.geom, _act(a), bool(residual),
+                                            bool(need_dx))
+    if w is None:
+        return dx, None, None, dres
+    if wg is not None:
+        _accumulate(wg, dw, beta)
+        _accumulate(bg, db, beta)
+        dw, db = wg, bg
+    return dx, dw, db, dres
+
+
+# convfuse.ops function -> (engine module kind, the engine's call with the op's arguments
+# and the defaults convfuse.ops fills in): the op minus its validation.
+_DIRECT: dict[str, tuple[str, Callable[..., Any]]] = {
+    "conv_bias_act": ("conv", lambda e, p, x, w, b, g, a, r:
+                      e.conv_bias_act(x, w, b, g, _act(a), r, 1.0)),
+    "conv_backward_bias": ("conv", lambda e, p, dz, g, out:
+                           e.conv_backward_bias(dz, g, out, 0.0)),
+    "conv_backward_filter": ("conv", lambda e, p, x, dz, g, out:
+                             e.conv_backward_filter(x, dz, g, out, 0.0)),
+    "conv_backward_data": ("conv", lambda e, p, dz, w, g, out:
+                           e.conv_backward_data(dz, w, g, out, 0.0)),
+    "activation_backward_bias": ("activation", lambda e, p, dy, s, a, g, db_out:
+                                 e.activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+    "activation_backward": ("activation", lambda e, p, dy, s, a:
+                            e.activation_backward(dy, s, _act(a), None)),
+    "conv_transpose_bias_act": ("conv_transpose", lambda e, p, x, w, b, g, a, r:
+                                e.conv_transpose_bias_act(x, w, b, g, _act(a), r, 1.0)),
+    "conv_transpose_backward_bias": (
+        "conv_transpose", lambda e, p, dz, g, out:
+        e.conv_transpose_activation_backward_bias(dz, None, "identity", g, out, 0.0)[1]),
+    "conv_transpose_activation_backward_bias": (
+        "conv_transpose", lambda e, p, dy, s, a, g, db_out:
+        e.conv_transpose_activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+    "conv_transpose_backward_filter": ("conv_transpose", lambda e, p, x, dz, g, out:
+                                       e.conv_transpose_backward_filter(x, dz, g, out, 0.0)),
+    "conv_transpose_backward_data": ("conv_transpose", lambda e, p, dz, w, g, out:
+                                     e.conv_transpose_backward_data(dz, w, g, out, 0.0)),
+    "batchnorm_forward_training": ("batchnorm", _bn_training),
+    "batchnorm_forward_inference": ("batchnorm", _bn_inference),
+    "batchnorm_backward": ("batchnorm", _bn_backward),
+}
+_ORIGINAL = {name: getattr(ops, name) for name in _DIRECT}
+_ENGINES: dict[tuple[str, str], ModuleType] = {}
+
+
+def _engine(device_type: str, kind: str) -> ModuleType:
+    mod = _ENGINES.get((device_type, kind))
+    if mod is None:  # convfuse.ops._checks.engine's choice: CuPy arrays run cuDNN
+        package = "cudnn" if device_type == "cuda" else "reference"
+        mod = _ENGINES[device_type, kind] = importlib.import_module(
+            f"convfuse.ops.{package}.{kind}")
+    return mod
+
+
+def op(prep: Prepared, device_type: str, name: str, *args: Any, aligned: bool = True) -> Any:
+    """convfuse.ops.<name>(*args) (positional, as _DIRECT spells them), validated the first
+    time `prep`'s signature calls it and a direct engine call after that."""
+    fn = getattr(ops, name)
+    if name in prep.checked and aligned and fn is _ORIGINAL[name]:
+        kind, direct = _DIRECT[name]
+        return direct(_engine(device_type, kind), prep, *args)
+    out = fn(*args)
+    if prep.direct:
+        prep.checked.add(name)
+    return out
