@@ -23,12 +23,32 @@ as the forward read it: dw is the gradient of the forward that ran. They cost
 prod(kernel) times x's size, so all kept columns alive together are capped at
 KEEP_COLUMNS_BYTES (a layer keeps its context until backward, also in inference): past the
 cap the backward rebuilds them, as it always did.
+
+Note [choosing the method]
+Each geometry's columns come one of three ways, chosen by what each computes:
+- tiny problems (at most GATHER_ELEMENTS column entries and input elements): one gather
+  through an index array built once per geometry (`_gather_index`). A handful of NumPy
+  calls, where the per-tap copies below and the flat layout's passes cost tens of us of
+  Python per call, which is all a 1x1x4x4 convolution costs;
+- stride 1 (conv_flat.py Note [flat padded convolution]): the flat padded convolution
+  computes every padded position of every tap, P per image against prod(out) useful ones.
+  It saves the im2col copy, and pays where its waste is small: it is taken only while
+  positions * taps <= FLAT_WASTE * outputs * live taps (`flat_choice`);
+- otherwise im2col columns of the live taps only. A tap whose every read falls in the
+  padding multiplies zeros: DeepLabV3's ASPP conv (3x3, dilation and padding 36, a 4x4 map)
+  has one live tap of nine, and the flat form computed 1,600 positions for its 16 outputs.
+  Its columns and its rows of the weight are left out (`_live_taps`). That changes no sum
+  (up to the sign of a zero one); the one value it could change is a non-finite operand:
+  inf * 0 = NaN, so a channel with a non-finite weight at a dead tap gets NaN everywhere, and
+  the filter gradient at dead taps is NaN where dz holds a non-finite value, as im2col gives
+  (`_dead_tap_nans`, `_full_filter`). A sum screens both, so finite operands pay one pass.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -112,30 +132,148 @@ def _column_plan(geom: ConvGeometry) -> tuple[tuple[Any, Any, list[Any]], ...]:
     return tuple(plans)
 
 
-def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
-             ) -> np.ndarray:
-    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
+# Note [choosing the method]: column entries (and input elements) up to which a geometry's
+# columns are one gather; past it the flat form is taken while its computed positions stay
+# within FLAT_WASTE times the useful ones.
+GATHER_ELEMENTS = 1 << 14
+FLAT_WASTE = 2.0
+
+
+@functools.lru_cache(maxsize=512)
+def _live_taps(geom: ConvGeometry) -> tuple[int, ...]:
+    """The kernel offsets (row-major) at which some output reads the input, not only padding
+    (Note [choosing the method])."""
+    live = []
+    for j, offset in enumerate(itertools.product(*(range(k) for k in geom.kernel_size))):
+        ranges = [_valid_range(*a) for a in zip(offset, geom.dilation, geom.stride,
+                                                 geom.padding, geom.input_shape_cf[2:],
+                                                 geom.output_spatial, strict=True)]
+        if all(hi > lo for lo, hi, _ in ranges):
+            live.append(j)
+    return tuple(live)
+
+
+@functools.lru_cache(maxsize=512)
+def _dead_taps(geom: ConvGeometry) -> tuple[int, ...]:
+    live = set(_live_taps(geom))
+    return tuple(j for j in range(math.prod(geom.kernel_size)) if j not in live)
+
+
+@functools.lru_cache(maxsize=512)
+def _column_entries(geom: ConvGeometry) -> int:
+    entries = geom.in_channels * len(_live_taps(geom)) * geom.batch * math.prod(
+        geom.output_spatial)
+    return max(entries, math.prod(geom.input_shape))
+
+
+@functools.lru_cache(maxsize=512)
+def _flat_by_cost(geom: ConvGeometry, itemsize: int) -> conv_flat.FlatLayout | None:
+    layout = conv_flat.flat_layout(geom, itemsize)
+    if layout is None:
+        return None
+    useful = geom.batch * math.prod(geom.output_spatial) * len(_live_taps(geom))
+    if layout.positions * math.prod(geom.kernel_size) > FLAT_WASTE * useful:
+        return None
+    return layout
+
+
+def flat_choice(geom: ConvGeometry, itemsize: int) -> conv_flat.FlatLayout | None:
+    """The flat layout where the engine takes the flat form for `geom`, else None (the
+    columns; Note [choosing the method])."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        return None
+    return _flat_by_cost(geom, itemsize)
+
+
+def _fill_columns(xc: np.ndarray, geom: ConvGeometry, dtype: np.dtype, fill: Any,
+                  tag: str | None = None) -> np.ndarray:
+    """cols[G, C/G*L, N*prod(out)] of the L live taps (Note [im2col per group]) from the
+    channels-first xc, `fill` where the padding is read.
 
     Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
     each offset's block gets the input positions it reads copied in, and only the outputs
-    that read padding are zeroed.
+    that read padding are filled.
     """
     g, c = geom.groups, geom.in_channels
-    xc = _channels_first(x, geom.channels_last)
     plans = _column_plan(geom)
-    shape = (g, c // g, len(plans), geom.batch, *geom.output_spatial)
-    cols = np.empty(shape, cd) if tag is None else _threads.scratch(tag, shape, cd)
+    live = _live_taps(geom)
+    shape = (g, c // g, len(live), geom.batch, *geom.output_spatial)
+    cols = np.empty(shape, dtype) if tag is None else _threads.scratch(tag, shape, dtype)
 
     def run(lo: int, hi: int) -> None:
         rows = slice(lo, hi)
-        for j, (dst, src, zero) in enumerate(plans):
+        for j, t in enumerate(live):
+            dst, src, zero = plans[t]
             block = cols[:, :, j, rows]  # (G, C/G, n, *out)
             for where in zero:
-                block[where] = 0
+                block[where] = fill
             block[dst] = _grouped(xc[(rows, *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(plans), -1)
+    return cols.reshape(g, (c // g) * len(live), -1)
+
+
+@functools.lru_cache(maxsize=128)
+def _gather_index(geom: ConvGeometry) -> np.ndarray:
+    """For a tiny geometry, the columns as indices into x's flat memory with one zero
+    appended (index x.size): cols = ext[index] (Note [choosing the method])."""
+    n = math.prod(geom.input_shape)
+    ids = np.arange(n, dtype=np.intp).reshape(geom.input_shape)
+    index = _fill_columns(_channels_first(ids, geom.channels_last), geom, np.dtype(np.intp), n)
+    index.flags.writeable = False
+    return index
+
+
+def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
+             ) -> np.ndarray:
+    """cols[G, C/G*L, N*prod(out)] of the L live taps, in `cd`: one gather for tiny
+    problems, else one strided copy per tap (Note [choosing the method])."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        ext = np.empty(x.size + 1, cd)
+        ext[:-1] = x.reshape(-1)
+        ext[-1] = 0
+        return ext[_gather_index(geom)]
+    return _fill_columns(_channels_first(x, geom.channels_last), geom, cd, 0, tag)
+
+
+def _live_weight(wm: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """A weight matrix (G, A, B*prod(kernel)) restricted to the live taps' rows."""
+    dead = _dead_taps(geom)
+    if not dead:
+        return wm
+    taps = math.prod(geom.kernel_size)
+    g, a = wm.shape[:2]
+    w4 = wm.reshape(g, a, -1, taps)
+    return np.ascontiguousarray(w4[..., list(_live_taps(geom))]).reshape(g, a, -1)
+
+
+def _dead_tap_nans(ym: np.ndarray, wm: np.ndarray, geom: ConvGeometry) -> None:
+    """NaN into every output of a channel whose weight is not finite at a dead tap, as the
+    full columns give (inf * 0); ym (G, A, M) is the live taps' GEMM result."""
+    dead = _dead_taps(geom)
+    if not dead or np.isfinite(wm.sum()):  # the sum screens: finite operands, finite sum
+        return
+    g, a = wm.shape[:2]
+    w4 = wm.reshape(g, a, -1, math.prod(geom.kernel_size))
+    bad = ~np.isfinite(w4[..., list(dead)]).all(axis=(2, 3))
+    ym[bad] = np.nan
+
+
+def _full_filter(dw: np.ndarray, dzm: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """The live taps' filter gradient (G, K/G, C/G*L) as the whole (G, K/G, C/G*prod(kernel)):
+    zeros at the dead taps, NaN there for a channel whose dz holds a non-finite value."""
+    dead = _dead_taps(geom)
+    if not dead:
+        return dw
+    g, kg = dw.shape[:2]
+    taps = math.prod(geom.kernel_size)
+    full = np.zeros((g, kg, geom.in_channels // g, taps), dw.dtype)
+    full[..., list(_live_taps(geom))] = dw.reshape(g, kg, geom.in_channels // g, -1)
+    if not np.isfinite(dzm.sum()):
+        bad = ~np.isfinite(dzm).all(axis=-1)  # (G, K/G)
+        for t in dead:
+            full[..., t][bad] = np.nan
+    return full.reshape(g, kg, -1)
 
 
 KEEP_COLUMNS_BYTES = 256 << 20
@@ -277,7 +415,7 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
     """conv(x, .) with the weight matrix wm (G, K/G, C/G*prod(kernel)), finished by
     `epilogue` into a new array in the geometry's layout and `dtype`. With `keep`, a
     forward inside keep_columns(x) leaves what the filter gradient will read."""
-    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         keeping = keep and _keeping(x)
         flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout, cd,
@@ -292,7 +430,9 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
         cols = _columns(x, geom, cd)
         if keep:
             _keep(x, geom, cols, "columns")
-        src = _gemm_view(_threads.matmul(wm, cols, out_tag=tag), geom)
+        ym = _threads.matmul(_live_weight(wm, geom), cols, out_tag=tag)
+        _dead_tap_nans(ym, wm, geom)
+        src = _gemm_view(ym, geom)
     return _finish_output(src, geom, dtype, epilogue)
 
 
@@ -391,9 +531,11 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
         dx = _convolve(dz, _flipped_weight_matrix(w, geom, cd), tgeom, cd, dtype,
                        tag="conv_dx", keep=False)
         return finish(dx, dz.dtype, out, beta)
-    wm = _weight_matrix(w, geom, cd)
+    # a dead tap scatters into the padding only, which is cropped: leaving it out is exact
+    wm = _live_weight(_weight_matrix(w, geom, cd), geom)
     dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
-    slices = _offset_slices(geom)
+    every = _offset_slices(geom)
+    slices = [every[t] for t in _live_taps(geom)]
     c = geom.in_channels
     dcols = dcols.reshape(g, c // g, len(slices), geom.batch, *geom.output_spatial)
     padded = _padded_shape(geom)
@@ -423,7 +565,7 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
     dw = None
-    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         flat = _given(x, geom, cd, "flat")
         if flat is None:
@@ -441,7 +583,8 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
         cols = _given(x, geom, cd, "columns")
         if cols is None:
             cols = _columns(x, geom, cd, tag="conv_x_cols")
-        dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))
+        dzm = _output_matrix(dz, geom, cd)
+        dw = _full_filter(_threads.matmul(dzm, cols.transpose(0, 2, 1)), dzm, geom)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
         dw = np.moveaxis(dw, 1, -1)
