@@ -236,26 +236,29 @@ def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = 
     return _fill_columns(_channels_first(x, geom.channels_last), geom, cd, 0, tag)
 
 
-def _live_weight(wm: np.ndarray, geom: ConvGeometry) -> np.ndarray:
-    """A weight matrix (G, A, B*prod(kernel)) restricted to the live taps' rows."""
-    dead = _dead_taps(geom)
-    if not dead:
-        return wm
-    taps = math.prod(geom.kernel_size)
-    g, a = wm.shape[:2]
-    w4 = wm.reshape(g, a, -1, taps)
-    return np.ascontiguousarray(w4[..., list(_live_taps(geom))]).reshape(g, a, -1)
+def _taps(w4: np.ndarray, taps: tuple[int, ...]) -> np.ndarray:
+    """w4[..., taps]: a view where the taps are one run (one live tap, say), else a copy."""
+    if taps and taps[-1] - taps[0] == len(taps) - 1:  # sorted, so one run
+        return w4[..., taps[0]:taps[-1] + 1]
+    return w4[..., list(taps)]
 
 
-def _dead_tap_nans(ym: np.ndarray, wm: np.ndarray, geom: ConvGeometry) -> None:
+def _matrix(w4: np.ndarray, geom: ConvGeometry, cd: np.dtype, live_only: bool
+            ) -> np.ndarray:
+    """A weight (G, A, B, prod(kernel)) view as the GEMM's (G, A, B*T) in `cd`, one pass;
+    with `live_only`, T is the live taps only (Note [choosing the method])."""
+    if live_only and _dead_taps(geom):
+        w4 = _taps(w4, _live_taps(geom))
+    return _cast_copy(w4, cd).reshape(w4.shape[0], w4.shape[1], -1)
+
+
+def _dead_tap_nans(ym: np.ndarray, w4: np.ndarray, geom: ConvGeometry) -> None:
     """NaN into every output of a channel whose weight is not finite at a dead tap, as the
     full columns give (inf * 0); ym (G, A, M) is the live taps' GEMM result."""
     dead = _dead_taps(geom)
-    if not dead or np.isfinite(wm.sum()):  # the sum screens: finite operands, finite sum
+    if not dead or np.isfinite(w4.sum()):  # the sum screens: finite operands, finite sum
         return
-    g, a = wm.shape[:2]
-    w4 = wm.reshape(g, a, -1, math.prod(geom.kernel_size))
-    bad = ~np.isfinite(w4[..., list(dead)]).all(axis=(2, 3))
+    bad = ~np.isfinite(_taps(w4, dead)).all(axis=(2, 3))
     ym[bad] = np.nan
 
 
@@ -268,7 +271,9 @@ def _full_filter(dw: np.ndarray, dzm: np.ndarray, geom: ConvGeometry) -> np.ndar
     g, kg = dw.shape[:2]
     taps = math.prod(geom.kernel_size)
     full = np.zeros((g, kg, geom.in_channels // g, taps), dw.dtype)
-    full[..., list(_live_taps(geom))] = dw.reshape(g, kg, geom.in_channels // g, -1)
+    live = dw.reshape(g, kg, geom.in_channels // g, -1)
+    for j, t in enumerate(_live_taps(geom)):
+        full[..., t] = live[..., j]
     if not np.isfinite(dzm.sum()):
         bad = ~np.isfinite(dzm).all(axis=-1)  # (G, K/G)
         for t in dead:
@@ -357,10 +362,11 @@ def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, kind: str) -> np.nda
     return kept.cols
 
 
-def _weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """w as (G, K/G, C/G*prod(kernel)) in the compute dtype."""
-    wc = _cast_copy(_channels_first(w, geom.channels_last), cd)
-    return wc.reshape(geom.groups, geom.out_channels // geom.groups, -1)
+def _weight_taps(w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """w as (G, K/G, C/G, prod(kernel)): a view of a channels-first weight."""
+    wc = _channels_first(w, geom.channels_last)
+    g = geom.groups
+    return wc.reshape(g, geom.out_channels // g, geom.in_channels // g, -1)
 
 
 def _output_matrix(dz: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
@@ -408,15 +414,16 @@ def _finish_output(src: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
     return out
 
 
-def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
               dtype: np.dtype,
               epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None,
               tag: str = "conv_y", keep: bool = True) -> np.ndarray:
-    """conv(x, .) with the weight matrix wm (G, K/G, C/G*prod(kernel)), finished by
+    """conv(x, .) with the weight w4 (G, K/G, C/G, prod(kernel)), finished by
     `epilogue` into a new array in the geometry's layout and `dtype`. With `keep`, a
     forward inside keep_columns(x) leaves what the filter gradient will read."""
     layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
+        wm = _matrix(w4, geom, cd, live_only=False)
         keeping = keep and _keeping(x)
         flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout, cd,
                                     tag=None if keeping else f"{tag}_flat")
@@ -430,8 +437,8 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
         cols = _columns(x, geom, cd)
         if keep:
             _keep(x, geom, cols, "columns")
-        ym = _threads.matmul(_live_weight(wm, geom), cols, out_tag=tag)
-        _dead_tap_nans(ym, wm, geom)
+        ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), cols, out_tag=tag)
+        _dead_tap_nans(ym, w4, geom)
         src = _gemm_view(ym, geom)
     return _finish_output(src, geom, dtype, epilogue)
 
@@ -439,7 +446,7 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     """y = conv(x, w): cross-correlation in the geometry's layout, in x's dtype."""
     cd = compute_dtype(x.dtype)
-    return _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype)
+    return _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype)
 
 
 def conv_bias_act(
@@ -485,7 +492,7 @@ def conv_bias_act(
         elif act != "identity":
             dst[...] = apply_activation(dst, act)
 
-    y = _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype, epilogue)
+    y = _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype, epilogue)
     return y, z_out
 
 
@@ -506,14 +513,14 @@ def _transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
                                geom.layout)
 
 
-def _flipped_weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """w[g] transposed to (C/G, K/G) and flipped in space, as (G, C/G, K/G*prod(kernel))."""
+def _flipped_taps(w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """w[g] transposed to (C/G, K/G) and flipped in space, as a (G, C/G, K/G, prod(kernel))
+    view where the strides allow."""
     g, rank = geom.groups, geom.rank
     wc = _channels_first(w, geom.channels_last)  # (K, C/G, *k)
     wc = wc.reshape(g, geom.out_channels // g, geom.in_channels // g, *geom.kernel_size)
     flip: tuple[Any, ...] = (Ellipsis, *[slice(None, None, -1)] * rank)
-    wc = wc.swapaxes(1, 2)[flip]
-    return _cast_copy(wc, cd).reshape(g, geom.in_channels // g, -1)
+    return wc.swapaxes(1, 2)[flip].reshape(g, geom.in_channels // g, geom.out_channels // g, -1)
 
 
 def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
@@ -528,11 +535,11 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
         dtype = dz.dtype if out is None else cd
-        dx = _convolve(dz, _flipped_weight_matrix(w, geom, cd), tgeom, cd, dtype,
+        dx = _convolve(dz, _flipped_taps(w, geom), tgeom, cd, dtype,
                        tag="conv_dx", keep=False)
         return finish(dx, dz.dtype, out, beta)
     # a dead tap scatters into the padding only, which is cropped: leaving it out is exact
-    wm = _live_weight(_weight_matrix(w, geom, cd), geom)
+    wm = _matrix(_weight_taps(w, geom), geom, cd, live_only=True)
     dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
     every = _offset_slices(geom)
     slices = [every[t] for t in _live_taps(geom)]
