@@ -317,16 +317,23 @@ def _reserve(nbytes: int) -> bool:
         return True
 
 
-@contextmanager
-def keep_columns(x: Any) -> Iterator[KeptColumns]:
+class keep_columns:
     """Within the block, a forward on `x` leaves its columns in the yielded box (when the
-    cap allows; else box.cols stays None)."""
-    box, outer = KeptColumns(x), getattr(_local, "keep", None)
-    _local.keep = box
-    try:
-        yield box
-    finally:
-        _local.keep = outer
+    cap allows, and the columns were not one gather: Note [choosing the method]; else
+    box.cols stays None). A class rather than a generator: every forward enters one."""
+
+    __slots__ = ("box", "outer")
+
+    def __init__(self, x: Any) -> None:
+        self.box = KeptColumns(x)
+
+    def __enter__(self) -> KeptColumns:
+        self.outer = getattr(_local, "keep", None)
+        _local.keep = self.box
+        return self.box
+
+    def __exit__(self, *exc: object) -> None:
+        _local.keep = self.outer
 
 
 @contextmanager
@@ -435,7 +442,7 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
                                     layout)
     else:
         cols = _columns(x, geom, cd)
-        if keep:
+        if keep and _column_entries(geom) > GATHER_ELEMENTS:  # a gather is cheaper to redo
             _keep(x, geom, cols, "columns")
         ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), cols, out_tag=tag)
         _dead_tap_nans(ym, w4, geom)
