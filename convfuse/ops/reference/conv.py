@@ -40,8 +40,10 @@ Each geometry's columns come one of three ways, chosen by what each computes:
   Its columns and its rows of the weight are left out (`_live_taps`). That changes no sum
   (up to the sign of a zero one); the one value it could change is a non-finite operand:
   inf * 0 = NaN, so a channel with a non-finite weight at a dead tap gets NaN everywhere, and
-  the filter gradient at dead taps is NaN where dz holds a non-finite value, as im2col gives
-  (`_dead_tap_nans`, `_full_filter`). A sum screens both, so finite operands pay one pass.
+  the filter gradient at dead taps is NaN where dz holds a non-finite value, as im2col and
+  torch give (`_dead_tap_nans`, `_full_filter`); a sum screens both, so finite operands pay
+  one pass. The data gradient's dead taps scatter only into the padding it crops, so they
+  are dropped without that rule (torch's dx stays finite there too).
 """
 
 from __future__ import annotations
@@ -210,7 +212,8 @@ def _fill_columns(xc: np.ndarray, geom: ConvGeometry, dtype: np.dtype, fill: Any
             block[dst] = _grouped(xc[(rows, *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(live), -1)
+    # sizes spelled out: with no live tap (L = 0) -1 would be ambiguous
+    return cols.reshape(g, (c // g) * len(live), geom.batch * math.prod(geom.output_spatial))
 
 
 @functools.lru_cache(maxsize=128)
@@ -249,7 +252,7 @@ def _matrix(w4: np.ndarray, geom: ConvGeometry, cd: np.dtype, live_only: bool
     with `live_only`, T is the live taps only (Note [choosing the method])."""
     if live_only and _dead_taps(geom):
         w4 = _taps(w4, _live_taps(geom))
-    return _cast_copy(w4, cd).reshape(w4.shape[0], w4.shape[1], -1)
+    return _cast_copy(w4, cd).reshape(w4.shape[0], w4.shape[1], w4.shape[2] * w4.shape[3])
 
 
 def _dead_tap_nans(ym: np.ndarray, w4: np.ndarray, geom: ConvGeometry) -> None:
@@ -271,7 +274,7 @@ def _full_filter(dw: np.ndarray, dzm: np.ndarray, geom: ConvGeometry) -> np.ndar
     g, kg = dw.shape[:2]
     taps = math.prod(geom.kernel_size)
     full = np.zeros((g, kg, geom.in_channels // g, taps), dw.dtype)
-    live = dw.reshape(g, kg, geom.in_channels // g, -1)
+    live = dw.reshape(g, kg, geom.in_channels // g, len(_live_taps(geom)))
     for j, t in enumerate(_live_taps(geom)):
         full[..., t] = live[..., j]
     if not np.isfinite(dzm.sum()):
@@ -424,10 +427,12 @@ def _finish_output(src: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
 def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
               dtype: np.dtype,
               epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None,
-              tag: str = "conv_y", keep: bool = True) -> np.ndarray:
+              tag: str = "conv_y", keep: bool = True, dead_nans: bool = True) -> np.ndarray:
     """conv(x, .) with the weight w4 (G, K/G, C/G, prod(kernel)), finished by
     `epilogue` into a new array in the geometry's layout and `dtype`. With `keep`, a
-    forward inside keep_columns(x) leaves what the filter gradient will read."""
+    forward inside keep_columns(x) leaves what the filter gradient will read. `dead_nans`:
+    skipped taps' inf * 0 put back (Note [choosing the method]); the data gradient's
+    skipped taps scatter only into the cropped padding, so it passes False."""
     layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         wm = _matrix(w4, geom, cd, live_only=False)
@@ -445,7 +450,8 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
         if keep and _column_entries(geom) > GATHER_ELEMENTS:  # a gather is cheaper to redo
             _keep(x, geom, cols, "columns")
         ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), cols, out_tag=tag)
-        _dead_tap_nans(ym, w4, geom)
+        if dead_nans:
+            _dead_tap_nans(ym, w4, geom)
         src = _gemm_view(ym, geom)
     return _finish_output(src, geom, dtype, epilogue)
 
@@ -543,7 +549,7 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     if tgeom is not None:
         dtype = dz.dtype if out is None else cd
         dx = _convolve(dz, _flipped_taps(w, geom), tgeom, cd, dtype,
-                       tag="conv_dx", keep=False)
+                       tag="conv_dx", keep=False, dead_nans=False)
         return finish(dx, dz.dtype, out, beta)
     # a dead tap scatters into the padding only, which is cropped: leaving it out is exact
     wm = _matrix(_weight_taps(w, geom), geom, cd, live_only=True)
