@@ -185,9 +185,13 @@ class _FusedConvLayer(Layer):
             x = contiguous(x)
             if residual is not None:
                 residual = contiguous(residual)
+            flags = config.get()
+            d = self.__dict__
+            if d.get("_geoms_flags") is not flags:
+                # the geometries' memory checks read config.max_array_bytes: redo them
+                d["_geoms"], d["_geoms_flags"] = {}, flags
             geometry = self._geometry_kwargs(x, *where)
             bias = None if self.bias is None else self.bias.data
-            flags = config.get()
             y, ctx = type(self)._forward_op(
                 x, self.weight.data, bias, activation=self.activation, residual=residual,
                 residual_scale=self.residual_scale, **geometry)
