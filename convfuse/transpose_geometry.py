@@ -101,8 +101,8 @@ class ConvTransposeGeometry(ConvShapes):
         h = self.__dict__.get("_hash")
         if h is None:
             h = self.__dict__["_hash"] = hash(tuple(
-                getattr(self, f.name) for f in fields(self)))  # type: ignore[arg-type]
-        return h  # type: ignore[no-any-return]
+                getattr(self, f.name) for f in fields(self)))
+        return h
 
     @classmethod
     def create(
