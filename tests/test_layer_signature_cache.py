@@ -199,3 +199,22 @@ def test_tiny_layers_gather_their_columns(monkeypatch):
     layer = cf.Conv2d(1, 1, 3, padding=1, seed=0)
     layer(_x((1, 1, 4, 4)))
     assert used
+
+
+def test_linear_caches_its_checked_signature_and_rechecks_replaced_weights():
+    layer = cf.Linear(5, 3, activation="relu", seed=0)
+    fresh = cf.Linear(5, 3, activation="relu", seed=0)
+    x = _x((4, 5))
+    want = fresh(x)
+    layer(x)
+    np.testing.assert_array_equal(layer(x), want)  # cached
+    layer.activation = "tanh"
+    fresh.activation = "tanh"
+    np.testing.assert_array_equal(layer(x), fresh(x))
+    w = layer.weight.data
+    layer.weight.data = w.astype(np.float64)
+    fresh.weight.data = w.astype(np.float64)
+    _same_error(lambda: fresh(x), lambda: layer(x))
+    layer.weight.data = np.asfortranarray(w)  # not contiguous: the checked path copies it
+    np.testing.assert_array_equal(layer(x), fresh.__class__(5, 3, activation="tanh",
+                                                            seed=0)(x))
