@@ -38,7 +38,6 @@ from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, ConvShapes, IntOrTuple
 from .ops._checks import check_scalar, overlaps
-from .ops.reference import activation as reference_activation
 from .ops.reference import conv as reference_conv
 from .pad_geometry import PadGeometry, padded_conv
 
@@ -181,33 +180,31 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
     elif pad is not None and pad.output_shape != geom.input_shape:
         raise ValueError(f"{op}: pad's output shape {pad.output_shape} is not geom's input "
                          f"shape {geom.input_shape}")
-    return _run_forward(x, weight, bias, residual, act, scale, geom, pad, ops.conv_bias_act)
+    return _run_forward(x, weight, bias, residual, act, scale, geom, pad)
 
 
 def conv_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
                         geom: ConvGeometry, pad: PadGeometry | None = None
                         ) -> tuple[Any, ConvContext]:
-    """The forward of a signature already checked: C-contiguous NumPy arrays of the shapes
+    """The forward of a signature already checked: C-contiguous arrays of the kinds, shapes
     and dtypes that `conv_bias_act_forward` accepted with this geom and pad, a canonical
-    activation and a float scale. It calls the reference engine without checking them
-    again (Note [layer call cache] in convfuse/nn/_conv_base.py); CuPy arrays still go
-    through the checked ops."""
-    run = reference_conv.conv_bias_act if isinstance(x, np.ndarray) else ops.conv_bias_act
-    return _run_forward(x, weight, bias, residual, act, scale, geom, pad, run)
+    activation and a float scale (Note [layer call cache] in convfuse/nn/_conv_base.py).
+    Only the op's own checks run again: ops are the one entry to the engines, which tests
+    and convfuse.selfcheck patch to see what ran."""
+    return _run_forward(x, weight, bias, residual, act, scale, geom, pad)
 
 
 def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
-                 geom: ConvGeometry, pad: PadGeometry | None,
-                 run: Callable[..., tuple[Any, Any]]) -> tuple[Any, ConvContext]:
+                 geom: ConvGeometry, pad: PadGeometry | None) -> tuple[Any, ConvContext]:
     if pad is not None:
         # validates x against the padding (shape, dtype, contiguity) before any engine runs
         x = ops.pad_forward(x, pad)
     kept = None
     if isinstance(x, np.ndarray):
         with reference_conv.keep_columns(x) as kept:
-            y, z = run(x, weight, bias, geom, act, residual, scale)
+            y, z = ops.conv_bias_act(x, weight, bias, geom, act, residual, scale)
     else:  # pragma: gpu
-        y, z = run(x, weight, bias, geom, act, residual, scale)
+        y, z = ops.conv_bias_act(x, weight, bias, geom, act, residual, scale)
     saved = _saved(act, y, z)
     columns = kept if kept is not None and kept.cols is not None else None
     ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
@@ -275,63 +272,31 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     _check_dy(dy, ctx)
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
-    # Note [checked once]: on NumPy arrays the checks above cover every check of the ops
-    # (dy against the forward's output, every buffer, and the saved tensors the forward
-    # checked), so the reference engine is called directly; CuPy goes through the ops,
-    # which also check alignment and the current device.
-    eng: Any = _Reference if isinstance(dy, np.ndarray) else ops
-    dz, db = _bias_act_backward(dy, ctx, dbias, beta, eng.conv_backward_bias,
-                                eng.activation_backward_bias, eng.activation_backward)
+    dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_backward_bias,
+                                ops.activation_backward_bias)
     if ctx.columns is not None:
         with reference_conv.given_columns(ctx.columns):
-            dw = eng.conv_backward_filter(ctx.x, dz, geom, dweight, beta)
+            dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
     else:
-        dw = eng.conv_backward_filter(ctx.x, dz, geom, dweight, beta)
-    dx = eng.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
+        dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
+    dx = ops.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
     if dx is not None and ctx.pad is not None:
         dx = ops.pad_backward(dx, ctx.pad)
     return ConvGrads(dx, dw, db, _residual_grad(dy, dz, ctx))
 
 
-class _Reference:
-    """The reference engine's functions under the ops' names, for `_backward` on NumPy
-    arrays (Note [checked once]); looked up at each call, so patched engines are seen."""
-
-    @staticmethod
-    def conv_backward_bias(*args: Any) -> Any:
-        return reference_conv.conv_backward_bias(*args)
-
-    @staticmethod
-    def conv_backward_filter(*args: Any) -> Any:
-        return reference_conv.conv_backward_filter(*args)
-
-    @staticmethod
-    def conv_backward_data(*args: Any) -> Any:
-        return reference_conv.conv_backward_data(*args)
-
-    @staticmethod
-    def activation_backward_bias(*args: Any) -> Any:
-        return reference_activation.activation_backward_bias(*args)
-
-    @staticmethod
-    def activation_backward(*args: Any) -> Any:
-        return reference_activation.activation_backward(*args)
-
-
 def _bias_act_backward(dy: Any, ctx: Any, dbias: Any, beta: float,
                        backward_bias: Callable[..., Any],
-                       activation_backward_bias: Callable[..., Any],
-                       activation_backward: Callable[..., Any] = ops.activation_backward
-                       ) -> tuple[Any, Any]:
+                       activation_backward_bias: Callable[..., Any]) -> tuple[Any, Any]:
     """(dz, db): the activation's and the bias's gradient, in one pass where there are both;
-    the callables are the convolution's ops (or engine functions) for them, positional
-    arguments in the ops' order."""
+    `backward_bias` and `activation_backward_bias` are the convolution's ops for them."""
     if ctx.activation == "identity":
-        db = backward_bias(dy, ctx.geom, dbias, beta) if ctx.has_bias else None
+        db = backward_bias(dy, ctx.geom, out=dbias, beta=beta) if ctx.has_bias else None
         return dy, db
     if ctx.has_bias:
-        return activation_backward_bias(dy, ctx.saved, ctx.activation, ctx.geom, dbias, beta)
-    return activation_backward(dy, ctx.saved, ctx.activation), None
+        return activation_backward_bias(dy, ctx.saved, ctx.activation, ctx.geom,
+                                        db_out=dbias, beta=beta)
+    return ops.activation_backward(dy, ctx.saved, ctx.activation), None
 
 
 def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:

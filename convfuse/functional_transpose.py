@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from . import ops
 from .backend import device_of
 from .errors import ConvfuseError, renamed
@@ -29,7 +27,6 @@ from .functional import (
     _saved,
 )
 from .geometry import IntOrTuple
-from .ops.reference import conv_transpose as reference_transpose
 from .transpose_geometry import ConvTransposeGeometry
 
 
@@ -105,13 +102,9 @@ def conv_transpose_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any,
                                   scale: float, geom: ConvTransposeGeometry
                                   ) -> tuple[Any, ConvTransposeContext]:
     """The forward of a signature already checked (functional.conv_bias_act_known's
-    contract): NumPy arrays go to the reference engine without checking them again."""
-    if isinstance(x, np.ndarray) and geom.batch:
-        y, z = reference_transpose.conv_transpose_bias_act(x, weight, bias, geom, act,
-                                                           residual, scale)
-    else:  # CuPy, or an empty batch (the op's own answer)
-        y, z = ops.conv_transpose_bias_act(x, weight, bias, geom, activation=act,
-                                           residual=residual, residual_scale=scale)
+    contract): only the op's own checks run again."""
+    y, z = ops.conv_transpose_bias_act(x, weight, bias, geom, activation=act,
+                                       residual=residual, residual_scale=scale)
     ctx = ConvTransposeContext(geom, act, x, weight, _saved(act, y, z), bias is not None,
                                residual is not None, scale)
     return y, ctx

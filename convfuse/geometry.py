@@ -116,7 +116,7 @@ class LayoutShapes:
     def output_shape_cf(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def layout(self) -> str:
         return layout_name(self.channels_last, self.rank)
 

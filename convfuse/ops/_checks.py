@@ -115,8 +115,9 @@ def _check_dtypes(op: str, present: Sequence[Arg]) -> None:
 
 
 def _check_layout(op: str, a: Arg, layout: str | None) -> None:
-    shape = tuple(a.array.shape)
-    if a.shape is not None and shape != tuple(a.shape):
+    shape = a.array.shape
+    if a.shape is not None and shape != a.shape and tuple(shape) != tuple(a.shape):
+        shape = tuple(shape)
         where = f" (layout {layout})" if layout else ""
         raise ValueError(
             f"{op}: {a.name} has shape {shape} but {tuple(a.shape)} is expected{where}"
@@ -215,6 +216,8 @@ def check_pool_geometry(op: str, pgeom: Any) -> Any:
 
 def check_scalar(op: str, name: str, value: Any) -> float:
     """A finite real number, returned as a float."""
+    if type(value) is float and math.isfinite(value):  # the common case, without the ABC
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
     out = float(value)
