@@ -433,6 +433,8 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
     forward inside keep_columns(x) leaves what the filter gradient will read. `dead_nans`:
     skipped taps' inf * 0 put back (Note [choosing the method]); the data gradient's
     skipped taps scatter only into the cropped padding, so it passes False."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        return _tiny_convolve(x, w4, geom, cd, dtype, epilogue, dead_nans)
     layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         wm = _matrix(w4, geom, cd, live_only=False)
@@ -447,13 +449,38 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
                                     layout)
     else:
         cols = _columns(x, geom, cd)
-        if keep and _column_entries(geom) > GATHER_ELEMENTS:  # a gather is cheaper to redo
+        if keep:
             _keep(x, geom, cols, "columns")
         ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), cols, out_tag=tag)
         if dead_nans:
             _dead_tap_nans(ym, w4, geom)
         src = _gemm_view(ym, geom)
     return _finish_output(src, geom, dtype, epilogue)
+
+
+def _tiny_convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+                   dtype: np.dtype,
+                   epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None,
+                   dead_nans: bool) -> np.ndarray:
+    """`_convolve` of a tiny geometry (Note [choosing the method]): the same gathered
+    columns, GEMM and epilogue, with no pass split (each would be one chunk anyway) and
+    none of the general path's choices made per call. Its columns are not kept: a gather
+    is cheaper to redo than to keep."""
+    ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), _columns(x, geom, cd))
+    if dead_nans:
+        _dead_tap_nans(ym, w4, geom)
+    src = _gemm_view(ym, geom)
+    out = np.empty(geom.output_shape, dtype)
+    dst = _channels_first(out, geom.channels_last)
+    if epilogue is None:
+        dst[...] = src
+    elif dtype == cd:
+        epilogue(src, dst, 0, geom.batch)
+    else:
+        tmp = np.empty(dst.shape, cd)
+        epilogue(src, tmp, 0, geom.batch)
+        dst[...] = tmp  # rounded to the storage dtype once
+    return out
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
