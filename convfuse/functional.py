@@ -202,9 +202,13 @@ def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale:
     kept = None
     if isinstance(x, np.ndarray):
         with reference_conv.keep_columns(x) as kept:
-            y, z = ops.conv_bias_act(x, weight, bias, geom, act, residual, scale)
+            y, z = ops.conv_bias_act(
+                x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
+            )
     else:  # pragma: gpu
-        y, z = ops.conv_bias_act(x, weight, bias, geom, act, residual, scale)
+        y, z = ops.conv_bias_act(
+            x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
+        )
     saved = _saved(act, y, z)
     columns = kept if kept is not None and kept.cols is not None else None
     ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
