@@ -106,7 +106,8 @@ class Linear(Layer):
             key = (n, x.__class__, w.__class__, w.shape, w.dtype, w.flags.c_contiguous,
                    None if bias is None else (bias.__class__, bias.shape, bias.dtype,
                                               bias.flags.c_contiguous), self.activation)
-            known = self.__dict__.setdefault("_calls", {}).get(key)
+            calls = self.__dict__.setdefault("_calls", {})
+            known = calls.get(key)
             if known is not None and known is config.get():
                 y, ctx = conv_bias_act_known(self._as_conv(x), self._as_conv(w), bias, None,
                                              self.activation, 1.0, geom)
@@ -116,9 +117,9 @@ class Linear(Layer):
                     self._as_conv(x), self._as_conv(w), bias, activation=self.activation,
                     geom=geom,
                 )
-                if len(self._calls) >= 64:
-                    self._calls.clear()
-                self._calls[key] = flags
+                if len(calls) >= 64:
+                    calls.clear()
+                calls[key] = flags
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
         self._ctx = ctx
