@@ -26,6 +26,7 @@ if (HERE.parent / "convfuse" / "__init__.py").exists():
     # run from a checkout: measure that checkout's convfuse, not another installed one
     sys.path.insert(0, str(HERE.parent))
 import bench.conv_transpose as conv_transpose  # noqa: E402
+import bench.host_overhead as host_overhead  # noqa: E402
 import bench.resnet as resnet  # noqa: E402
 import bench.torch_convert as torch_convert  # noqa: E402
 from bench import (  # noqa: E402
@@ -50,7 +51,8 @@ from bench.timing import Budget  # noqa: E402
 import convfuse as cf  # noqa: E402
 
 SECTIONS = {"forward": forward.run, "backward": backward.run, "biasgrad": biasgrad.run,
-            "train": train.run, "adam": adam.run, "goals": goals.run}
+            "train": train.run, "adam": adam.run, "goals": goals.run,
+            "host-overhead": host_overhead.run}
 RESULTS_DIR = HERE / "results"
 
 

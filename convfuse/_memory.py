@@ -72,12 +72,12 @@ def check_bytes(shape: Sequence[int], dtype: Any, device: str, what: str) -> Non
 def check_conv(geom: Any, dtype: Any, device: str) -> None:
     """A convolution's output, and on the CPU the reference engine's largest buffers."""
     from .dtypes import compute_dtype
-    from .ops.reference.conv_flat import flat_layout
+    from .ops.reference.conv import flat_choice
 
     check_bytes(geom.output_shape, dtype, device, "output")
     if device == "cpu":
         cd = compute_dtype(dtype)
-        layout = flat_layout(geom, cd.itemsize)
+        layout = flat_choice(geom, cd.itemsize)  # the form the engine takes
         if layout is not None:
             check_bytes((geom.in_channels, layout.length), cd, device,
                         "the CPU engine's padded input")

@@ -180,6 +180,22 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
     elif pad is not None and pad.output_shape != geom.input_shape:
         raise ValueError(f"{op}: pad's output shape {pad.output_shape} is not geom's input "
                          f"shape {geom.input_shape}")
+    return _run_forward(x, weight, bias, residual, act, scale, geom, pad)
+
+
+def conv_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
+                        geom: ConvGeometry, pad: PadGeometry | None = None
+                        ) -> tuple[Any, ConvContext]:
+    """The forward of a signature already checked: C-contiguous arrays of the kinds, shapes
+    and dtypes that `conv_bias_act_forward` accepted with this geom and pad, a canonical
+    activation and a float scale (Note [layer call cache] in convfuse/nn/_conv_base.py).
+    Only the op's own checks run again: ops are the one entry to the engines, which tests
+    and convfuse.selfcheck patch to see what ran."""
+    return _run_forward(x, weight, bias, residual, act, scale, geom, pad)
+
+
+def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
+                 geom: ConvGeometry, pad: PadGeometry | None) -> tuple[Any, ConvContext]:
     if pad is not None:
         # validates x against the padding (shape, dtype, contiguity) before any engine runs
         x = ops.pad_forward(x, pad)

@@ -98,6 +98,18 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_p
     return y, ctx
 
 
+def conv_transpose_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any, act: str,
+                                  scale: float, geom: ConvTransposeGeometry
+                                  ) -> tuple[Any, ConvTransposeContext]:
+    """The forward of a signature already checked (functional.conv_bias_act_known's
+    contract): only the op's own checks run again."""
+    y, z = ops.conv_transpose_bias_act(x, weight, bias, geom, activation=act,
+                                       residual=residual, residual_scale=scale)
+    ctx = ConvTransposeContext(geom, act, x, weight, _saved(act, y, z), bias is not None,
+                               residual is not None, scale)
+    return y, ctx
+
+
 def conv_transpose_bias_act(x: Any, weight: Any, bias: Any = None, stride: IntOrTuple = 1,
                             padding: IntOrTuple = 0, output_padding: IntOrTuple = 0,
                             groups: int = 1, dilation: IntOrTuple = 1,

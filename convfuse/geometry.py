@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class LayoutShapes:
     def output_shape_cf(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def layout(self) -> str:
         return layout_name(self.channels_last, self.rank)
 
@@ -221,6 +221,14 @@ class ConvGeometry(ConvShapes):
     dilation: tuple[int, ...]
     groups: int
     channels_last: bool
+
+    # Cached: every engine cache looks a geometry up by it, several times a call.
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(
+                getattr(self, f.name) for f in fields(self)))
+        return h
 
     @classmethod
     def create(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .geometry import (
@@ -95,6 +95,14 @@ class ConvTransposeGeometry(ConvShapes):
     dilation: tuple[int, ...]
     groups: int
     channels_last: bool
+
+    # Cached: every engine cache looks a geometry up by it, several times a call.
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(tuple(
+                getattr(self, f.name) for f in fields(self)))
+        return h
 
     @classmethod
     def create(

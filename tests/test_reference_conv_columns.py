@@ -13,6 +13,13 @@ from convfuse.geometry import ConvGeometry
 from convfuse.ops.reference import conv as rc
 
 
+@pytest.fixture(autouse=True)
+def _no_gather(monkeypatch):
+    """These shapes are tiny: their columns would be one gather, never kept (reference/conv.py
+    Note [choosing the method])."""
+    monkeypatch.setattr(rc, "GATHER_ELEMENTS", 0)
+
+
 def _data(rng, shape=(2, 3, 7, 6), wshape=(4, 3, 3, 3)):
     return (rng.standard_normal(shape).astype(np.float32),
             rng.standard_normal(wshape).astype(np.float32))

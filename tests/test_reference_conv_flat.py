@@ -32,7 +32,9 @@ CASES = [
 @pytest.fixture(params=["flat", "images"])
 def form(request, monkeypatch):
     """Both forms of a stride-1 conv: all positions in blocks, or image by image (where the
-    layout allows it: channels first)."""
+    layout allows it: channels first). Tiny problems would take the gather instead
+    (reference/conv.py Note [choosing the method]): not here."""
+    monkeypatch.setattr(rc, "GATHER_ELEMENTS", 0)
     monkeypatch.setattr(conv_images, "IMAGE_MAX_ROWS", 0 if request.param == "flat" else 1 << 30)
     monkeypatch.setattr(conv_images, "IMAGE_MIN_OUT", 1)
     return request.param
@@ -41,6 +43,7 @@ def form(request, monkeypatch):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of 4 outputs, so tiny problems split into many; and every pass threaded."""
+    monkeypatch.setattr(rc, "GATHER_ELEMENTS", 0)
     monkeypatch.setattr(conv_flat, "BLOCK_BYTES", 1)
     monkeypatch.setattr(conv_flat, "MIN_BLOCK", 4)
     monkeypatch.setattr(conv_flat, "BLOCK_ALIGN", 4)

@@ -16,13 +16,16 @@ import convfuse as cf
 from convfuse.geometry import ConvGeometry
 from convfuse.ops import reference as ref
 from convfuse.ops.reference import _threads
+from convfuse.ops.reference import conv as rc
 from convfuse.optim import _cpu
 from convfuse.pool_geometry import PoolGeometry
 
 
 @pytest.fixture
 def threads(monkeypatch):
-    """Split every pass, however small, over `n` threads."""
+    """Split every pass, however small, over `n` threads (tiny convolutions' columns too,
+    which would otherwise be one gather: reference/conv.py Note [choosing the method])."""
+    monkeypatch.setattr(rc, "GATHER_ELEMENTS", 0)
     monkeypatch.setattr(_threads, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(_threads, "MIN_GEMM_FLOPS", 1)
     monkeypatch.setattr(_threads, "GEMM_ALIGN", 8)

@@ -24,6 +24,7 @@ SECTION_TITLES = {
     "train": "Training step (digits net: forward, loss, backward, Adam)",
     "adam": "Optimizer: fused Adam vs separate array operations",
     "goals": "Goals of issue #14 (CPU engine against PyTorch CPU, same thread count)",
+    "host-overhead": "Host time per call at tiny shapes, and ResNet-18 steps (issue #25)",
 }
 
 # What each form is on each engine: the CPU forms stand in for the GPU ones by name only.
@@ -44,6 +45,9 @@ FORMS = {
         "adam": "fused = convfuse.optim.Adam (one kernel over the flat buffer); unfused = "
                 "separate CuPy operations; PyTorch = torch.optim.Adam(fused=True)",
         "goals": "the goals are CPU goals: skipped on a GPU run",
+        "host-overhead": "GPU: convfuse.torch vs torch.nn on CUDA tensors, host time per call "
+                         "(perf_counter, no sync); ASPP in CUDA events; ResNet-18 steps eager "
+                         "and as torch.cuda.graph replays",
     },
     "cpu": {
         "forward": "CPU: fused = ops.conv_bias_act on the reference engine; unfused = its "
@@ -59,6 +63,9 @@ FORMS = {
         "goals": "CPU: convfuse NumPy engine vs PyTorch CPU eager, interleaved, same thread "
                  "count; Adam against np.copyto bandwidth (256 MiB); full-size shapes "
                  "(not scaled down)",
+        "host-overhead": "CPU, one thread each: convfuse.torch vs torch.nn eager (and "
+                         "convfuse.Conv2d on NumPy vs torch.nn), us per call at tiny shapes, "
+                         "interleaved; the ASPP conv forward+backward",
     },
 }
 
@@ -112,6 +119,18 @@ def _goal_met(rec: dict) -> str:
     if "met" not in g:
         return "-"
     return ("yes" if g["met"] else "NO") + (" (unstable)" if g.get("unstable") else "")
+
+
+def us(rec: dict, form: str) -> str:
+    t = rec["timings"].get(form)
+    return "-" if t is None else _num(t["median_s"] * 1e6) + _spread(t)
+
+
+def _steps(rec: dict) -> str:
+    forms = ("convfuse_eager", "convfuse_graph", "torch_eager", "torch_graph")
+    if not any(f in rec["timings"] for f in forms):
+        return "-"
+    return " ".join(ms_only(rec, f) for f in forms)
 
 
 def frac(rec: dict, form: str) -> str:
@@ -188,6 +207,14 @@ COLUMNS: dict[str, list[Column]] = {
         ("measured [~95% interval]", _goal_value), ("met?", _goal_met),
         ("convfuse ms", lambda r: ms(r, "convfuse")), ("PyTorch ms", lambda r: ms(r, "torch")),
         ("threads", lambda r: str(r.get("threads", "-"))),
+        ("what", lambda r: r.get("shape", "")),
+    ],
+    "host-overhead": [
+        ("case", lambda r: r["case"]),
+        ("target", lambda r: "-" if "goal" not in r else f"<= {r['goal']['target']:g}x"),
+        ("measured [~95% interval]", _goal_value), ("met?", _goal_met),
+        ("convfuse us", lambda r: us(r, "convfuse")), ("PyTorch us", lambda r: us(r, "torch")),
+        ("steps ms (eager/graph, convfuse/torch)", lambda r: _steps(r)),
         ("what", lambda r: r.get("shape", "")),
     ],
 }

@@ -5,6 +5,22 @@ forward/backward bookkeeping around one fused op call.
 Each subclass names its fused ops (`_forward_op`, `_backward_op`), the hyperparameters its
 `_set_geometry` takes (`_geometry_args`, each stored as `_<name>`), and returns the geometry
 keywords of its op from `_geometry_kwargs`.
+
+Note [layer call cache]
+At a 1x1x4x4 input the engine's work is a few microseconds, and a call's checks (types,
+dtypes, shapes against the geometry, the memory cap, the activation's name) cost several
+times that. Everything they look at is the call's signature: each array's class, shape,
+dtype and contiguity (x, residual, weight, bias), the layer's device, the extra arguments
+(output_size), the activation and residual scale, and the config flags in force. The first
+call of a signature runs every check, as before; once it has succeeded, the signature maps
+to its checked arguments (geometry, canonical activation, scale), and later calls with it go
+straight to `_known_op`: the layer's and the functional's checks are skipped; the op's own
+(cheap on NumPy: _checks.validate's fast lane) still run, since ops are the one entry to the
+engines and tests and convfuse.selfcheck patch them. Bad input has a signature no good call
+had, so it still takes the checked path and gets the same error before any engine call.
+Assigning stride, padding, dilation (any `_geometry_args`) clears the cache; activation and
+residual_scale are in the key; config flags are compared by identity (config.get() is a new
+object after each change), and a change also redoes the geometries' memory checks.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import dtypes
+from .. import config, dtypes
 from .._memory import check_bytes
 from ..geometry import parse_layout
 from . import _hyper
@@ -27,6 +43,11 @@ def assignable(name: str, doc: str = "Validated on assignment.") -> property:
     attr = "_" + name
     return property(lambda self: self.__dict__[attr],
                     lambda self, v: self._assign(**{name: v}), doc=doc)
+
+
+# signatures remembered per layer (Note [layer call cache]); a model fed ever new shapes
+# starts over rather than growing without bound
+_MAX_SIGNATURES = 64
 
 
 class _FusedConvLayer(Layer):
@@ -46,6 +67,9 @@ class _FusedConvLayer(Layer):
     _geometry_args: tuple[str, ...] = ()
     _forward_op: Callable[..., Any]
     _backward_op: Callable[..., Any]
+    # (x, weight, bias, residual, activation, scale, **geometry) -> (y, ctx) for a signature
+    # _forward_op accepted before (Note [layer call cache])
+    _known_op: Callable[..., Any]
     # (values of _geometry_args) -> None, validating them together and clearing the cache
     _set_geometry: Callable[..., None]
     # (contiguous input, *the call's extra arguments) -> the geometry keywords of _forward_op
@@ -91,6 +115,7 @@ class _FusedConvLayer(Layer):
             self._set_geometry(**now)
         except USER_ERRORS as exc:
             raise renamed(exc, type(self).__name__) from None
+        self.__dict__["_calls"] = {}  # Note [layer call cache]
 
     activation = _hyper.activation_property()
 
@@ -124,6 +149,34 @@ class _FusedConvLayer(Layer):
     def _apply(self, x: Any, residual: Any, *where: Any) -> Any:
         """act(op(x) + bias + residual_scale * residual). A non-C-contiguous x or residual
         is copied once into a contiguous array (the caller's is never modified)."""
+        d = self.__dict__
+        w = self.weight.data
+        b = None if self.bias is None else self.bias.data
+        try:
+            key: Any = (x.__class__, x.shape, x.dtype, x.flags.c_contiguous,
+                        w.__class__, w.shape, w.dtype, w.flags.c_contiguous,
+                        None if b is None else (b.__class__, b.shape, b.dtype,
+                                                b.flags.c_contiguous),
+                        None if residual is None else (residual.__class__, residual.shape,
+                                                       residual.dtype,
+                                                       residual.flags.c_contiguous),
+                        where, d["_activation"], d["_residual_scale"], self.device)
+            calls = d.get("_calls")
+            known = calls.get(key) if calls else None
+        except (AttributeError, TypeError):  # not arrays, or an unhashable argument
+            key = known = None
+        if known is not None and known[0] is config.get():
+            try:
+                y, ctx = type(self)._known_op(
+                    contiguous(x), w, b, None if residual is None else contiguous(residual),
+                    known[1], known[2], **known[3])
+            except USER_ERRORS as exc:
+                raise self._renamed(exc) from None
+            self._ctx = ctx
+            return y
+        return self._checked_apply(x, residual, *where, key=key)
+
+    def _checked_apply(self, x: Any, residual: Any, *where: Any, key: Any) -> Any:
         try:
             self._check_input(x)
             if residual is not None:
@@ -134,6 +187,11 @@ class _FusedConvLayer(Layer):
             x = contiguous(x)
             if residual is not None:
                 residual = contiguous(residual)
+            flags = config.get()
+            d = self.__dict__
+            if d.get("_geoms_flags") is not flags:
+                # the geometries' memory checks read config.max_array_bytes: redo them
+                d["_geoms"], d["_geoms_flags"] = {}, flags
             geometry = self._geometry_kwargs(x, *where)
             bias = None if self.bias is None else self.bias.data
             y, ctx = type(self)._forward_op(
@@ -142,6 +200,11 @@ class _FusedConvLayer(Layer):
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
         self._ctx = ctx
+        if key is not None:
+            calls = self.__dict__.setdefault("_calls", {})
+            if len(calls) >= _MAX_SIGNATURES:
+                calls.clear()
+            calls[key] = (flags, ctx.activation, ctx.residual_scale, geometry)
         return y
 
     def backward(self, dy: Any) -> Any:

@@ -103,6 +103,19 @@ class _BatchNorm(Layer):
             self.bias.data[...] = 0
 
     def _geometry(self, x: Any) -> BatchNormGeometry:
+        # checked once per signature (Note [layer call cache] in _conv_base.py); layout and
+        # num_features are plain attributes, so they are part of the key
+        key = (x.shape, self.layout, self.num_features)
+        cache = self.__dict__.setdefault("_bn_geoms", {})
+        g = cache.get(key)
+        if g is None:
+            g = self._checked_geometry(x)
+            if len(cache) >= 64:
+                cache.clear()
+            cache[key] = g
+        return g
+
+    def _checked_geometry(self, x: Any) -> BatchNormGeometry:
         name = type(self).__name__
         if x.ndim not in self._ndims:
             ranks = " or ".join(f"{n}-d" for n in self._ndims)

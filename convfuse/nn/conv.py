@@ -21,7 +21,7 @@ from typing import Any
 
 from .._memory import check_conv
 from ..backend import resolve_device
-from ..functional import conv_bias_act_backward, conv_bias_act_forward
+from ..functional import conv_bias_act_backward, conv_bias_act_forward, conv_bias_act_known
 from ..geometry import ConvGeometry, IntOrTuple
 from ..pad_geometry import PadGeometry, padded_conv
 from . import _hyper
@@ -44,6 +44,7 @@ class _ConvNd(_FusedConvLayer):
     _geometry_args = ("stride", "padding", "dilation", "padding_mode")
     _forward_op = conv_bias_act_forward
     _backward_op = conv_bias_act_backward
+    _known_op = conv_bias_act_known
 
     def __init__(
         self,

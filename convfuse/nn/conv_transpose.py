@@ -23,6 +23,7 @@ from ..backend import resolve_device
 from ..functional_transpose import (
     conv_transpose_bias_act_backward,
     conv_transpose_bias_act_forward,
+    conv_transpose_bias_act_known,
 )
 from ..geometry import IntOrTuple, is_int
 from ..transpose_geometry import ConvTransposeGeometry
@@ -47,6 +48,7 @@ class _ConvTransposeNd(_FusedConvLayer):
     _geometry_args = ("stride", "padding", "output_padding", "dilation")
     _forward_op = conv_transpose_bias_act_forward
     _backward_op = conv_transpose_bias_act_backward
+    _known_op = conv_transpose_bias_act_known
 
     def __init__(
         self,

@@ -84,6 +84,9 @@ class Layer:
         return reg
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_ctx":  # every forward sets it: the short way to the property
+            Layer._ctx.fset(self, value)  # type: ignore[attr-defined]
+            return
         if name in ("needs_input_grad", "training") and not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{type(self).__name__}: {name} must be a bool, got "
                             f"{type(value).__name__} {value!r}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -49,7 +50,24 @@ class Arg(NamedTuple):
 
 def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleType:
     """Check `args` for `op`; return NumPy or CuPy, the module of the arrays."""
-    present = [a for a in args if a.array is not None]
+    present = []
+    plain = True  # every required array given, and all plain NumPy
+    for a in args:
+        if a.array is None:
+            plain = plain and a.optional
+        else:
+            present.append(a)
+            plain = plain and type(a.array) is np.ndarray
+    if plain:
+        # the common case: no None, type or mix error is possible, so the stages below
+        # start at the dtypes (host time per call matters: Note [layer call cache] in
+        # convfuse/nn/_conv_base.py)
+        _check_dtypes(op, present)
+        for a in present:
+            _check_layout(op, a, layout)
+        if any(a.output for a in present):
+            _check_overlap(op, present)
+        return np
     for a in args:
         if a.array is None and not a.optional:
             raise TypeError(f"{op}: {a.name} must be a NumPy or CuPy array, got None")
@@ -74,8 +92,11 @@ def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleT
     return np
 
 
+_SUPPORTED_DTYPES = frozenset(SUPPORTED.values())
+
+
 def _check_dtypes(op: str, present: Sequence[Arg]) -> None:
-    supported = set(SUPPORTED.values())
+    supported = _SUPPORTED_DTYPES
     first = None
     for a in present:
         dt = a.array.dtype
@@ -94,8 +115,9 @@ def _check_dtypes(op: str, present: Sequence[Arg]) -> None:
 
 
 def _check_layout(op: str, a: Arg, layout: str | None) -> None:
-    shape = tuple(a.array.shape)
-    if a.shape is not None and shape != tuple(a.shape):
+    shape = a.array.shape
+    if a.shape is not None and shape != a.shape and tuple(shape) != tuple(a.shape):
+        shape = tuple(shape)
         where = f" (layout {layout})" if layout else ""
         raise ValueError(
             f"{op}: {a.name} has shape {shape} but {tuple(a.shape)} is expected{where}"
@@ -194,6 +216,8 @@ def check_pool_geometry(op: str, pgeom: Any) -> Any:
 
 def check_scalar(op: str, name: str, value: Any) -> float:
     """A finite real number, returned as a float."""
+    if type(value) is float and math.isfinite(value):  # the common case, without the ABC
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
     out = float(value)
@@ -257,5 +281,6 @@ def engine(xp: ModuleType, kind: str) -> ModuleType:
     """The engine module for `kind` ("conv", "activation", "pooling"): the NumPy
     reference for NumPy arrays, cuDNN for CuPy arrays. Ops look the function up on this
     module at every call, so tests see which engine ran by patching it there."""
-    package = "reference" if xp is np else "cudnn"
-    return importlib.import_module(f"convfuse.ops.{package}.{kind}")
+    name = f"convfuse.ops.{'reference' if xp is np else 'cudnn'}.{kind}"
+    module = sys.modules.get(name)  # imported once; import_module's lookup costs per call
+    return module if module is not None else importlib.import_module(name)

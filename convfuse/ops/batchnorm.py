@@ -198,8 +198,9 @@ def _validate(op: str, g: BatchNormGeometry, data: list[Arg], per_channel: list[
             raise DeviceMismatchError(
                 f"{op}: cannot mix NumPy and CuPy arrays in one call (x is "
                 f"{'CuPy' if backend.is_cupy(x) else 'NumPy'}, {present[0].name} is not)")
-    _checks._check_overlap(op, [a for a in data + shaped if a.array is not None])
     outs = [a for a in shaped if a.output and a.array is not None]
+    if outs:  # per-channel inputs against outputs were checked by validate() above
+        _checks._check_overlap(op, [a for a in data if a.array is not None] + outs)
     for i, a in enumerate(outs):
         for b in outs[i + 1:]:
             if _checks._overlaps(a.array, b.array):

@@ -217,7 +217,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarr
     """np.matmul(a, b) for (..., M, K) @ (..., K, N); large ones in fixed blocks of output
     columns (or rows, when M > N) over the pool (Note [GEMMs on the pool])."""
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    if not _blas_controllers():
+    if m * n * k < TINY_GEMM_FLOPS or not _blas_controllers():
+        # one BLAS thread anyway, and an output far below SCRATCH_MIN_BYTES
         return np.matmul(a, b)
     if m * n * k < MIN_GEMM_FLOPS:
         with single_threaded_blas() if m * n * k >= TINY_GEMM_FLOPS else nullcontext():

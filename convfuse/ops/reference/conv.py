@@ -23,12 +23,34 @@ as the forward read it: dw is the gradient of the forward that ran. They cost
 prod(kernel) times x's size, so all kept columns alive together are capped at
 KEEP_COLUMNS_BYTES (a layer keeps its context until backward, also in inference): past the
 cap the backward rebuilds them, as it always did.
+
+Note [choosing the method]
+Each geometry's columns come one of three ways, chosen by what each computes:
+- tiny problems (at most GATHER_ELEMENTS column entries and input elements): one gather
+  through an index array built once per geometry (`_gather_index`). A handful of NumPy
+  calls, where the per-tap copies below and the flat layout's passes cost tens of us of
+  Python per call, which is all a 1x1x4x4 convolution costs;
+- stride 1 (conv_flat.py Note [flat padded convolution]): the flat padded convolution
+  computes every padded position of every tap, P per image against prod(out) useful ones.
+  It saves the im2col copy, and pays where its waste is small: it is taken only while
+  positions * taps <= FLAT_WASTE * outputs * live taps (`flat_choice`);
+- otherwise im2col columns of the live taps only. A tap whose every read falls in the
+  padding multiplies zeros: DeepLabV3's ASPP conv (3x3, dilation and padding 36, a 4x4 map)
+  has one live tap of nine, and the flat form computed 1,600 positions for its 16 outputs.
+  Its columns and its rows of the weight are left out (`_live_taps`). That changes no sum
+  (up to the sign of a zero one); the one value it could change is a non-finite operand:
+  inf * 0 = NaN, so a channel with a non-finite weight at a dead tap gets NaN everywhere, and
+  the filter gradient at dead taps is NaN where dz holds a non-finite value, as im2col and
+  torch give (`_dead_tap_nans`, `_full_filter`); a sum screens both, so finite operands pay
+  one pass. The data gradient's dead taps scatter only into the padding it crops, so they
+  are dropped without that rule (torch's dx stays finite there too).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -112,30 +134,154 @@ def _column_plan(geom: ConvGeometry) -> tuple[tuple[Any, Any, list[Any]], ...]:
     return tuple(plans)
 
 
-def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
-             ) -> np.ndarray:
-    """cols[G, C/G*prod(kernel), N*prod(out)] (Note [im2col per group]).
+# Note [choosing the method]: column entries (and input elements) up to which a geometry's
+# columns are one gather; past it the flat form is taken while its computed positions stay
+# within FLAT_WASTE times the useful ones.
+GATHER_ELEMENTS = 1 << 14
+FLAT_WASTE = 2.0
+
+
+@functools.lru_cache(maxsize=512)
+def _live_taps(geom: ConvGeometry) -> tuple[int, ...]:
+    """The kernel offsets (row-major) at which some output reads the input, not only padding
+    (Note [choosing the method])."""
+    live = []
+    for j, offset in enumerate(itertools.product(*(range(k) for k in geom.kernel_size))):
+        ranges = [_valid_range(*a) for a in zip(offset, geom.dilation, geom.stride,
+                                                 geom.padding, geom.input_shape_cf[2:],
+                                                 geom.output_spatial, strict=True)]
+        if all(hi > lo for lo, hi, _ in ranges):
+            live.append(j)
+    return tuple(live)
+
+
+@functools.lru_cache(maxsize=512)
+def _dead_taps(geom: ConvGeometry) -> tuple[int, ...]:
+    live = set(_live_taps(geom))
+    return tuple(j for j in range(math.prod(geom.kernel_size)) if j not in live)
+
+
+@functools.lru_cache(maxsize=512)
+def _column_entries(geom: ConvGeometry) -> int:
+    entries = geom.in_channels * len(_live_taps(geom)) * geom.batch * math.prod(
+        geom.output_spatial)
+    return max(entries, math.prod(geom.input_shape))
+
+
+@functools.lru_cache(maxsize=512)
+def _flat_by_cost(geom: ConvGeometry, itemsize: int) -> conv_flat.FlatLayout | None:
+    layout = conv_flat.flat_layout(geom, itemsize)
+    if layout is None:
+        return None
+    useful = geom.batch * math.prod(geom.output_spatial) * len(_live_taps(geom))
+    if layout.positions * math.prod(geom.kernel_size) > FLAT_WASTE * useful:
+        return None
+    return layout
+
+
+def flat_choice(geom: ConvGeometry, itemsize: int) -> conv_flat.FlatLayout | None:
+    """The flat layout where the engine takes the flat form for `geom`, else None (the
+    columns; Note [choosing the method])."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        return None
+    return _flat_by_cost(geom, itemsize)
+
+
+def _fill_columns(xc: np.ndarray, geom: ConvGeometry, dtype: np.dtype, fill: Any,
+                  tag: str | None = None) -> np.ndarray:
+    """cols[G, C/G*L, N*prod(out)] of the L live taps (Note [im2col per group]) from the
+    channels-first xc, `fill` where the padding is read.
 
     Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
     each offset's block gets the input positions it reads copied in, and only the outputs
-    that read padding are zeroed.
+    that read padding are filled.
     """
     g, c = geom.groups, geom.in_channels
-    xc = _channels_first(x, geom.channels_last)
     plans = _column_plan(geom)
-    shape = (g, c // g, len(plans), geom.batch, *geom.output_spatial)
-    cols = np.empty(shape, cd) if tag is None else _threads.scratch(tag, shape, cd)
+    live = _live_taps(geom)
+    shape = (g, c // g, len(live), geom.batch, *geom.output_spatial)
+    cols = np.empty(shape, dtype) if tag is None else _threads.scratch(tag, shape, dtype)
 
     def run(lo: int, hi: int) -> None:
         rows = slice(lo, hi)
-        for j, (dst, src, zero) in enumerate(plans):
+        for j, t in enumerate(live):
+            dst, src, zero = plans[t]
             block = cols[:, :, j, rows]  # (G, C/G, n, *out)
             for where in zero:
-                block[where] = 0
+                block[where] = fill
             block[dst] = _grouped(xc[(rows, *src)], g)
 
     _threads.parallel_for(geom.batch, cols.size, run)
-    return cols.reshape(g, (c // g) * len(plans), -1)
+    # sizes spelled out: with no live tap (L = 0) -1 would be ambiguous
+    return cols.reshape(g, (c // g) * len(live), geom.batch * math.prod(geom.output_spatial))
+
+
+@functools.lru_cache(maxsize=128)
+def _gather_index(geom: ConvGeometry) -> np.ndarray:
+    """For a tiny geometry, the columns as indices into x's flat memory with one zero
+    appended (index x.size): cols = ext[index] (Note [choosing the method])."""
+    n = math.prod(geom.input_shape)
+    ids = np.arange(n, dtype=np.intp).reshape(geom.input_shape)
+    index = _fill_columns(_channels_first(ids, geom.channels_last), geom, np.dtype(np.intp), n)
+    index.flags.writeable = False
+    return index
+
+
+def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = None
+             ) -> np.ndarray:
+    """cols[G, C/G*L, N*prod(out)] of the L live taps, in `cd`: one gather for tiny
+    problems, else one strided copy per tap (Note [choosing the method])."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        ext = np.empty(x.size + 1, cd)
+        ext[:-1] = x.reshape(-1)
+        ext[-1] = 0
+        return ext[_gather_index(geom)]
+    return _fill_columns(_channels_first(x, geom.channels_last), geom, cd, 0, tag)
+
+
+def _taps(w4: np.ndarray, taps: tuple[int, ...]) -> np.ndarray:
+    """w4[..., taps]: a view where the taps are one run (one live tap, say), else a copy."""
+    if taps and taps[-1] - taps[0] == len(taps) - 1:  # sorted, so one run
+        return w4[..., taps[0]:taps[-1] + 1]
+    return w4[..., list(taps)]
+
+
+def _matrix(w4: np.ndarray, geom: ConvGeometry, cd: np.dtype, live_only: bool
+            ) -> np.ndarray:
+    """A weight (G, A, B, prod(kernel)) view as the GEMM's (G, A, B*T) in `cd`, one pass;
+    with `live_only`, T is the live taps only (Note [choosing the method])."""
+    if live_only and _dead_taps(geom):
+        w4 = _taps(w4, _live_taps(geom))
+    return _cast_copy(w4, cd).reshape(w4.shape[0], w4.shape[1], w4.shape[2] * w4.shape[3])
+
+
+def _dead_tap_nans(ym: np.ndarray, w4: np.ndarray, geom: ConvGeometry) -> None:
+    """NaN into every output of a channel whose weight is not finite at a dead tap, as the
+    full columns give (inf * 0); ym (G, A, M) is the live taps' GEMM result."""
+    dead = _dead_taps(geom)
+    if not dead or np.isfinite(w4.sum()):  # the sum screens: finite operands, finite sum
+        return
+    bad = ~np.isfinite(_taps(w4, dead)).all(axis=(2, 3))
+    ym[bad] = np.nan
+
+
+def _full_filter(dw: np.ndarray, dzm: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """The live taps' filter gradient (G, K/G, C/G*L) as the whole (G, K/G, C/G*prod(kernel)):
+    zeros at the dead taps, NaN there for a channel whose dz holds a non-finite value."""
+    dead = _dead_taps(geom)
+    if not dead:
+        return dw
+    g, kg = dw.shape[:2]
+    taps = math.prod(geom.kernel_size)
+    full = np.zeros((g, kg, geom.in_channels // g, taps), dw.dtype)
+    live = dw.reshape(g, kg, geom.in_channels // g, len(_live_taps(geom)))
+    for j, t in enumerate(_live_taps(geom)):
+        full[..., t] = live[..., j]
+    if not np.isfinite(dzm.sum()):
+        bad = ~np.isfinite(dzm).all(axis=-1)  # (G, K/G)
+        for t in dead:
+            full[..., t][bad] = np.nan
+    return full.reshape(g, kg, -1)
 
 
 KEEP_COLUMNS_BYTES = 256 << 20
@@ -174,16 +320,23 @@ def _reserve(nbytes: int) -> bool:
         return True
 
 
-@contextmanager
-def keep_columns(x: Any) -> Iterator[KeptColumns]:
+class keep_columns:
     """Within the block, a forward on `x` leaves its columns in the yielded box (when the
-    cap allows; else box.cols stays None)."""
-    box, outer = KeptColumns(x), getattr(_local, "keep", None)
-    _local.keep = box
-    try:
-        yield box
-    finally:
-        _local.keep = outer
+    cap allows, and the columns were not one gather: Note [choosing the method]; else
+    box.cols stays None). A class rather than a generator: every forward enters one."""
+
+    __slots__ = ("box", "outer")
+
+    def __init__(self, x: Any) -> None:
+        self.box = KeptColumns(x)
+
+    def __enter__(self) -> KeptColumns:
+        self.outer = getattr(_local, "keep", None)
+        _local.keep = self.box
+        return self.box
+
+    def __exit__(self, *exc: object) -> None:
+        _local.keep = self.outer
 
 
 @contextmanager
@@ -219,10 +372,11 @@ def _given(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, kind: str) -> np.nda
     return kept.cols
 
 
-def _weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """w as (G, K/G, C/G*prod(kernel)) in the compute dtype."""
-    wc = _cast_copy(_channels_first(w, geom.channels_last), cd)
-    return wc.reshape(geom.groups, geom.out_channels // geom.groups, -1)
+def _weight_taps(w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """w as (G, K/G, C/G, prod(kernel)): a view of a channels-first weight."""
+    wc = _channels_first(w, geom.channels_last)
+    g = geom.groups
+    return wc.reshape(g, geom.out_channels // g, geom.in_channels // g, -1)
 
 
 def _output_matrix(dz: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
@@ -270,15 +424,20 @@ def _finish_output(src: np.ndarray, geom: ConvGeometry, dtype: np.dtype,
     return out
 
 
-def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
               dtype: np.dtype,
               epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None = None,
-              tag: str = "conv_y", keep: bool = True) -> np.ndarray:
-    """conv(x, .) with the weight matrix wm (G, K/G, C/G*prod(kernel)), finished by
+              tag: str = "conv_y", keep: bool = True, dead_nans: bool = True) -> np.ndarray:
+    """conv(x, .) with the weight w4 (G, K/G, C/G, prod(kernel)), finished by
     `epilogue` into a new array in the geometry's layout and `dtype`. With `keep`, a
-    forward inside keep_columns(x) leaves what the filter gradient will read."""
-    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    forward inside keep_columns(x) leaves what the filter gradient will read. `dead_nans`:
+    skipped taps' inf * 0 put back (Note [choosing the method]); the data gradient's
+    skipped taps scatter only into the cropped padding, so it passes False."""
+    if _column_entries(geom) <= GATHER_ELEMENTS:
+        return _tiny_convolve(x, w4, geom, cd, dtype, epilogue, dead_nans)
+    layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
+        wm = _matrix(w4, geom, cd, live_only=False)
         keeping = keep and _keeping(x)
         flat = conv_flat.flat_input(_channels_first(x, geom.channels_last), geom, layout, cd,
                                     tag=None if keeping else f"{tag}_flat")
@@ -292,14 +451,42 @@ def _convolve(x: np.ndarray, wm: np.ndarray, geom: ConvGeometry, cd: np.dtype,
         cols = _columns(x, geom, cd)
         if keep:
             _keep(x, geom, cols, "columns")
-        src = _gemm_view(_threads.matmul(wm, cols, out_tag=tag), geom)
+        ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), cols, out_tag=tag)
+        if dead_nans:
+            _dead_tap_nans(ym, w4, geom)
+        src = _gemm_view(ym, geom)
     return _finish_output(src, geom, dtype, epilogue)
+
+
+def _tiny_convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
+                   dtype: np.dtype,
+                   epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None,
+                   dead_nans: bool) -> np.ndarray:
+    """`_convolve` of a tiny geometry (Note [choosing the method]): the same gathered
+    columns, GEMM and epilogue, with no pass split (each would be one chunk anyway) and
+    none of the general path's choices made per call. Its columns are not kept: a gather
+    is cheaper to redo than to keep."""
+    ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), _columns(x, geom, cd))
+    if dead_nans:
+        _dead_tap_nans(ym, w4, geom)
+    src = _gemm_view(ym, geom)
+    out = np.empty(geom.output_shape, dtype)
+    dst = _channels_first(out, geom.channels_last)
+    if epilogue is None:
+        dst[...] = src
+    elif dtype == cd:
+        epilogue(src, dst, 0, geom.batch)
+    else:
+        tmp = np.empty(dst.shape, cd)
+        epilogue(src, tmp, 0, geom.batch)
+        dst[...] = tmp  # rounded to the storage dtype once
+    return out
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     """y = conv(x, w): cross-correlation in the geometry's layout, in x's dtype."""
     cd = compute_dtype(x.dtype)
-    return _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype)
+    return _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype)
 
 
 def conv_bias_act(
@@ -345,7 +532,7 @@ def conv_bias_act(
         elif act != "identity":
             dst[...] = apply_activation(dst, act)
 
-    y = _convolve(x, _weight_matrix(w, geom, cd), geom, cd, x.dtype, epilogue)
+    y = _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype, epilogue)
     return y, z_out
 
 
@@ -366,14 +553,14 @@ def _transposed_geometry(geom: ConvGeometry) -> ConvGeometry | None:
                                geom.layout)
 
 
-def _flipped_weight_matrix(w: np.ndarray, geom: ConvGeometry, cd: np.dtype) -> np.ndarray:
-    """w[g] transposed to (C/G, K/G) and flipped in space, as (G, C/G, K/G*prod(kernel))."""
+def _flipped_taps(w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
+    """w[g] transposed to (C/G, K/G) and flipped in space, as a (G, C/G, K/G, prod(kernel))
+    view where the strides allow."""
     g, rank = geom.groups, geom.rank
     wc = _channels_first(w, geom.channels_last)  # (K, C/G, *k)
     wc = wc.reshape(g, geom.out_channels // g, geom.in_channels // g, *geom.kernel_size)
     flip: tuple[Any, ...] = (Ellipsis, *[slice(None, None, -1)] * rank)
-    wc = wc.swapaxes(1, 2)[flip]
-    return _cast_copy(wc, cd).reshape(g, geom.in_channels // g, -1)
+    return wc.swapaxes(1, 2)[flip].reshape(g, geom.in_channels // g, geom.out_channels // g, -1)
 
 
 def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
@@ -388,12 +575,14 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
         dtype = dz.dtype if out is None else cd
-        dx = _convolve(dz, _flipped_weight_matrix(w, geom, cd), tgeom, cd, dtype,
-                       tag="conv_dx", keep=False)
+        dx = _convolve(dz, _flipped_taps(w, geom), tgeom, cd, dtype,
+                       tag="conv_dx", keep=False, dead_nans=False)
         return finish(dx, dz.dtype, out, beta)
-    wm = _weight_matrix(w, geom, cd)
+    # a dead tap scatters into the padding only, which is cropped: leaving it out is exact
+    wm = _matrix(_weight_taps(w, geom), geom, cd, live_only=True)
     dcols = _threads.matmul(wm.transpose(0, 2, 1), _output_matrix(dz, geom, cd))
-    slices = _offset_slices(geom)
+    every = _offset_slices(geom)
+    slices = [every[t] for t in _live_taps(geom)]
     c = geom.in_channels
     dcols = dcols.reshape(g, c // g, len(slices), geom.batch, *geom.output_spatial)
     padded = _padded_shape(geom)
@@ -423,7 +612,7 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
     dw = None
-    layout = conv_flat.flat_layout(geom, cd.itemsize)
+    layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         flat = _given(x, geom, cd, "flat")
         if flat is None:
@@ -441,7 +630,8 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
         cols = _given(x, geom, cd, "columns")
         if cols is None:
             cols = _columns(x, geom, cd, tag="conv_x_cols")
-        dw = _threads.matmul(_output_matrix(dz, geom, cd), cols.transpose(0, 2, 1))
+        dzm = _output_matrix(dz, geom, cd)
+        dw = _full_filter(_threads.matmul(dzm, cols.transpose(0, 2, 1)), dzm, geom)
     dw = dw.reshape(geom.weight_shape_cf)
     if geom.channels_last:
         dw = np.moveaxis(dw, 1, -1)
