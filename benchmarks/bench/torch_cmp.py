@@ -47,7 +47,10 @@ class TorchSide:
         self.device = device
         self.label = f"PyTorch {torch.__version__} ({'CUDA' if device == 'cuda' else 'CPU'})"
         self.timer = TorchEventTimer(torch) if device == "cuda" else CpuTimer()
-        torch.backends.cudnn.benchmark = True
+        # cuDNN's flags only matter on CUDA, and setting one raises once anything imported
+        # torch's test utilities (they freeze the global flags): a CPU run sets none.
+        if device == "cuda":  # pragma: gpu
+            torch.backends.cudnn.benchmark = True
 
     # -- helpers ------------------------------------------------------------------------
     def release(self) -> None:
@@ -56,7 +59,9 @@ class TorchSide:
             self.torch.cuda.empty_cache()
 
     def _set_tf32(self, allow: bool) -> None:
-        self.torch.backends.cudnn.allow_tf32 = allow
+        if self.device != "cuda":
+            return
+        self.torch.backends.cudnn.allow_tf32 = allow  # pragma: gpu
         self.torch.backends.cuda.matmul.allow_tf32 = allow
 
     def tensor(self, host: np.ndarray, dtype: str = "float32", nhwc: bool = False) -> Any:
