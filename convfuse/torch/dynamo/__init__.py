@@ -5,6 +5,6 @@ into convfuse's ops (what `convert()` cannot see outside an nn.Sequential), and
 
 from .backend import backend, convfuse
 from .explain import Explanation, explain
-from .rewrite import Record, rewrite
+from .rewrite import Record, fuse
 
-__all__ = ["Explanation", "Record", "backend", "convfuse", "explain", "rewrite"]
+__all__ = ["Explanation", "Record", "backend", "convfuse", "explain", "fuse"]

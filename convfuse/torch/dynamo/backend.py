@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from .rewrite import Record, rewrite
+from .rewrite import Record, fuse
 
 Compiler = Callable[..., Any]  # Dynamo's backend signature: (gm, example_inputs, **kw)
 
@@ -40,7 +40,7 @@ def _inner_compiler(inner: str | Compiler, mode: str | None,
 
 def backend(inner: str | Compiler = "inductor",
             records: list[Record] | None = None) -> Compiler:
-    """A torch.compile backend: convfuse's fusions first (rewrite.py), then `inner` (a
+    """A torch.compile backend: convfuse's fusions first (rewrite.fuse), then `inner` (a
     backend name — "inductor", "aot_eager", "eager" — or a callable with Dynamo's backend
     signature, which receives the rewritten graph). `records`, when given, collects what
     each compiled graph fused and left (what `explain` reports).
@@ -54,7 +54,7 @@ def backend(inner: str | Compiler = "inductor",
 
     def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], *,
                       mode: str | None = None, options: dict[str, Any] | None = None) -> Any:
-        found = rewrite(gm, count[0])
+        found = fuse(gm, count[0])
         count[0] += 1
         if records is not None:
             records.extend(found)

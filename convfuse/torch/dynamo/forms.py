@@ -145,9 +145,11 @@ def batch_norm(node: Node) -> BatchNorm | Refused | None:
         return Refused("an operand is not a tensor of the graph")
     if not isinstance(a["training"], bool):
         return Refused("training is not a constant")
-    if a["momentum"] is None or isinstance(a["momentum"], Node):
-        # torch.nn computes momentum=None's factor from num_batches_tracked on the host
-        return Refused("momentum is computed in the graph (momentum=None)")
+    if not isinstance(a["momentum"], (int, float)):
+        # momentum=None: torch.nn computes 1 / float(num_batches_tracked) on the host, which
+        # breaks Dynamo's graph before the batch norm (torch runs it), or, with
+        # capture_scalar_outputs, fails in Dynamo itself (torch 2.13)
+        return Refused("momentum is not a constant")
     if not isinstance(a["eps"], (int, float)):
         return Refused("eps is not a constant")
     if not a["training"] and (a["running_mean"] is None or a["running_var"] is None):

@@ -81,7 +81,7 @@ class _Chain:
         return self.nodes[-1]
 
 
-def rewrite(gm: GraphModule, graph_index: int = 0) -> list[Record]:
+def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
     """Fuse in place what convfuse computes; return what was fused and what was left."""
     g = gm.graph
     _canonicalize_in_place(g)
