@@ -24,6 +24,7 @@ SECTION_TITLES = {
     "train": "Training step (digits net: forward, loss, backward, Adam)",
     "adam": "Optimizer: fused Adam vs separate array operations",
     "goals": "Goals of issue #14 (CPU engine against PyTorch CPU, same thread count)",
+    "compile": "ResNet-18 training step: torch.compile(backend='convfuse') vs Inductor vs eager",
 }
 
 # What each form is on each engine: the CPU forms stand in for the GPU ones by name only.
@@ -44,6 +45,9 @@ FORMS = {
         "adam": "fused = convfuse.optim.Adam (one kernel over the flat buffer); unfused = "
                 "separate CuPy operations; PyTorch = torch.optim.Adam(fused=True)",
         "goals": "the goals are CPU goals: skipped on a GPU run",
+        "compile": "convfuse = torch.compile(backend='convfuse'): convfuse's cuDNN ops for the "
+                   "conv/BN chains, Inductor for the rest; inductor = torch.compile's default; "
+                   "eager = torch.nn (channels_last, fp32)",
     },
     "cpu": {
         "forward": "CPU: fused = ops.conv_bias_act on the reference engine; unfused = its "
@@ -59,6 +63,9 @@ FORMS = {
         "goals": "CPU: convfuse NumPy engine vs PyTorch CPU eager, interleaved, same thread "
                  "count; Adam against np.copyto bandwidth (256 MiB); full-size shapes "
                  "(not scaled down)",
+        "compile": "CPU: convfuse = torch.compile(backend='convfuse') with the NumPy reference "
+                   "engine in the graph; inductor = torch.compile's default (C++); eager = "
+                   "torch.nn on PyTorch's CPU kernels; batch 2 at 64x64",
     },
 }
 
@@ -180,6 +187,14 @@ COLUMNS: dict[str, list[Column]] = {
         ("floor ms", floor_ms), ("roofline fused", lambda r: frac(r, "fused")),
         ("GB/s fused", lambda r: "-" if "achieved_GBps" not in r
          else f"{r['achieved_GBps'].get('fused', 0):.1f}"),
+    ],
+    "compile": [
+        ("case", lambda r: r["case"]), ("convfuse ms", lambda r: ms(r, "convfuse")),
+        ("inductor ms", lambda r: ms(r, "inductor")), ("eager ms", lambda r: ms(r, "eager")),
+        ("inductor/convfuse", lambda r: ratio(r, "inductor/convfuse")),
+        ("eager/convfuse", lambda r: ratio(r, "eager/convfuse")),
+        ("compile s", lambda r: ", ".join(f"{k} {v:.0f}" for k, v in
+                                          r.get("compile_s", {}).items())),
     ],
     "goals": [
         ("goal", lambda r: r["case"]),
