@@ -219,7 +219,10 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
     cur = head.node
     nxt, why = _sole_user(cur)
     if isinstance(head, forms.Conv) and nxt is not None and forms.batch_norm(nxt) is not None:
-        chain.stop = "feeds a batch norm, which takes the residual and activation"
+        chain.stop = "feeds a batch norm (which takes the residual and activation)"
+        return chain
+    if nxt in claimed:  # an earlier chain's residual add (ResNet's downsample branch)
+        chain.stop = f"the residual of {nxt.name}, fused in another chain"
         return chain
     add = forms.residual_add(nxt, cur) if nxt is not None else None
     if isinstance(add, tuple):
