@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests._benchmarks_helpers import engine, peaks  # noqa: E402  (puts benchmarks/ on sys.path)
-from tests._zoo import import_torchvision  # noqa: E402
+from tests._benchmarks_helpers import engine, peaks
+from tests._zoo import import_torchvision
 
 
 @pytest.fixture

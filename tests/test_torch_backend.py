@@ -5,6 +5,8 @@ in float64: outputs, input and parameter gradients, running statistics and SGD s
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,7 +30,7 @@ def _patterns(records):
 class Activations(nn.Module):
     """One convolution per spelling of an activation (module, function, method, in place)."""
 
-    FORMS = [
+    FORMS: ClassVar = [
         ("relu", nn.ReLU()), ("relu", nn.ReLU(inplace=True)), ("relu", torch.relu),
         ("relu", torch.relu_), ("relu", lambda t: t.relu()), ("relu", lambda t: t.relu_()),
         ("relu", lambda t: F.relu(t, inplace=True)),
@@ -66,12 +68,14 @@ def test_activation_forms_fuse_with_their_parameters_checked():
 class Residuals(nn.Module):
     """conv -> + residual -> relu, the add in every spelling and either order."""
 
-    ADDS = [lambda y, r: y + r, lambda y, r: r + y, torch.add, lambda y, r: torch.add(r, y),
-            lambda y, r: y.add(r), lambda y, r: y.add_(r), lambda y, r: r.add(y)]
+    ADDS: ClassVar = [lambda y, r: y + r, lambda y, r: r + y, torch.add,
+                      lambda y, r: torch.add(r, y), lambda y, r: y.add(r),
+                      lambda y, r: y.add_(r), lambda y, r: r.add(y)]
 
     def __init__(self):
         super().__init__()
-        self.convs = nn.ModuleList(nn.Conv2d(2, 2, 3, padding=1) for _ in range(len(self.ADDS) + 3))
+        n = len(self.ADDS) + 3
+        self.convs = nn.ModuleList(nn.Conv2d(2, 2, 3, padding=1) for _ in range(n))
 
     def forward(self, x):
         r = x * 2
@@ -161,7 +165,7 @@ def test_batch_norm_in_training_and_eval(training):
         ("batch_norm+add+silu", True), ("batch_norm+sigmoid", True), ("batch_norm+elu", True),
         ("batch_norm", True)])
     assert torch_ops_left(graphs) == []
-    bn = [r for r in records if r.pattern == "batch_norm"][0]
+    bn = next(r for r in records if r.pattern == "batch_norm")
     assert "differs in shape" in bn.reason
     if training:
         assert int(model.bn.num_batches_tracked) == 2  # torch's own increment, kept

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pyproject_entry_point_is_the_compiler_function():
     import importlib
     import inspect
+
     import tomllib
 
     from convfuse.torch.dynamo import convfuse

@@ -33,4 +33,5 @@ from .dynamo import backend, explain
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputShapeError",
-           "activation_of", "backend", "convert", "explain", "fused_batchnorm", "fused_conv", "fused_conv_transpose"]
+           "activation_of", "backend", "convert", "explain", "fused_batchnorm", "fused_conv",
+           "fused_conv_transpose"]

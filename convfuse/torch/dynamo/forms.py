@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Callable
+from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +155,8 @@ def batch_norm(node: Node) -> BatchNorm | Refused | None:
         return Refused("eps is not a constant")
     if not a["training"] and (a["running_mean"] is None or a["running_var"] is None):
         return Refused("eval without running statistics")
-    return BatchNorm(node, *tensors, a["training"], float(a["momentum"]), float(a["eps"]))
+    return BatchNorm(node, a["input"], a["running_mean"], a["running_var"], a["weight"],
+                     a["bias"], a["training"], float(a["momentum"]), float(a["eps"]))
 
 
 # -- residual add --------------------------------------------------------------------------
@@ -272,7 +274,7 @@ def activation(node: Node, chain: Node) -> str | Refused | None:
 
 # -- in-place operations -------------------------------------------------------------------
 
-@lru_cache(maxsize=None)
+@cache
 def _inplace_index(target: Any) -> int | None:
     """Where a Python function's `inplace` parameter sits, or None."""
     try:

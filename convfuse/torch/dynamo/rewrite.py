@@ -86,7 +86,6 @@ def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
     g = gm.graph
     _canonicalize_in_place(g)
     regions = _autocast_regions(g)
-    order = {n: i for i, n in enumerate(g.nodes)}
     claimed: set[Node] = set()
     chains: list[_Chain] = []
     records: list[Record] = []
@@ -99,7 +98,7 @@ def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
             records.append(Record(False, _kind(node), (node.name,), why, graph_index))
             continue
         assert not isinstance(head, forms.Refused)
-        chain = _grow(head, claimed, regions, order)
+        chain = _grow(head, claimed, regions)
         claimed.update(chain.nodes)
         chains.append(chain)
     done: dict[Node, Node] = {}  # a fused chain's last node -> the node now computing it
@@ -189,9 +188,11 @@ def _sole_user(node: Node) -> tuple[Node | None, str]:
 
 
 def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
-          regions: dict[Node, tuple[Any, ...]], order: dict[Node, int]) -> _Chain:
+          regions: dict[Node, tuple[Any, ...]]) -> _Chain:
     chain = _Chain(head, [head.node])
-    dtype = forms.value(head.node).dtype  # type: ignore[union-attr]  (checked by _refuse_head)
+    out = forms.value(head.node)
+    assert out is not None  # _refuse_head refused a head without one
+    dtype = out.dtype
     inputs = {n for n in (head.x, head.weight, head.bias) if n is not None}
     if isinstance(head, forms.BatchNorm):
         inputs |= {n for n in (head.running_mean, head.running_var) if n is not None}
