@@ -277,3 +277,28 @@ def test_explain_table_and_records_and_state_restored():
 def test_backend_refuses_a_bad_inner():
     with pytest.raises(TypeError, match="inner must be"):
         ct.backend(inner=3)
+
+
+class Refusals(nn.Module):
+    """What convfuse cannot take stays torch's: an unbatched input, a functional batch norm
+    with a bias but no weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3)
+        self.bias = nn.Parameter(torch.randn(2))
+        self.register_buffer("mean", torch.zeros(2))
+        self.register_buffer("var", torch.ones(2))
+
+    def forward(self, x):
+        a = self.conv(x[0]).relu()  # (C, H, W)
+        b = F.batch_norm(x, self.mean, self.var, None, self.bias, True).relu()
+        return a.sum() + b.sum()
+
+
+def test_refused_heads_stay_with_torch_and_say_why():
+    records, graphs = assert_matches_torch(Refusals(), torch.randn(2, 2, 4, 4))
+    assert [(r.pattern, r.fused, r.reason) for r in records] == [
+        ("conv2d", False, "an unbatched input"),
+        ("batch_norm", False, "a bias without a weight")]
+    assert len(torch_ops_left(graphs)) == 2

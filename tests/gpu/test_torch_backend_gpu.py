@@ -66,7 +66,8 @@ def test_resnet18_training_steps_match_float64_cpu(mode):
     ref = copy.deepcopy(model).double().cpu()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
-    compiled = torch.compile(model, backend="convfuse", mode=mode, fullgraph=True)
+    # the backend object: what backend="convfuse" names, independent of the install
+    compiled = torch.compile(model, backend=ct.backend(), mode=mode, fullgraph=True)
     x = torch.randn(4, 3, 32, 32, device="cuda")
     for i in range(3):  # CUDA graphs record on the first calls and replay after
         _poison_allocator()
@@ -102,7 +103,7 @@ def test_channels_last_and_autocast_with_inductor():
                                 torch.nn.SiLU()).cuda().to(memory_format=torch.channels_last)
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8, 16, 16, device="cuda").to(memory_format=torch.channels_last)
-    compiled = torch.compile(model, backend="convfuse", fullgraph=True)
+    compiled = torch.compile(model, backend=ct.backend(), fullgraph=True)
     with torch.autocast("cuda", dtype=torch.float16):
         _poison_allocator()
         y = compiled(x)

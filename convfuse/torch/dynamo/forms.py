@@ -153,6 +153,8 @@ def batch_norm(node: Node) -> BatchNorm | Refused | None:
         return Refused("momentum is not a constant")
     if not isinstance(a["eps"], (int, float)):
         return Refused("eps is not a constant")
+    if a["weight"] is None and a["bias"] is not None:  # convfuse's backward pairs them
+        return Refused("a bias without a weight")
     if not a["training"] and (a["running_mean"] is None or a["running_var"] is None):
         return Refused("eval without running statistics")
     return BatchNorm(node, a["input"], a["running_mean"], a["running_var"], a["weight"],
