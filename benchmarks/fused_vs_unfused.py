@@ -28,6 +28,7 @@ if (HERE.parent / "convfuse" / "__init__.py").exists():
 import bench.conv_transpose as conv_transpose  # noqa: E402
 import bench.host_overhead as host_overhead  # noqa: E402
 import bench.resnet as resnet  # noqa: E402
+import bench.torch_compile as torch_compile  # noqa: E402
 import bench.torch_convert as torch_convert  # noqa: E402
 from bench import (  # noqa: E402
     adam,
@@ -52,7 +53,11 @@ import convfuse as cf  # noqa: E402
 
 SECTIONS = {"forward": forward.run, "backward": backward.run, "biasgrad": biasgrad.run,
             "train": train.run, "adam": adam.run, "goals": goals.run,
-            "host-overhead": host_overhead.run}
+            "host-overhead": host_overhead.run,
+            "compile": torch_compile.run}
+# Sections run only when named in --sections: `compile` compiles ResNet-18 three ways
+# (minutes of Inductor's C++ on a CPU).
+OPT_IN = ("compile",)
 RESULTS_DIR = HERE / "results"
 
 
@@ -64,8 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="JSON file with every raw number and the environment")
     p.add_argument("--plot", type=Path, default=Path("fused_vs_unfused.png"),
                    help="PNG bar chart of the ratios")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--sections", default=",".join(n for n in SECTIONS if n not in OPT_IN),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} ({', '.join(OPT_IN)} "
+                        "only when named)")
     p.add_argument("--precisions", default=",".join(PRECISIONS),
                    help=f"comma-separated subset of {','.join(PRECISIONS)}")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="NCHW,NHWC or one of them")

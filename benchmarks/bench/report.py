@@ -25,6 +25,7 @@ SECTION_TITLES = {
     "adam": "Optimizer: fused Adam vs separate array operations",
     "goals": "Goals of issue #14 (CPU engine against PyTorch CPU, same thread count)",
     "host-overhead": "Host time per call at tiny shapes, and ResNet-18 steps (issue #25)",
+    "compile": "ResNet-18 training step: torch.compile(backend='convfuse') vs Inductor vs eager",
 }
 
 # What each form is on each engine: the CPU forms stand in for the GPU ones by name only.
@@ -48,6 +49,9 @@ FORMS = {
         "host-overhead": "GPU: convfuse.torch vs torch.nn on CUDA tensors, host time per call "
                          "(perf_counter, no sync); ASPP in CUDA events; ResNet-18 steps eager "
                          "and as torch.cuda.graph replays",
+        "compile": "convfuse = torch.compile(backend='convfuse'): convfuse's cuDNN ops for the "
+                   "conv/BN chains, Inductor for the rest; inductor = torch.compile's default; "
+                   "eager = torch.nn (channels_last, fp32)",
     },
     "cpu": {
         "forward": "CPU: fused = ops.conv_bias_act on the reference engine; unfused = its "
@@ -66,6 +70,9 @@ FORMS = {
         "host-overhead": "CPU, one thread each: convfuse.torch vs torch.nn eager (and "
                          "convfuse.Conv2d on NumPy vs torch.nn), us per call at tiny shapes, "
                          "interleaved; the ASPP conv forward+backward",
+        "compile": "CPU: convfuse = torch.compile(backend='convfuse') with the NumPy reference "
+                   "engine in the graph; inductor = torch.compile's default (C++); eager = "
+                   "torch.nn on PyTorch's CPU kernels; batch 2 at 64x64",
     },
 }
 
@@ -199,6 +206,14 @@ COLUMNS: dict[str, list[Column]] = {
         ("floor ms", floor_ms), ("roofline fused", lambda r: frac(r, "fused")),
         ("GB/s fused", lambda r: "-" if "achieved_GBps" not in r
          else f"{r['achieved_GBps'].get('fused', 0):.1f}"),
+    ],
+    "compile": [
+        ("case", lambda r: r["case"]), ("convfuse ms", lambda r: ms(r, "convfuse")),
+        ("inductor ms", lambda r: ms(r, "inductor")), ("eager ms", lambda r: ms(r, "eager")),
+        ("inductor/convfuse", lambda r: ratio(r, "inductor/convfuse")),
+        ("eager/convfuse", lambda r: ratio(r, "eager/convfuse")),
+        ("compile s", lambda r: ", ".join(f"{k} {v:.0f}" for k, v in
+                                          r.get("compile_s", {}).items())),
     ],
     "goals": [
         ("goal", lambda r: r["case"]),

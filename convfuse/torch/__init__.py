@@ -9,7 +9,10 @@ take torch.nn.BatchNorm*d's plus `activation=` and compute act(batchnorm(x) + re
 (docs/PYTORCH.md); `ConvTranspose1d/2d/3d` take torch.nn.ConvTranspose*d's plus
 `activation=`. `convert(model)` swaps a model's convolutions and batch norms (and the
 activation right after each, inside an nn.Sequential) for them, keeping the same Parameters
-and buffers. `import convfuse` never imports torch; only this package does.
+and buffers. `torch.compile(model, backend="convfuse")` fuses the same chains wherever a
+model's forward writes them (a ResNet block's `bn2 -> += identity -> relu`), and
+`explain(model, *inputs)` lists what it fused and left (convfuse/torch/dynamo/).
+`import convfuse` never imports torch; only this package does.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d, InputShapeError
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .convert import activation_of, convert, fused_batchnorm, fused_conv, fused_conv_transpose
+from .dynamo import backend, explain
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputShapeError",
-           "activation_of", "convert", "fused_batchnorm", "fused_conv", "fused_conv_transpose"]
+           "activation_of", "backend", "convert", "explain", "fused_batchnorm", "fused_conv",
+           "fused_conv_transpose"]

@@ -1,0 +1,287 @@
+"""The rewrite of a Dynamo FX graph: chains of convolution -> [+ residual] -> activation and
+batch norm -> [+ residual] -> activation become convfuse's fused ops.
+
+Note [a walk, not declared patterns]
+torch.fx's subgraph_rewriter and Inductor's pattern matcher state a pattern as the function
+it matches, which reads best (STYLE.md). They cannot say what this rewrite must check:
+ - an intermediate with another user (ResNet's stem output, a DenseNet concat input): the
+   chain must stop before it, and a declared pattern either refuses the whole match or
+   silently drops the other use;
+ - in-place forms, whose later readers refer to the mutated tensor, not to the node that
+   mutated it (`out.add_(r); relu(out)`) — canonicalised first, below;
+ - nothing between the chain's first and last node may write its inputs or read the
+   running statistics the fused op now updates later;
+ - dtypes: under autocast a convolution's output has the autocast dtype and a residual
+   add may promote; a chain is fused only where each step keeps the dtype, or where the
+   cast is the convolution's own under a known autocast region (the fused op's autocast
+   kernel casts the same way, Note [autocast] in _autocast.py);
+ - the many spellings (module inlined to F.relu(inplace=True), Tensor.relu_, torch.relu,
+   hardtanh(0, 6), `+=` with the residual on either side), each with parameters to check.
+A pattern per spelling × optional step would be hundreds of patterns that still need these
+checks as filters. So this is one walk over the nodes in order: each convolution and batch
+norm starts a chain that grows while its tensor has exactly one user of the next kind.
+
+Conv -> BN: convfuse has no convolution + batch-norm op. The convolution runs alone (with
+its bias) and the batch norm starts its own chain, taking the residual and activation.
+The fused ops take the graph's own placeholders (parameters and buffers), never copies,
+so optimizers and state_dict see the same tensors and the running statistics are updated
+in place as torch.nn updates them (a num_batches_tracked increment stays torch's node).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, GraphModule, Node
+
+from .._arrays import SUPPORTED_DTYPES
+from .._bn_ops import BatchNormFunction
+from .._ops import conv_bias_act  # noqa: F401  (registers torch.ops.convfuse.*)
+from .._transpose_ops import conv_transpose_bias_act  # noqa: F401
+from . import forms
+
+
+def batchnorm_act(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  residual: torch.Tensor | None, running_mean: torch.Tensor | None,
+                  running_var: torch.Tensor | None, use_batch_stats: bool, momentum: float,
+                  eps: float, activation: str) -> torch.Tensor:
+    """act(batchnorm(x) + residual) through convfuse's autograd Function: an FX node cannot
+    call `BatchNormFunction.apply` itself (FACTS.md: it fails when the graph runs)."""
+    return BatchNormFunction.apply(x, weight, bias, residual, running_mean, running_var,
+                                   None, use_batch_stats, momentum, eps, activation)[0]
+
+
+@dataclass(frozen=True)
+class Record:
+    """One decision of the rewrite: a chain fused into one convfuse op, or a convolution,
+    batch norm or next step of a chain left to the inner backend, and why."""
+
+    fused: bool
+    pattern: str  # e.g. "batch_norm+add+relu", "conv2d"
+    nodes: tuple[str, ...]  # the FX nodes (replaced when fused)
+    reason: str = ""  # why left (or why a fused chain stopped where it did)
+    graph: int = 0  # which Dynamo graph (one per graph break)
+
+
+@dataclass
+class _Chain:
+    head: forms.Conv | forms.BatchNorm
+    nodes: list[Node]
+    residual: Node | None = None
+    activation: str = "identity"
+    stop: str = ""
+    steps: list[str] = field(default_factory=list)
+
+    @property
+    def tail(self) -> Node:
+        return self.nodes[-1]
+
+
+def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
+    """Fuse in place what convfuse computes; return what was fused and what was left."""
+    g = gm.graph
+    _canonicalize_in_place(g)
+    regions = _autocast_regions(g)
+    claimed: set[Node] = set()
+    chains: list[_Chain] = []
+    records: list[Record] = []
+    for node in list(g.nodes):
+        head = forms.conv(node) or forms.batch_norm(node)
+        if head is None:
+            continue
+        why = head.reason if isinstance(head, forms.Refused) else _refuse_head(head, regions)
+        if why:
+            records.append(Record(False, _kind(node), (node.name,), why, graph_index))
+            continue
+        assert not isinstance(head, forms.Refused)
+        chain = _grow(head, claimed, regions)
+        claimed.update(chain.nodes)
+        chains.append(chain)
+    done: dict[Node, Node] = {}  # a fused chain's last node -> the node now computing it
+    for chain in chains:
+        done[chain.tail] = _apply(g, chain, done)
+        records.append(Record(True, "+".join([chain.head.kind, *chain.steps]),
+                              tuple(n.name for n in chain.nodes), chain.stop, graph_index))
+    g.lint()
+    gm.recompile()
+    return records
+
+
+def _kind(node: Node) -> str:
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _canonicalize_in_place(g: Graph) -> None:
+    """After `t.add_(r)` (or `t += r`, `relu_(t)`), readers of `t` read the node that wrote
+    it: point them there (the same tensor), so a chain sees the in-place step as its user."""
+    for node in list(g.nodes):
+        target = forms.mutated(node)
+        if target is None or target.op == "placeholder":
+            continue
+        for user in list(target.users):
+            if user is not node and _after(user, node):
+                user.replace_input_with(target, node)
+
+
+def _after(a: Node, b: Node) -> bool:
+    n = b.next
+    while n.op != "root":
+        if n is a:
+            return True
+        n = n.next
+    return False
+
+
+def _autocast_regions(g: Graph) -> dict[Node, tuple[Any, ...]]:
+    """Each node's autocast state: the (device, dtype, enabled) of the innermost region."""
+    stack: list[tuple[Any, ...]] = []
+    out: dict[Node, tuple[Any, ...]] = {}
+    for node in g.nodes:
+        if forms.is_autocast_enter(node):
+            stack.append(tuple(node.args[:3]))
+        elif forms.is_autocast_exit(node) and stack:
+            stack.pop()
+        out[node] = stack[-1] if stack else ()
+    return out
+
+
+def _refuse_head(head: forms.Conv | forms.BatchNorm, regions: dict[Node, tuple[Any, ...]],
+                 ) -> str:
+    """Why convfuse cannot compute this convolution or batch norm ('' if it can)."""
+    out, x = forms.value(head.node), forms.value(head.x)
+    if out is None or x is None:
+        return "no example tensor"
+    if out.device.type not in ("cpu", "cuda"):
+        return f"device {out.device.type}"
+    if out.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {out.dtype}"
+    if any(isinstance(s, int) and s == 0 for s in x.shape):
+        return "an empty input"
+    if isinstance(head, forms.BatchNorm):
+        if x.dtype != out.dtype:
+            return f"changes dtype ({x.dtype} -> {out.dtype})"
+        return "" if 2 <= x.dim() <= 5 else f"a {x.dim()}-d input"
+    if x.dim() != head.rank + 2:
+        return "an unbatched input"
+    w = forms.value(head.weight)
+    if w is None:
+        return "no example weight"
+    if x.dtype != out.dtype or w.dtype != out.dtype:
+        region = regions.get(head.node, ())
+        under = len(region) == 3 and region[2] and region[1] == out.dtype \
+            and region[0] == out.device.type and out.dtype != torch.float64
+        if not under:
+            return (f"changes dtype outside an autocast region ({x.dtype} input, {w.dtype} "
+                    f"weight -> {out.dtype})")
+    return ""
+
+
+def _sole_user(node: Node) -> tuple[Node | None, str]:
+    users = list(node.users)
+    if len(users) != 1:
+        return None, f"{node.name} has {len(users)} users"
+    return users[0], ""
+
+
+def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
+          regions: dict[Node, tuple[Any, ...]]) -> _Chain:
+    chain = _Chain(head, [head.node])
+    out = forms.value(head.node)
+    assert out is not None  # _refuse_head refused a head without one
+    dtype = out.dtype
+    inputs = {n for n in (head.x, head.weight, head.bias) if n is not None}
+    if isinstance(head, forms.BatchNorm):
+        inputs |= {n for n in (head.running_mean, head.running_var) if n is not None}
+    stats = inputs - {head.x, head.weight, head.bias}
+
+    def step(nxt: Node, extra: Node | None) -> str:
+        """Why `nxt` cannot join the chain ('' if it can)."""
+        if nxt in claimed:
+            return f"{nxt.name} belongs to another chain"
+        v = forms.value(nxt)
+        if v is None or v.dtype != dtype or regions.get(nxt) != regions.get(head.node):
+            return f"{nxt.name} changes dtype or autocast region"
+        if extra is not None:
+            r = forms.value(extra)
+            if r is None or r.shape != v.shape or r.dtype != dtype or r.device != v.device:
+                return f"the residual {extra.name} differs in shape, dtype or device"
+        watched = inputs | ({extra} if extra is not None else set())
+        n = head.node.next
+        while n is not nxt:
+            if forms.mutated(n) in watched or (stats and stats & set(n.all_input_nodes)):
+                return f"{n.name} writes an input or reads the statistics in between"
+            n = n.next
+        return ""
+
+    cur = head.node
+    nxt, why = _sole_user(cur)
+    if isinstance(head, forms.Conv) and nxt is not None and forms.batch_norm(nxt) is not None:
+        chain.stop = "feeds a batch norm (which takes the residual and activation)"
+        return chain
+    if nxt in claimed:  # an earlier chain's residual add (ResNet's downsample branch)
+        chain.stop = f"the residual of {nxt.name}, fused in another chain"
+        return chain
+    add = forms.residual_add(nxt, cur) if nxt is not None else None
+    if isinstance(add, tuple):
+        why = step(nxt, add[0])  # type: ignore[arg-type]
+        if not why:
+            chain.nodes.append(nxt)  # type: ignore[arg-type]
+            chain.residual, cur = add[0], nxt  # type: ignore[assignment]
+            chain.steps.append("add")
+            nxt, why = _sole_user(cur)
+    elif isinstance(add, forms.Refused):
+        why = add.reason
+    if nxt is not None and not why:
+        act = forms.activation(nxt, cur)
+        if isinstance(act, str):
+            why = step(nxt, None)
+            if not why:
+                chain.nodes.append(nxt)
+                chain.activation = act
+                chain.steps.append(act)
+        elif isinstance(act, forms.Refused):
+            why = act.reason
+        elif not chain.steps or chain.steps == ["add"]:
+            why = f"{nxt.name} is no activation" if nxt.op != "output" else ""
+    chain.stop = why
+    return chain
+
+
+def _apply(g: Graph, chain: _Chain, done: dict[Node, Node]) -> Node:
+    """Replace the chain by its fused op (inserted at its last node, after every operand);
+    operands that were an earlier chain's last node are read from `done`."""
+    head, tail = chain.head, chain.tail
+
+    def new(n: Node | None) -> Node | None:
+        return done.get(n, n) if n is not None else None
+
+    residual = new(chain.residual)
+    with g.inserting_before(tail):
+        if isinstance(head, forms.Conv):
+            x: Any = new(head.x)
+            if any(head.extra_right):  # padding='same' with an odd total: Note [padding
+                # convfuse leaves to torch] in conv.py
+                x = g.call_function(F.pad, (x, [p for e in reversed(head.extra_right)
+                                                for p in (0, e)]))
+            if head.transposed:
+                op = g.call_function(torch.ops.convfuse.conv_transpose_bias_act.default, (
+                    x, head.weight, head.bias, residual, head.stride, head.padding,
+                    head.output_padding, head.dilation, head.groups, chain.activation))
+            else:
+                op = g.call_function(torch.ops.convfuse.conv_bias_act.default, (
+                    x, head.weight, head.bias, residual, head.stride, head.padding,
+                    head.dilation, head.groups, chain.activation))
+            out = g.call_function(operator.getitem, (op, 0))
+        else:
+            out = g.call_function(batchnorm_act, (
+                new(head.x), head.weight, head.bias, residual, head.running_mean,
+                head.running_var, head.training, head.momentum, head.eps, chain.activation))
+    out.meta.update(tail.meta)
+    tail.replace_all_uses_with(out)
+    for node in reversed(chain.nodes):
+        g.erase_node(node)
+    return out

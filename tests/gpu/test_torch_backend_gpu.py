@@ -1,0 +1,113 @@
+"""torch.compile(model, backend="convfuse") on a GPU: the fused chains run convfuse's cuDNN
+ops inside Inductor's graph (and inside CUDA graphs with mode="reduce-overhead"), and a
+ResNet-18 training step equals torch.nn's in float64 on the CPU. Written without a GPU:
+none of these has run yet."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import convfuse as cf
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+import convfuse.torch as ct  # noqa: E402
+from tests._zoo import import_torchvision  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cuda_torch():
+    if not torch.cuda.is_available():
+        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
+    allow = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch._dynamo.reset()
+    with cf.config.flags(allow_tf32=False):
+        yield
+    torch.backends.cudnn.allow_tf32 = allow
+    torch._dynamo.reset()
+
+
+def _poison_allocator():
+    """Fill the caching allocator's free blocks with NaN: memory an op hands out unwritten
+    shows up in the results."""
+    block = torch.full((64 << 20,), float("nan"), device="cuda")
+    del block
+
+
+def _resnet():
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    return tv.models.resnet18(num_classes=4)
+
+
+def _step(model, x, opt):
+    opt.zero_grad(set_to_none=True)
+    y = model(x)
+    y.square().mean().backward()
+    opt.step()
+    return y.detach().clone()
+
+
+def _convfuse_kernels(prof):
+    names = {e.key for e in prof.key_averages()}
+    return {n for n in names if n.startswith("convfuse::")}, \
+        {n for n in names if n in ("aten::cudnn_convolution", "aten::cudnn_batch_norm",
+                                   "aten::convolution", "aten::native_batch_norm")}
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_resnet18_training_steps_match_float64_cpu(mode):
+    model = _resnet().cuda()
+    ref = copy.deepcopy(model).double().cpu()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    # the backend object: what backend="convfuse" names, independent of the install
+    compiled = torch.compile(model, backend=ct.backend(), mode=mode, fullgraph=True)
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    for i in range(3):  # CUDA graphs record on the first calls and replay after
+        _poison_allocator()
+        with torch.profiler.profile() as prof:
+            y = _step(compiled, x, opt)
+        y_ref = _step(ref, x.double().cpu(), opt_ref)
+        assert torch.isfinite(y).all()
+        torch.testing.assert_close(y.double().cpu(), y_ref, rtol=2e-3, atol=2e-3)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach().double().cpu(), q.detach(), rtol=2e-3,
+                                       atol=2e-3, msg=f"step {i}: {name}")
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            torch.testing.assert_close(b.double().cpu(), c.double(), rtol=2e-3, atol=2e-3,
+                                       msg=f"step {i}: {name}")
+        if i == 0 or mode is None:
+            ours, torchs = _convfuse_kernels(prof)
+            assert {"convfuse::conv_bias_act", "convfuse::batchnorm_training",
+                    "convfuse::conv_bias_act_backward",
+                    "convfuse::batchnorm_backward"} <= ours
+            assert not torchs, torchs  # no torch convolution or batch norm ran
+
+
+def test_explain_on_the_gpu_fuses_every_tail():
+    model = _resnet().cuda()
+    report = ct.explain(model, torch.randn(2, 3, 32, 32, device="cuda"))
+    assert sum(r.pattern == "batch_norm+add+relu" for r in report.fused) == 8
+    assert report.left == []
+
+
+def test_channels_last_and_autocast_with_inductor():
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                torch.nn.SiLU()).cuda().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+    compiled = torch.compile(model, backend=ct.backend(), fullgraph=True)
+    with torch.autocast("cuda", dtype=torch.float16):
+        _poison_allocator()
+        y = compiled(x)
+        y_ref = ref(x)
+    assert y.dtype == y_ref.dtype == torch.float16
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2e-2, atol=2e-2)
