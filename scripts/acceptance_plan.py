@@ -100,8 +100,9 @@ def tail_parts(bench_sections: str) -> list[Part]:
     return [
         Part("syncs", 10, 25, True, '"$PY" scripts/count_syncs.py --steps 5 --out '
              '"$OUT/syncs.json"'),
-        # The sections stream one by one, so a cut run keeps the finished ones.
-        Part("bench", 100, 200, True,
+        # The sections stream one by one, so a cut run keeps the finished ones; `compile`
+        # (ResNet-18 through Inductor twice) is the last section and the likeliest cut.
+        Part("bench", 150, 260, True,
              f'"$PY" benchmarks/fused_vs_unfused.py --quick --quiet --sections '
              f'{bench_sections} --resnet --stream "$OUT/bench.jsonl" '
              f'--out "$SCRATCH/bench.json" --plot "$SCRATCH/bench.png"'),

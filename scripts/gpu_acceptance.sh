@@ -39,7 +39,7 @@
 set -uo pipefail
 
 # The benchmark sections the run times (benchmarks/fused_vs_unfused.py --sections).
-BENCH_SECTIONS="forward,biasgrad,adam,train"
+BENCH_SECTIONS="forward,biasgrad,adam,train,host-overhead,compile"
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

@@ -102,7 +102,8 @@ def test_the_benchmark_sections_are_one_variable_near_the_top():
     lines = SCRIPT.read_text().splitlines()
     found = [i for i, line in enumerate(lines) if line.startswith("BENCH_SECTIONS=")]
     assert len(found) == 1 and found[0] < 60
-    assert BENCH_SECTIONS.split(",") == ["forward", "biasgrad", "adam", "train"]
+    assert BENCH_SECTIONS.split(",") == ["forward", "biasgrad", "adam", "train", "host-overhead",
+                                       "compile"]
 
 
 def test_a_dry_run_without_pytest_fails_loudly(tmp_path):
