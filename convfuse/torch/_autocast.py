@@ -34,6 +34,7 @@ import torch
 
 _LIB = torch.library.Library("convfuse", "IMPL")  # lives as long as the process
 _DEVICE_TYPES = ("cpu", "cuda")
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _eligible(t: object, device_type: str) -> bool:
@@ -80,7 +81,8 @@ def cast_args(device_type: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The Autocast kernel's cast of a convolution op's arguments, for a call that does not
     go through the dispatcher (Note [two call paths] in _eager.py): `args` unchanged
     outside autocast."""
-    if device_type not in _DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
-        return args
+    if not _any_autocast() or device_type not in _DEVICE_TYPES \
+            or not torch.is_autocast_enabled(device_type):
+        return args  # autocast off anywhere: one cheap check
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(_cast(a, device_type, dtype) for a in args)
