@@ -53,6 +53,12 @@ def casts(*tensors: torch.Tensor | None) -> bool:
             and all(_eligible(t, dev) for t in present))
 
 
+def enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled(device_type), answered by one cheap check when autocast
+    is off everywhere (the common case, asked at every call)."""
+    return _any_autocast() and torch.is_autocast_enabled(device_type)
+
+
 def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     if _eligible(value, device_type):
         return value.to(dtype)
@@ -83,6 +89,6 @@ def cast_args(device_type: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     outside autocast."""
     if not _any_autocast() or device_type not in _DEVICE_TYPES \
             or not torch.is_autocast_enabled(device_type):
-        return args  # autocast off anywhere: one cheap check
+        return args  # autocast off everywhere: one cheap check (`enabled`)
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(_cast(a, device_type, dtype) for a in args)

@@ -73,7 +73,7 @@ class _ConvLayer(nn.Module):
         return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
                 None if residual is None else (residual.shape, residual.dtype,
                                                residual.device),
-                torch.is_autocast_enabled(dev.type), self._hyper(), extra)
+                _autocast.enabled(dev.type), self._hyper(), extra)
 
     def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),

@@ -11,6 +11,7 @@ documented outputs and are updated in place.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,32 @@ from ...plan.batchnorm import BatchNormGeometry
 from .activation import _backward_cd, apply_activation
 
 
-def _per_channel(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
-    """A (C,) array shaped to broadcast against x."""
+@functools.lru_cache(maxsize=256)
+def _axes(g: BatchNormGeometry) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(reduce axes, the broadcast shape of a (C,) array, values per channel): the
+    geometry's properties, derived once instead of at every use of every call."""
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
-    return a.reshape(shape)
+    return g.reduce_axes, tuple(shape), g.count
+
+
+def _per_channel(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
+    """A (C,) array shaped to broadcast against x."""
+    return a.reshape(_axes(g)[1])
+
+
+def _sum(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
+    """a.sum over the reduce axes (what ndarray.sum runs, without its Python wrapper)."""
+    return np.add.reduce(a, axis=_axes(g)[0])
+
+
+def _mean(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
+    """a.mean over the reduce axes, bit for bit: NumPy's _mean is this sum divided in place
+    by the count as an intp."""
+    axes, _, count = _axes(g)
+    total = np.add.reduce(a, axis=axes)
+    np.true_divide(total, np.intp(count), out=total, casting="unsafe")
+    return total
 
 
 def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
@@ -58,14 +80,14 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
     """(y, saved, mean, invstd); updates running_mean/var in place when given."""
     cd = compute_dtype(x.dtype)
     xc = x.astype(cd)
-    mean = xc.mean(axis=g.reduce_axes)
+    mean = _mean(xc, g)
     centred = xc - _per_channel(mean, g)
-    var = (centred * centred).mean(axis=g.reduce_axes)
+    var = _mean(centred * centred, g)
     invstd = (1.0 / np.sqrt(var + cd.type(eps))).astype(cd)
     y, saved = _affine_act(centred * _per_channel(invstd, g), weight, bias, residual,
                            activation, g, x.dtype)
     if running_mean is not None:
-        n = g.count
+        n = _axes(g)[2]
         f = cd.type(factor)
         unbiased = var * cd.type(n / (n - 1))
         running_mean[...] = (1 - f) * running_mean + f * mean
@@ -97,16 +119,18 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     depend on x), in evaluation dx = dz * weight * invstd.
     """
     cd = compute_dtype(x.dtype)
-    dz = _backward_cd(dy, saved, activation)[0]
+    # identity's backward is dy itself: no pass over the samples (dz is only read below)
+    dz = dy.astype(cd, copy=False) if activation == "identity" \
+        else _backward_cd(dy, saved, activation)[0]
     xhat = _normalised(x, mean, invstd, g)
-    dbias = dz.sum(axis=g.reduce_axes)
-    dweight = (dz * xhat).sum(axis=g.reduce_axes)
+    dbias = _sum(dz, g)
+    dweight = _sum(dz * xhat, g)
     dx = None
     if need_dx:
         w = weight.astype(cd) if weight is not None else np.ones(g.channels, cd)
         scale = _per_channel(w * invstd, g)
         if training:
-            n = cd.type(g.count)
+            n = cd.type(_axes(g)[2])
             dx = scale / n * (n * dz - _per_channel(dbias, g) - xhat * _per_channel(dweight, g))
         else:
             dx = dz * scale
