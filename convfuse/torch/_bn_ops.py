@@ -323,7 +323,7 @@ class BatchNormFunction(torch.autograd.Function):
                                       running_var, num_batches_tracked, use_batch_stats,
                                       momentum, eps, activation)
         kind = activations.saves(activation)
-        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        saved = None if kind == "none" else y if kind == "output" else z
         ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
         ctx.hyper = (bool(use_batch_stats), float(eps), activation, eager)
         # z stays differentiable where it is saved (Note [two backward paths] in _double.py).

@@ -236,7 +236,7 @@ def fused_autograd(backward_op: Any, recorded: str) -> tuple[Any, Any]:
         x, weight, bias, _residual, *hyper, activation = inputs
         y, z = output
         kind = activations.saves(activation)
-        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        saved = None if kind == "none" else y if kind == "output" else z
         ctx.save_for_backward(x, weight, saved)
         ctx.hyper = [list(h) if isinstance(h, (list, tuple)) else int(h) for h in hyper]
         ctx.activation = activation
