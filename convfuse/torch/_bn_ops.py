@@ -256,12 +256,11 @@ def _batchnorm_backward(
             _layout(cl), eps, activation, need_dres, need_dx,
             None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0,
             aligned=aligned(mean) and aligned(invstd))
-        empty = dy.new_empty(0)
-        return (
-            logical(to_tensor(dx), cl) if dx is not None else empty,
-            dw.to(weight.dtype) if dw is not None and weight is not None else empty.clone(),
-            db.to(weight.dtype) if db is not None and weight is not None else empty.clone(),
-            logical(to_tensor(dres), cl) if dres is not None else empty.clone(),
+        return (  # a new empty tensor per unused output (outputs may not alias)
+            logical(to_tensor(dx), cl) if dx is not None else dy.new_empty(0),
+            dw.to(weight.dtype) if dw is not None and weight is not None else dy.new_empty(0),
+            db.to(weight.dtype) if db is not None and weight is not None else dy.new_empty(0),
+            logical(to_tensor(dres), cl) if dres is not None else dy.new_empty(0),
         )
 
 

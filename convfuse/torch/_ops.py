@@ -193,12 +193,13 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             op(prep, dev, data_grad, dz, to_array(physical(weight, cl)), geom,
                to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
-    empty = dy.new_empty(0)
+    # one new empty tensor per unused output (outputs may not alias; new_empty costs less
+    # than a clone)
     return (
-        dx_t if dx_t is not None else empty,
-        dw_t if dw_t is not None else empty.clone(),
-        db_t if db_t is not None else empty.clone(),
-        dz_t if dz_t is not None else empty.clone(),
+        dx_t if dx_t is not None else dy.new_empty(0),
+        dw_t if dw_t is not None else dy.new_empty(0),
+        db_t if db_t is not None else dy.new_empty(0),
+        dz_t if dz_t is not None else dy.new_empty(0),
     )
 
 
