@@ -36,7 +36,7 @@ class BatchNormSaved(NamedTuple):
 
 def conv_bias_act(eng: ModuleType, x: Any, w: Any, b: Any, g: Any, act: str = "identity",
                   residual: Any = None, scale: float = 1.0) -> tuple[Any, Any]:
-    return eng.conv_bias_act(x, w, b, g, act, residual, scale)  # type: ignore[no-any-return]
+    return eng.conv_bias_act(x, w, b, g, act, residual, scale)
 
 
 def conv_backward_data(eng: ModuleType, dz: Any, w: Any, g: Any, out: Any = None,
@@ -61,15 +61,13 @@ def activation_backward(eng: ModuleType, dy: Any, saved: Any, act: str,
 
 def activation_backward_bias(eng: ModuleType, dy: Any, saved: Any, act: str, g: Any,
                              db_out: Any = None, beta: float = 0.0) -> tuple[Any, Any]:
-    return eng.activation_backward_bias(dy, saved, act, g, db_out,  # type: ignore[no-any-return]
-                                        beta)
+    return eng.activation_backward_bias(dy, saved, act, g, db_out, beta)
 
 
 def conv_transpose_bias_act(eng: ModuleType, x: Any, w: Any, b: Any, g: Any,
                             act: str = "identity", residual: Any = None,
                             scale: float = 1.0) -> tuple[Any, Any]:
-    return eng.conv_transpose_bias_act(x, w, b, g, act,  # type: ignore[no-any-return]
-                                       residual, scale)
+    return eng.conv_transpose_bias_act(x, w, b, g, act, residual, scale)
 
 
 def conv_transpose_backward_data(eng: ModuleType, dz: Any, w: Any, g: Any, out: Any = None,
@@ -85,8 +83,7 @@ def conv_transpose_backward_filter(eng: ModuleType, x: Any, dz: Any, g: Any, out
 def conv_transpose_activation_backward_bias(eng: ModuleType, dy: Any, saved: Any, act: str,
                                             g: Any, db_out: Any = None,
                                             beta: float = 0.0) -> tuple[Any, Any]:
-    return eng.conv_transpose_activation_backward_bias(  # type: ignore[no-any-return]
-        dy, saved, act, g, db_out, beta)
+    return eng.conv_transpose_activation_backward_bias(dy, saved, act, g, db_out, beta)
 
 
 def conv_transpose_backward_bias(eng: ModuleType, dz: Any, g: Any, out: Any = None,
@@ -119,9 +116,8 @@ def batchnorm_backward(eng: ModuleType, dy: Any, x: Any, weight: Any, bias: Any,
     # The NumPy engine returns fresh gradients and accumulation happens here; cuDNN
     # accumulates itself (betaParamDiff), so its engine takes the outputs.
     if not isinstance(dy, np.ndarray):
-        return eng.batchnorm_backward(  # type: ignore[no-any-return]
-            dy, x, weight, bias, saved, g, eps, act, bool(residual), bool(need_dx),
-            weight_grad, bias_grad, beta)
+        return eng.batchnorm_backward(dy, x, weight, bias, saved, g, eps, act, bool(residual),
+                                      bool(need_dx), weight_grad, bias_grad, beta)
     dx, dw, db, dres = eng.batchnorm_backward(
         dy, x, weight, saved.saved, saved.mean, saved.invstd, saved.training, g, act,
         bool(residual), bool(need_dx))

@@ -29,7 +29,7 @@ class _Axes(NamedTuple):
 
     reduce: tuple[int, ...]
     shape: tuple[int, ...]
-    count: int
+    values: int
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,7 +53,7 @@ def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
     """a.mean over the reduce axes, bit for bit: NumPy's _mean is this sum divided in place
     by the count as an intp."""
     total = np.add.reduce(a, axis=ax.reduce)
-    np.true_divide(total, np.intp(ax.count), out=total, casting="unsafe")
+    np.true_divide(total, np.intp(ax.values), out=total, casting="unsafe")
     return total
 
 
@@ -95,7 +95,7 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
     y, saved = _affine_act(centred * _per_channel(invstd, ax), weight, bias, residual,
                            activation, ax, x.dtype)
     if running_mean is not None:
-        n = ax.count
+        n = ax.values
         f = cd.type(factor)
         unbiased = var * cd.type(n / (n - 1))
         running_mean[...] = (1 - f) * running_mean + f * mean
@@ -140,7 +140,7 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
         w = weight.astype(cd) if weight is not None else np.ones(g.channels, cd)
         scale = _per_channel(w * invstd, ax)
         if training:
-            n = cd.type(ax.count)
+            n = cd.type(ax.values)
             dx = scale / n * (n * dz - _per_channel(dbias, ax) - xhat * _per_channel(dweight, ax))
         else:
             dx = dz * scale
