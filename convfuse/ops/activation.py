@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import activations as _activations
-from . import _checks
+from . import _checks, validated
 from ._checks import Arg, check_beta, check_geometry, validate
 
 
@@ -33,7 +33,7 @@ def activation_backward(dy: Any, saved: Any, activation: str | None, out: Any = 
         Arg("dy", dy, None), Arg("saved", saved, shape, optional=True),
         Arg("out", out, shape, optional=True, output=True),
     ])
-    return _checks.engine(xp, "activation").activation_backward(dy, saved, act, out)
+    return validated.activation_backward(_checks.engine(xp, "activation"), dy, saved, act, out)
 
 
 def activation_backward_bias(dy: Any, saved: Any, activation: str | None, geom: Any,
@@ -48,7 +48,8 @@ def activation_backward_bias(dy: Any, saved: Any, activation: str | None, geom: 
         Arg("dy", dy, g.output_shape), Arg("saved", saved, g.output_shape, optional=True),
         Arg("db_out", db_out, g.bias_shape, optional=True, output=True),
     ], g.layout)
-    return _checks.engine(xp, "activation").activation_backward_bias(dy, saved, act, g, db_out, b)
+    return validated.activation_backward_bias(_checks.engine(xp, "activation"), dy, saved, act,
+                                              g, db_out, b)
 
 
 def _check_saved(op: str, act: str, saved: Any) -> None:

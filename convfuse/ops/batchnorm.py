@@ -12,32 +12,15 @@ scale 1, shift 0). Outputs never alias inputs.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from .. import activations, backend
 from ..dtypes import SUPPORTED, compute_dtype
 from ..errors import DeviceMismatchError
 from ..plan.batchnorm import BatchNormGeometry
-from . import _checks
+from . import _checks, validated
 from ._checks import Arg, check_scalar, validate
-
-
-class BatchNormSaved(NamedTuple):
-    """What a forward keeps for its backward: no statistic is recomputed there.
-
-    mean and invstd are (C,): the batch's mean and 1/sqrt(biased var + eps) in training,
-    the running ones in evaluation. saved is the activation's saved tensor
-    (activations.saves: y or the pre-activation, None for identity). engine_state is
-    engine-private (cuDNN: the path that ran and its reserve space), None on NumPy.
-    """
-
-    mean: Any
-    invstd: Any
-    saved: Any
-    training: bool
-    engine_state: Any = None
+from .validated import BatchNormSaved
 
 
 def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any,
@@ -66,10 +49,9 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
                    [Arg("weight", weight, None, True), Arg("bias", bias, None, True),
                     Arg("running_mean", running_mean, None, True, output=True),
                     Arg("running_var", running_var, None, True, output=True)], x)
-    out = _checks.engine(xp, "batchnorm").batchnorm_forward_training(
-        x, weight, bias, running_mean, running_var, g, eps, f, act, residual)
-    y, saved, mean, invstd = out[:4]
-    return y, BatchNormSaved(mean, invstd, saved, True, out[4] if len(out) > 4 else None)
+    return validated.batchnorm_forward_training(
+        _checks.engine(xp, "batchnorm"), x, weight, bias, running_mean, running_var, g, eps,
+        f, act, residual)
 
 
 def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
@@ -87,9 +69,9 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
                    [Arg("weight", weight, None, True), Arg("bias", bias, None, True),
                     Arg("running_mean", running_mean, None),
                     Arg("running_var", running_var, None)], x)
-    y, saved, mean, invstd = _checks.engine(xp, "batchnorm").batchnorm_forward_inference(
-        x, weight, bias, running_mean, running_var, g, eps, act, residual)
-    return y, BatchNormSaved(mean, invstd, saved, False)
+    return validated.batchnorm_forward_inference(
+        _checks.engine(xp, "batchnorm"), x, weight, bias, running_mean, running_var, g, eps,
+        act, residual)
 
 
 def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNormSaved,
@@ -129,27 +111,9 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNorm
                     Arg("saved.mean", saved.mean, None), Arg("saved.invstd", saved.invstd, None),
                     Arg("weight_grad", weight_grad, None, True, output=True),
                     Arg("bias_grad", bias_grad, None, True, output=True)], x)
-    eng = _checks.engine(xp, "batchnorm")
-    # The NumPy engine returns fresh gradients and accumulation happens here; cuDNN
-    # accumulates itself (betaParamDiff), so its engine takes the outputs.
-    if xp is np:
-        dx, dw, db, dres = eng.batchnorm_backward(
-            dy, x, weight, saved.saved, saved.mean, saved.invstd, saved.training, g, act,
-            bool(residual), bool(need_dx))
-        if weight is None:
-            return dx, None, None, dres
-        if weight_grad is not None:
-            _accumulate(weight_grad, dw, beta)
-            _accumulate(bias_grad, db, beta)
-            dw, db = weight_grad, bias_grad
-        return dx, dw, db, dres
-    return eng.batchnorm_backward(dy, x, weight, bias, saved, g, eps, act, bool(residual),
-                                  bool(need_dx), weight_grad, bias_grad, beta)
-
-
-def _accumulate(out: np.ndarray, value: np.ndarray, beta: float) -> None:
-    # beta == 0 never reads `out` (cuDNN's rule), so stale NaN there cannot leak in.
-    out[...] = value if beta == 0.0 else value + out.dtype.type(beta) * out
+    return validated.batchnorm_backward(_checks.engine(xp, "batchnorm"), dy, x, weight, bias,
+                                        saved, g, eps, act, bool(residual), bool(need_dx),
+                                        weight_grad, bias_grad, beta)
 
 
 def _activation(op: str, activation: Any) -> str:

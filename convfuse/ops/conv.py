@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks
+from . import _checks, validated
 from ._checks import (
     Arg,
     check_beta,
@@ -28,7 +28,7 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str | None = "i
     op = "conv_bias_act"
     g = check_geometry(op, geom)
     xp, act, scale = check_fused_args(op, g, x, w, b, residual, activation, residual_scale)
-    return _checks.engine(xp, "conv").conv_bias_act(x, w, b, g, act, residual, scale)
+    return validated.conv_bias_act(_checks.engine(xp, "conv"), x, w, b, g, act, residual, scale)
 
 
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:
@@ -44,7 +44,7 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None, beta: float 
     op = "conv_backward_data"
     g = check_geometry(op, geom)
     xp, b = check_data_grad_args(op, g, dz, w, out, beta)
-    return _checks.engine(xp, "conv").conv_backward_data(dz, w, g, out, b)
+    return validated.conv_backward_data(_checks.engine(xp, "conv"), dz, w, g, out, b)
 
 
 def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None, beta: float = 0.0) -> Any:
@@ -52,7 +52,7 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None, beta: floa
     op = "conv_backward_filter"
     g = check_geometry(op, geom)
     xp, b = check_filter_grad_args(op, g, x, dz, out, beta)
-    return _checks.engine(xp, "conv").conv_backward_filter(x, dz, g, out, b)
+    return validated.conv_backward_filter(_checks.engine(xp, "conv"), x, dz, g, out, b)
 
 
 def conv_backward_bias(dz: Any, geom: Any, out: Any = None, beta: float = 0.0) -> Any:
@@ -64,4 +64,4 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None, beta: float = 0.0) -
         Arg("dz", dz, g.output_shape),
         Arg("out", out, g.bias_shape, optional=True, output=True),
     ], g.layout)
-    return _checks.engine(xp, "conv").conv_backward_bias(dz, g, out, b)
+    return validated.conv_backward_bias(_checks.engine(xp, "conv"), dz, g, out, b)

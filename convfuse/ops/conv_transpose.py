@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry
-from . import _checks
+from . import _checks, validated
 from ._checks import (
     Arg,
     check_beta,
@@ -57,8 +57,8 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: Any,
         z = xp.empty(g.output_shape, x.dtype) if activations.saves(act) == "preactivation" \
             else None
         return xp.empty(g.output_shape, x.dtype), z
-    return _checks.engine(xp, "conv_transpose").conv_transpose_bias_act(
-        x, w, b, g, act, residual, scale)
+    return validated.conv_transpose_bias_act(_checks.engine(xp, "conv_transpose"), x, w, b, g,
+                                             act, residual, scale)
 
 
 def conv_transpose_forward(x: Any, w: Any, tgeom: Any) -> Any:
@@ -79,7 +79,8 @@ def conv_transpose_backward_data(dz: Any, w: Any, tgeom: Any, out: Any = None,
     xp, bt = check_data_grad_args(op, g, dz, w, out, beta)
     if g.batch == 0:
         return out if out is not None else xp.empty(g.input_shape, dz.dtype)
-    return _checks.engine(xp, "conv_transpose").conv_transpose_backward_data(dz, w, g, out, bt)
+    return validated.conv_transpose_backward_data(_checks.engine(xp, "conv_transpose"), dz, w, g,
+                                                  out, bt)
 
 
 def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
@@ -90,8 +91,8 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
     xp, bt = check_filter_grad_args(op, g, x, dz, out, beta)
     if g.batch == 0:
         return _zero_filled(xp, out, g.weight_shape, x.dtype, bt)
-    return _checks.engine(xp, "conv_transpose").conv_transpose_backward_filter(
-        x, dz, g, out, bt)
+    return validated.conv_transpose_backward_filter(_checks.engine(xp, "conv_transpose"), x, dz, g,
+                                                    out, bt)
 
 
 def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str | None,
@@ -115,8 +116,8 @@ def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str
     if g.batch == 0:
         return xp.empty(g.output_shape, dy.dtype), _zero_filled(xp, db_out, g.bias_shape,
                                                                 dy.dtype, bt)
-    return _checks.engine(xp, "conv_transpose").conv_transpose_activation_backward_bias(
-        dy, saved, act, g, db_out, bt)
+    return validated.conv_transpose_activation_backward_bias(
+        _checks.engine(xp, "conv_transpose"), dy, saved, act, g, db_out, bt)
 
 
 def conv_transpose_backward_bias(dz: Any, tgeom: Any, out: Any = None,

@@ -112,7 +112,7 @@ def physical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """`t` in convfuse's order for the layout, C-contiguous (a view when strides allow)."""
     v = t.movedim(1, -1) if channels_last else t
     v = v if v.is_contiguous() else v.contiguous()
-    if v.device.type == "cuda" and v.data_ptr() % ALIGNMENT:  # pragma: gpu
+    if v.is_cuda and v.data_ptr() % ALIGNMENT:  # pragma: gpu
         v = v.clone()  # a view at an odd offset: convfuse's GPU ops refuse it, so copy once
     return v
 
@@ -172,6 +172,7 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
 }
 _TORCH_DTYPES: dict[np.dtype, torch.dtype] = {v: k for k, v in _NUMPY_DTYPES.items()}
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def to_array(t: torch.Tensor) -> Any:
@@ -183,10 +184,14 @@ def to_array(t: torch.Tensor) -> Any:
         import cupy
 
         return cupy.from_dlpack(t.detach())
-    t = t.detach()
     if t.dtype == torch.bfloat16:  # Note [bfloat16 on the CPU]
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+        return t.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if not t.requires_grad:
+        return t.numpy()
+    # numpy() refuses a tensor that requires grad; on a CPU tensor of a real dtype
+    # force=True only detaches it, in C++ (cheaper than detach() then numpy()); elsewhere
+    # (a meta tensor) detach() keeps numpy()'s own error
+    return t.numpy(force=True) if t.is_cpu else t.detach().numpy()
 
 
 def device_array(t: torch.Tensor) -> DeviceArray:
@@ -210,7 +215,7 @@ def to_tensor(a: Any) -> torch.Tensor:
         return owner
     if isinstance(a, np.ndarray):
         a = np.ascontiguousarray(a)  # a no-op for the engine's results; the fake ops assume it
-        if a.dtype == np.dtype(ml_dtypes.bfloat16):  # Note [bfloat16 on the CPU]
+        if a.dtype == _BFLOAT16:  # Note [bfloat16 on the CPU]
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     return torch.from_dlpack(a)  # pragma: gpu

@@ -34,6 +34,7 @@ import torch
 
 _LIB = torch.library.Library("convfuse", "IMPL")  # lives as long as the process
 _DEVICE_TYPES = ("cpu", "cuda")
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _eligible(t: object, device_type: str) -> bool:
@@ -50,6 +51,12 @@ def casts(*tensors: torch.Tensor | None) -> bool:
     dev = present[0].device.type
     return (dev in _DEVICE_TYPES and torch.is_autocast_enabled(dev)
             and all(_eligible(t, dev) for t in present))
+
+
+def enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled(device_type), answered by one cheap check when autocast
+    is off everywhere (the common case, asked at every call)."""
+    return _any_autocast() and torch.is_autocast_enabled(device_type)
 
 
 def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
@@ -80,7 +87,8 @@ def cast_args(device_type: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The Autocast kernel's cast of a convolution op's arguments, for a call that does not
     go through the dispatcher (Note [two call paths] in _eager.py): `args` unchanged
     outside autocast."""
-    if device_type not in _DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
-        return args
+    if not _any_autocast() or device_type not in _DEVICE_TYPES \
+            or not torch.is_autocast_enabled(device_type):
+        return args  # autocast off everywhere: one cheap check (`enabled`)
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(_cast(a, device_type, dtype) for a in args)

@@ -59,7 +59,7 @@ from ._arrays import (
     to_array,
     to_tensor,
 )
-from ._ops import aligned, context
+from ._ops import aligned, context, device_type
 from ._signature import Prepared, SignatureCache, lookup, op, tensor_key
 
 
@@ -71,7 +71,7 @@ def _usable(t: torch.Tensor, cd: torch.dtype) -> bool:
     """Whether convfuse can take the (C,) tensor `t` as it is: compute dtype, contiguous,
     and on CUDA at an aligned address (a view into a flat buffer may not be)."""
     return t.dtype == cd and t.is_contiguous() and (
-        t.device.type != "cuda" or t.data_ptr() % ALIGNMENT == 0)
+        not t.is_cuda or t.data_ptr() % ALIGNMENT == 0)
 
 
 def _per_channel(t: torch.Tensor | None, cd: torch.dtype) -> Any:
@@ -157,9 +157,9 @@ def _batchnorm_training(
              for s in (running_mean, running_var)]
     xp, rp = physical(x, cl), None if residual is None else physical(residual, cl)
     written = [s for s, t in zip(stats, (running_mean, running_var)) if s is not None and s is t]
-    with context(x.device):
+    with context(x):
         y, saved = op(
-            prep, x.device.type, "batchnorm_forward_training", to_array(xp),
+            prep, device_type(x), "batchnorm_forward_training", to_array(xp),
             _per_channel(weight, cd), _per_channel(bias, cd),
             None if stats[0] is None else to_array(stats[0]),
             None if stats[1] is None else to_array(stats[1]), _layout(cl), eps, factor,
@@ -195,9 +195,9 @@ def _batchnorm_inference(
                                                        running_var, residual),
                     (eps, activation))
     cl = prep.cl
-    with context(x.device):
+    with context(x):
         y, saved = op(
-            prep, x.device.type, "batchnorm_forward_inference", to_array(physical(x, cl)),
+            prep, device_type(x), "batchnorm_forward_inference", to_array(physical(x, cl)),
             _per_channel(weight, cd), _per_channel(bias, cd), _per_channel(running_mean, cd),
             _per_channel(running_var, cd), _layout(cl), eps, activation,
             None if residual is None else to_array(physical(residual, cl)))
@@ -246,22 +246,21 @@ def _batchnorm_backward(
     # Outputs PyTorch owns, written by convfuse through weight_grad/bias_grad (affine only).
     dw = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
     db = torch.empty(weight.shape, dtype=cd, device=x.device) if weight is not None else None
-    with context(x.device):
+    with context(x):
         state = ops.BatchNormSaved(
             to_array(mean), to_array(invstd),
             None if saved is None else to_array(physical(saved, cl)), training)
         dx, _, _, dres = op(
-            prep, x.device.type, "batchnorm_backward", to_array(physical(dy, cl)),
+            prep, device_type(x), "batchnorm_backward", to_array(physical(dy, cl)),
             to_array(xp), _per_channel(weight, cd), _per_channel(bias, cd), state,
             _layout(cl), eps, activation, need_dres, need_dx,
             None if dw is None else to_array(dw), None if db is None else to_array(db), 0.0,
             aligned=aligned(mean) and aligned(invstd))
-        empty = dy.new_empty(0)
-        return (
-            logical(to_tensor(dx), cl) if dx is not None else empty,
-            dw.to(weight.dtype) if dw is not None and weight is not None else empty.clone(),
-            db.to(weight.dtype) if db is not None and weight is not None else empty.clone(),
-            logical(to_tensor(dres), cl) if dres is not None else empty.clone(),
+        return (  # a new empty tensor per unused output (outputs may not alias)
+            logical(to_tensor(dx), cl) if dx is not None else dy.new_empty(0),
+            dw.to(weight.dtype) if dw is not None and weight is not None else dy.new_empty(0),
+            db.to(weight.dtype) if db is not None and weight is not None else dy.new_empty(0),
+            logical(to_tensor(dres), cl) if dres is not None else dy.new_empty(0),
         )
 
 
@@ -323,7 +322,7 @@ class BatchNormFunction(torch.autograd.Function):
                                       running_var, num_batches_tracked, use_batch_stats,
                                       momentum, eps, activation)
         kind = activations.saves(activation)
-        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        saved = None if kind == "none" else y if kind == "output" else z
         ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
         ctx.hyper = (bool(use_batch_stats), float(eps), activation, eager)
         # z stays differentiable where it is saved (Note [two backward paths] in _double.py).

@@ -30,17 +30,24 @@ from torch import nn
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+# Bound once: attribute lookups through torch's modules cost more than the calls.
+_compiling = torch.compiler.is_compiling
+_tracing = torch._C._get_tracing_state
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_interpreters = torch._C._functorch.peek_interpreter_stack
 
 
 def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     """Whether a layer's call may run its autograd.Function instead of the custom op
     (Note [two call paths])."""
-    if (torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
-            or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    if (_compiling() or _tracing() is not None or _dispatch_modes()
+            or _function_modes() or _interpreters() is not None):
         return False
-    return all(t is None or (type(t) in _PLAIN and not _wrapped(t)) for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a loop, not all(<generator>): it runs at every call)
+        if t is not None and (type(t) not in _PLAIN or _wrapped(t)):
+            return False
+    return True
 
 
 def needs_graph(*tensors: torch.Tensor | None) -> bool:
@@ -49,4 +56,7 @@ def needs_graph(*tensors: torch.Tensor | None) -> bool:
     under no_grad."""
     if not torch.is_grad_enabled():
         return False
-    return any(t is not None and t.requires_grad for t in tensors)
+    for t in tensors:  # noqa: SIM110 (as above)
+        if t is not None and t.requires_grad:
+            return True
+    return False

@@ -54,15 +54,21 @@ def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
     return None if t is None else to_array(physical(t, channels_last))
 
 
-def context(device: torch.device) -> Any:
-    """engine_context(device), skipped on the CPU where it has nothing to set."""
-    return engine_context(device) if device.type == "cuda" else _NO_CONTEXT
+def context(t: torch.Tensor) -> Any:
+    """engine_context(t.device), skipped off CUDA where it has nothing to set."""
+    return engine_context(t.device) if t.is_cuda else _NO_CONTEXT
+
+
+def device_type(t: torch.Tensor) -> str:
+    """What convfuse's engine choice reads of t.device.type ("cuda" runs cuDNN, anything
+    else the NumPy engine), without building a torch.device (t.device costs more)."""
+    return "cuda" if t.is_cuda else "cpu"
 
 
 def aligned(t: torch.Tensor | None) -> bool:
     """Whether a tensor handed to convfuse without physical() (a bias) is at an address
     convfuse's GPU ops accept; convfuse.ops checks it where this is False."""
-    return t is None or t.device.type != "cuda" or t.data_ptr() % ALIGNMENT == 0
+    return t is None or not t.is_cuda or t.data_ptr() % ALIGNMENT == 0
 
 
 def prepare(kind: type, x: torch.Tensor, weight: torch.Tensor, hyper: tuple[Any, ...],
@@ -93,8 +99,8 @@ def fused_forward(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
     from convfuse.ops.<name>, in the layout `prep` decided."""
     cl = prep.cl
     xp, wp = physical(x, cl), physical(weight, cl)
-    with context(x.device):
-        y, z = op(prep, x.device.type, name, to_array(xp), to_array(wp),
+    with context(x):
+        y, z = op(prep, device_type(x), name, to_array(xp), to_array(wp),
                   None if bias is None else to_array(bias), prep.geom, activation,
                   _array_or_none(residual, cl), aligned=aligned(bias))
         yt = logical(to_tensor(y), cl)
@@ -162,13 +168,13 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     bias_grad, act_bias_grad, filter_grad, data_grad = names
     need_dx, need_dw, need_db, need_dz = needs
     act = activations.normalize(activation)
-    cl, geom, dev = prep.cl, prep.geom, x.device.type
+    cl, geom, dev = prep.cl, prep.geom, device_type(x)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
     # views), written by convfuse through `out=` on their physical views.
     dx_t = empty_in_layout(x, x.shape, cl) if need_dx else None
     dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
-    with context(x.device):
+    with context(x):
         dya = to_array(physical(dy, cl))
         sa = _array_or_none(saved, cl)
         db_a = None if db_t is None else to_array(db_t)
@@ -187,12 +193,13 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             op(prep, dev, data_grad, dz, to_array(physical(weight, cl)), geom,
                to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
-    empty = dy.new_empty(0)
+    # one new empty tensor per unused output (outputs may not alias; new_empty costs less
+    # than a clone)
     return (
-        dx_t if dx_t is not None else empty,
-        dw_t if dw_t is not None else empty.clone(),
-        db_t if db_t is not None else empty.clone(),
-        dz_t if dz_t is not None else empty.clone(),
+        dx_t if dx_t is not None else dy.new_empty(0),
+        dw_t if dw_t is not None else dy.new_empty(0),
+        db_t if db_t is not None else dy.new_empty(0),
+        dz_t if dz_t is not None else dy.new_empty(0),
     )
 
 
@@ -230,7 +237,7 @@ def fused_autograd(backward_op: Any, recorded: str) -> tuple[Any, Any]:
         x, weight, bias, _residual, *hyper, activation = inputs
         y, z = output
         kind = activations.saves(activation)
-        saved = {"none": None, "output": y, "preactivation": z}[kind]
+        saved = None if kind == "none" else y if kind == "output" else z
         ctx.save_for_backward(x, weight, saved)
         ctx.hyper = [list(h) if isinstance(h, (list, tuple)) else int(h) for h in hyper]
         ctx.activation = activation
@@ -295,7 +302,7 @@ def call_fused(custom_op: Any, function: Any, body: Any, args: tuple[Any, ...]) 
     x, weight, bias, residual = args[:4]
     if not _eager.takes_eager_path(x, weight, bias, residual):
         return custom_op(*args)
-    args = _autocast.cast_args(x.device.type, args)
+    args = _autocast.cast_args(device_type(x), args)
     if _eager.needs_graph(*args[:4]):
         return function.apply(*args)
     return body(*args)

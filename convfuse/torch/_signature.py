@@ -11,13 +11,14 @@ a call that failed: bad input misses the cache, takes the checked path and gets 
 typed error before any engine call, every time.
 
 Once a convfuse.ops function has validated a signature (`op`), later calls with that
-signature call its engine function directly: convfuse.ops' validation reads only what the
-key holds, given what the bridge guarantees about the arrays it hands over: physical()
-makes data contiguous (and aligned on CUDA), outputs are fresh tensors (no overlap), and
-the caller passes `aligned` for what physical() does not touch. An op replaced on
-convfuse.ops (a test's spy) is always called through, so patching either level still
-observes every call; engine functions are looked up on their module at each call, as
-convfuse.ops does.
+signature call what the op itself calls after its checks, its convfuse.ops.validated entry
+(so the bridge holds no copy of the op's defaults, result wrapping or accumulation):
+convfuse.ops' validation reads only what the key holds, given what the bridge guarantees
+about the arrays it hands over: physical() makes data contiguous (and aligned on CUDA),
+outputs are fresh tensors (no overlap), and the caller passes `aligned` for what physical()
+does not touch. An op replaced on convfuse.ops (a test's spy) is always called through, so
+patching either level still observes every call; engine functions are looked up on their
+module at each call, as convfuse.ops does.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import activations, ops
-from ..ops.batchnorm import _accumulate
+from ..ops import validated
 
 _MAX_ENTRIES = 4096  # distinct signatures remembered before starting over
 
@@ -90,68 +90,44 @@ def _act(a: Any) -> str:
     return activations.normalize(a)
 
 
-def _bn_training(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
-                 _layout: str, eps: float, f: float, a: Any, r: Any) -> Any:
-    out = e.batchnorm_forward_training(x, w, b, rm, rv, p.geom, eps, f, _act(a), r)
-    y, saved, mean, invstd = out[:4]
-    return y, ops.BatchNormSaved(mean, invstd, saved, True, out[4] if len(out) > 4 else None)
-
-
-def _bn_inference(e: ModuleType, p: Prepared, x: Any, w: Any, b: Any, rm: Any, rv: Any,
-                  _layout: str, eps: float, a: Any, r: Any) -> Any:
-    y, saved, mean, invstd = e.batchnorm_forward_inference(x, w, b, rm, rv, p.geom, eps,
-                                                           _act(a), r)
-    return y, ops.BatchNormSaved(mean, invstd, saved, False)
-
-
-def _bn_backward(e: ModuleType, p: Prepared, dy: Any, x: Any, w: Any, b: Any, saved: Any,
-                 _layout: str, eps: float, a: Any, residual: bool, need_dx: bool, wg: Any,
-                 bg: Any, beta: float) -> Any:
-    if not isinstance(dy, np.ndarray):  # cuDNN writes and accumulates the outputs itself
-        return e.batchnorm_backward(dy, x, w, b, saved, p.geom, eps, _act(a), bool(residual),
-                                    bool(need_dx), wg, bg, beta)
-    dx, dw, db, dres = e.batchnorm_backward(dy, x, w, saved.saved, saved.mean, saved.invstd,
-                                            saved.training, p.geom, _act(a), bool(residual),
-                                            bool(need_dx))
-    if w is None:
-        return dx, None, None, dres
-    if wg is not None:
-        _accumulate(wg, dw, beta)
-        _accumulate(bg, db, beta)
-        dw, db = wg, bg
-    return dx, dw, db, dres
-
-
-# convfuse.ops function -> (engine module kind, the engine's call with the op's arguments
-# and the defaults convfuse.ops fills in): the op minus its validation.
+# convfuse.ops function -> (engine module kind, its convfuse.ops.validated entry called with
+# the op's positional arguments as the bridge passes them): the geometry the signature
+# decided where the op takes a layout name, and the activation normalized as the op does.
+_V = validated
 _DIRECT: dict[str, tuple[str, Callable[..., Any]]] = {
     "conv_bias_act": ("conv", lambda e, p, x, w, b, g, a, r:
-                      e.conv_bias_act(x, w, b, g, _act(a), r, 1.0)),
+                      _V.conv_bias_act(e, x, w, b, g, _act(a), r)),
     "conv_backward_bias": ("conv", lambda e, p, dz, g, out:
-                           e.conv_backward_bias(dz, g, out, 0.0)),
+                           _V.conv_backward_bias(e, dz, g, out)),
     "conv_backward_filter": ("conv", lambda e, p, x, dz, g, out:
-                             e.conv_backward_filter(x, dz, g, out, 0.0)),
+                             _V.conv_backward_filter(e, x, dz, g, out)),
     "conv_backward_data": ("conv", lambda e, p, dz, w, g, out:
-                           e.conv_backward_data(dz, w, g, out, 0.0)),
+                           _V.conv_backward_data(e, dz, w, g, out)),
     "activation_backward_bias": ("activation", lambda e, p, dy, s, a, g, db_out:
-                                 e.activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+                                 _V.activation_backward_bias(e, dy, s, _act(a), g, db_out)),
     "activation_backward": ("activation", lambda e, p, dy, s, a:
-                            e.activation_backward(dy, s, _act(a), None)),
+                            _V.activation_backward(e, dy, s, _act(a))),
     "conv_transpose_bias_act": ("conv_transpose", lambda e, p, x, w, b, g, a, r:
-                                e.conv_transpose_bias_act(x, w, b, g, _act(a), r, 1.0)),
-    "conv_transpose_backward_bias": (
-        "conv_transpose", lambda e, p, dz, g, out:
-        e.conv_transpose_activation_backward_bias(dz, None, "identity", g, out, 0.0)[1]),
+                                _V.conv_transpose_bias_act(e, x, w, b, g, _act(a), r)),
+    "conv_transpose_backward_bias": ("conv_transpose", lambda e, p, dz, g, out:
+                                     _V.conv_transpose_backward_bias(e, dz, g, out)),
     "conv_transpose_activation_backward_bias": (
         "conv_transpose", lambda e, p, dy, s, a, g, db_out:
-        e.conv_transpose_activation_backward_bias(dy, s, _act(a), g, db_out, 0.0)),
+        _V.conv_transpose_activation_backward_bias(e, dy, s, _act(a), g, db_out)),
     "conv_transpose_backward_filter": ("conv_transpose", lambda e, p, x, dz, g, out:
-                                       e.conv_transpose_backward_filter(x, dz, g, out, 0.0)),
+                                       _V.conv_transpose_backward_filter(e, x, dz, g, out)),
     "conv_transpose_backward_data": ("conv_transpose", lambda e, p, dz, w, g, out:
-                                     e.conv_transpose_backward_data(dz, w, g, out, 0.0)),
-    "batchnorm_forward_training": ("batchnorm", _bn_training),
-    "batchnorm_forward_inference": ("batchnorm", _bn_inference),
-    "batchnorm_backward": ("batchnorm", _bn_backward),
+                                     _V.conv_transpose_backward_data(e, dz, w, g, out)),
+    "batchnorm_forward_training": (
+        "batchnorm", lambda e, p, x, w, b, rm, rv, _layout, eps, f, a, r:
+        _V.batchnorm_forward_training(e, x, w, b, rm, rv, p.geom, eps, f, _act(a), r)),
+    "batchnorm_forward_inference": (
+        "batchnorm", lambda e, p, x, w, b, rm, rv, _layout, eps, a, r:
+        _V.batchnorm_forward_inference(e, x, w, b, rm, rv, p.geom, eps, _act(a), r)),
+    "batchnorm_backward": (
+        "batchnorm", lambda e, p, dy, x, w, b, saved, _layout, eps, a, res, need_dx, wg, bg,
+        beta: _V.batchnorm_backward(e, dy, x, w, b, saved, p.geom, eps, _act(a), res, need_dx,
+                                    wg, bg, beta)),
 }
 _ORIGINAL = {name: getattr(ops, name) for name in _DIRECT}
 _ENGINES: dict[tuple[str, str], ModuleType] = {}

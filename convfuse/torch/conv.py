@@ -23,6 +23,7 @@ layer and the argument.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -42,6 +43,16 @@ _CHECKED = SignatureCache()
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _FUNCTIONAL = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_padding(pads: tuple[tuple[int, int], ...],
+                  ) -> tuple[tuple[int, ...] | None, tuple[int, ...]]:
+    """(F.pad's extra zeros on the right, or None; the symmetric part) of (left, right)
+    zero padding per spatial dim (Note [padding convfuse leaves to torch]), once per value
+    instead of at every call."""
+    extra = tuple(p for left, right in reversed(pads) for p in (0, right - left))
+    return (extra if any(extra) else None), tuple(left for left, _ in pads)
 
 
 class InputShapeError(ConvfuseError, ValueError, RuntimeError):
@@ -73,7 +84,7 @@ class _ConvLayer(nn.Module):
         return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
                 None if residual is None else (residual.shape, residual.dtype,
                                                residual.device),
-                torch.is_autocast_enabled(dev.type), self._hyper(), extra)
+                _autocast.enabled(dev.type), self._hyper(), extra)
 
     def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
@@ -284,10 +295,10 @@ class _ConvNd(_ConvLayer):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             return x, [0] * self._rank
-        extra = [p for left, right in reversed(self._pads) for p in (0, right - left)]
-        if any(extra):
-            x = F.pad(x, extra)
-        return x, [left for left, _ in self._pads]
+        extra, symmetric = _zero_padding(self._pads)
+        if extra is not None:
+            x = F.pad(x, list(extra))
+        return x, list(symmetric)
 
     def _empty_batch(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      padding: list[int], residual: torch.Tensor | None) -> torch.Tensor:

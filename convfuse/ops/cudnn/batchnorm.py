@@ -95,14 +95,15 @@ def _where(plan: BatchNormPlan, what: str) -> str:
 
 
 def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None:
-    # stacklevel 5: _warn_fallback < _fused_forward/_training_backward < engine < ops < caller
+    # stacklevel 6: _warn_fallback < _fused_forward/_training_backward < engine
+    # < ops.validated < ops < caller
     if plan.refuse_fused(refusal):
         warnings.warn(
             f"cuDNN refused the fused batch normalization ({stage}) with "
             f"{refusal.status_name} ({refusal.status}) for {plan.describe()}; running plain "
             "batch normalization plus convfuse's add and ReLU kernels instead. This path "
             "launches extra kernels; the plan remembers the refusal and does not try again.",
-            FusedFallbackWarning, stacklevel=5)
+            FusedFallbackWarning, stacklevel=6)
 
 
 def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> None:
@@ -112,7 +113,7 @@ def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> No
             f"({type(err).__name__}: {err}) for {plan.describe()}; running plain batch "
             "normalization plus convfuse's add and ReLU kernels instead. The fused calls are "
             "retried after a back-off, as memory may come back.",
-            FusedFallbackWarning, stacklevel=6)  # one frame more: _allocate
+            FusedFallbackWarning, stacklevel=7)  # one frame more: _allocate
 
 
 def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]],

@@ -169,7 +169,7 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
                     f"cuDNN refused {err.function} with {err.status_name} ({err.status}) "
                     f"for {plan.describe()}; computing the bias gradient with convfuse's "
                     "bias kernel instead (as config bias_grad='fused' does) from now on",
-                    BiasGradFallbackWarning, stacklevel=3)
+                    BiasGradFallbackWarning, stacklevel=4)  # < ops.validated < ops
     elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
     return db
 

@@ -157,9 +157,9 @@ def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # p
         warn = plan.fused_out_of_memory()
     if warn:
         # _fall_back < _try_fused < fused_forward < conv._conv_bias_act < engine
-        # < ops dispatch < the caller
+        # < ops.validated < ops dispatch < the caller
         warnings.warn(_fallback_message(plan, reason, permanent), FusedFallbackWarning,
-                      stacklevel=7)
+                      stacklevel=8)
     return False
 
 

@@ -11,7 +11,8 @@ documented outputs and are updated in place.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,28 +22,56 @@ from ...plan.batchnorm import BatchNormGeometry
 from .activation import _backward_cd, apply_activation
 
 
-def _per_channel(a: np.ndarray, g: BatchNormGeometry) -> np.ndarray:
-    """A (C,) array shaped to broadcast against x."""
+class _Axes(NamedTuple):
+    """What the formulas read of a geometry, derived once per geometry (its properties
+    recompute at every access): the reduce axes, the broadcast shape of a (C,) array, and
+    the values per channel."""
+
+    reduce: tuple[int, ...]
+    shape: tuple[int, ...]
+    values: int
+
+
+@functools.lru_cache(maxsize=256)
+def _axes(g: BatchNormGeometry) -> _Axes:
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
-    return a.reshape(shape)
+    return _Axes(g.reduce_axes, tuple(shape), g.count)
+
+
+def _per_channel(a: np.ndarray, ax: _Axes) -> np.ndarray:
+    """A (C,) array shaped to broadcast against x."""
+    return a.reshape(ax.shape)
+
+
+def _sum(a: np.ndarray, ax: _Axes) -> np.ndarray:
+    """a.sum over the reduce axes (what ndarray.sum runs, without its Python wrapper)."""
+    return np.add.reduce(a, axis=ax.reduce)
+
+
+def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
+    """a.mean over the reduce axes, bit for bit: NumPy's _mean is this sum divided in place
+    by the count as an intp."""
+    total = np.add.reduce(a, axis=ax.reduce)
+    np.true_divide(total, np.intp(ax.values), out=total, casting="unsafe")
+    return total
 
 
 def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
-                g: BatchNormGeometry) -> np.ndarray:
+                ax: _Axes) -> np.ndarray:
     cd = compute_dtype(x.dtype)
-    return (x.astype(cd) - _per_channel(mean, g)) * _per_channel(invstd, g)
+    return (x.astype(cd) - _per_channel(mean, ax)) * _per_channel(invstd, ax)
 
 
 def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activation: str,
-                g: BatchNormGeometry, dtype: np.dtype) -> tuple[np.ndarray, Any]:
+                ax: _Axes, dtype: np.dtype) -> tuple[np.ndarray, Any]:
     """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves."""
     cd = xhat.dtype
     z = xhat
     if weight is not None:
-        z = z * _per_channel(weight.astype(cd, copy=False), g)
+        z = z * _per_channel(weight.astype(cd, copy=False), ax)
     if bias is not None:
-        z = z + _per_channel(bias.astype(cd, copy=False), g)
+        z = z + _per_channel(bias.astype(cd, copy=False), ax)
     if residual is not None:
         z = z + residual.astype(cd)
     y = apply_activation(z, activation).astype(dtype, order="C")
@@ -57,15 +86,16 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
                                residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
     """(y, saved, mean, invstd); updates running_mean/var in place when given."""
     cd = compute_dtype(x.dtype)
+    ax = _axes(g)
     xc = x.astype(cd)
-    mean = xc.mean(axis=g.reduce_axes)
-    centred = xc - _per_channel(mean, g)
-    var = (centred * centred).mean(axis=g.reduce_axes)
+    mean = _mean(xc, ax)
+    centred = xc - _per_channel(mean, ax)
+    var = _mean(centred * centred, ax)
     invstd = (1.0 / np.sqrt(var + cd.type(eps))).astype(cd)
-    y, saved = _affine_act(centred * _per_channel(invstd, g), weight, bias, residual,
-                           activation, g, x.dtype)
+    y, saved = _affine_act(centred * _per_channel(invstd, ax), weight, bias, residual,
+                           activation, ax, x.dtype)
     if running_mean is not None:
-        n = g.count
+        n = ax.values
         f = cd.type(factor)
         unbiased = var * cd.type(n / (n - 1))
         running_mean[...] = (1 - f) * running_mean + f * mean
@@ -80,10 +110,11 @@ def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_m
     """(y, saved, mean, invstd) with the running statistics (copied, so backward sees the
     statistics this forward used)."""
     cd = compute_dtype(x.dtype)
+    ax = _axes(g)
     mean = running_mean.astype(cd, copy=True)
     invstd = (1.0 / np.sqrt(running_var.astype(cd) + cd.type(eps))).astype(cd)
-    y, saved = _affine_act(_normalised(x, mean, invstd, g), weight, bias, residual, activation,
-                           g, x.dtype)
+    y, saved = _affine_act(_normalised(x, mean, invstd, ax), weight, bias, residual, activation,
+                           ax, x.dtype)
     return y, saved, mean, invstd
 
 
@@ -97,17 +128,20 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     depend on x), in evaluation dx = dz * weight * invstd.
     """
     cd = compute_dtype(x.dtype)
-    dz = _backward_cd(dy, saved, activation)[0]
-    xhat = _normalised(x, mean, invstd, g)
-    dbias = dz.sum(axis=g.reduce_axes)
-    dweight = (dz * xhat).sum(axis=g.reduce_axes)
+    ax = _axes(g)
+    # identity's backward is dy itself: no pass over the samples (dz is only read below)
+    dz = dy.astype(cd, copy=False) if activation == "identity" \
+        else _backward_cd(dy, saved, activation)[0]
+    xhat = _normalised(x, mean, invstd, ax)
+    dbias = _sum(dz, ax)
+    dweight = _sum(dz * xhat, ax)
     dx = None
     if need_dx:
         w = weight.astype(cd) if weight is not None else np.ones(g.channels, cd)
-        scale = _per_channel(w * invstd, g)
+        scale = _per_channel(w * invstd, ax)
         if training:
-            n = cd.type(g.count)
-            dx = scale / n * (n * dz - _per_channel(dbias, g) - xhat * _per_channel(dweight, g))
+            n = cd.type(ax.values)
+            dx = scale / n * (n * dz - _per_channel(dbias, ax) - xhat * _per_channel(dweight, ax))
         else:
             dx = dz * scale
         dx = dx.astype(x.dtype, order="C")

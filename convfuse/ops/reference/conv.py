@@ -252,7 +252,10 @@ def _matrix(w4: np.ndarray, geom: ConvGeometry, cd: np.dtype, live_only: bool
     with `live_only`, T is the live taps only (Note [choosing the method])."""
     if live_only and _dead_taps(geom):
         w4 = _taps(w4, _live_taps(geom))
-    return _cast_copy(w4, cd).reshape(w4.shape[0], w4.shape[1], w4.shape[2] * w4.shape[3])
+    shape = (w4.shape[0], w4.shape[1], w4.shape[2] * w4.shape[3])
+    if w4.dtype == cd and w4.flags.c_contiguous:  # already the GEMM's operand: a view
+        return w4.reshape(shape)
+    return _cast_copy(w4, cd).reshape(shape)
 
 
 def _dead_tap_nans(ym: np.ndarray, w4: np.ndarray, geom: ConvGeometry) -> None:
@@ -508,7 +511,7 @@ def conv_bias_act(
     cd = compute_dtype(x.dtype)
     bias = None
     if b is not None:
-        bias = b.astype(cd).reshape(geom.out_channels, *([1] * geom.rank))
+        bias = b.astype(cd, copy=False).reshape(geom.out_channels, *([1] * geom.rank))
     res_cf = None if residual is None else _channels_first(residual, geom.channels_last)
     scale = cd.type(residual_scale)
     z_out = np.empty(geom.output_shape, x.dtype) if acts.saves(act) == "preactivation" else None
