@@ -277,6 +277,17 @@ def test_explain_table_and_records_and_state_restored():
 def test_backend_refuses_a_bad_inner():
     with pytest.raises(TypeError, match="inner must be"):
         ct.backend(inner=3)
+    with pytest.raises(ValueError, match=r"inner=.nope. is not a torch\.compile backend"):
+        ct.backend(inner="nope")  # at construction, not at the first compile
+    with pytest.raises(ValueError, match="another backend than 'convfuse'"):
+        ct.backend(inner="convfuse")
+    for name in ("inductor", "aot_eager", "eager"):
+        assert callable(ct.backend(inner=name))
+
+
+def test_explain_refuses_what_is_not_a_module():
+    with pytest.raises(TypeError, match=r"explain: model must be a torch\.nn\.Module, got str"):
+        ct.explain("resnet18", torch.randn(1, 3, 8, 8))
 
 
 class Refusals(nn.Module):

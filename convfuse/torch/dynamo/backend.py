@@ -38,6 +38,24 @@ def _inner_compiler(inner: str | Compiler, mode: str | None,
     return (lambda gm, example_inputs: fn(gm, example_inputs, **kwargs)) if kwargs else fn
 
 
+def _check_backend_name(name: str) -> None:
+    """A name Dynamo knows, refused at construction rather than at the first compile (which
+    would report it from inside torch.compile's first call)."""
+    if name == "convfuse":  # the rewrite would hand its graph to itself
+        raise ValueError("convfuse.torch.backend: inner must be another backend than "
+                         "'convfuse' (e.g. 'inductor', 'aot_eager', 'eager')")
+    if name == "inductor":
+        return
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        lookup_backend(name)
+    except InvalidBackend:
+        raise ValueError(f"convfuse.torch.backend: inner={name!r} is not a torch.compile "
+                         "backend; see torch._dynamo.list_backends()") from None
+
+
 def backend(inner: str | Compiler = "inductor",
             records: list[Record] | None = None) -> Compiler:
     """A torch.compile backend: convfuse's fusions first (rewrite.fuse), then `inner` (a
@@ -50,6 +68,8 @@ def backend(inner: str | Compiler = "inductor",
     if not callable(inner) and not isinstance(inner, str):
         raise TypeError(f"convfuse.torch.backend: inner must be a backend name or a "
                         f"callable, got {type(inner).__name__}")
+    if isinstance(inner, str):
+        _check_backend_name(inner)
     count = [0]
 
     def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], *,

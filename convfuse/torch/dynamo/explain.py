@@ -49,6 +49,9 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any,
     restored afterwards: the run's update of batch-norm running statistics is undone."""
     import torch._dynamo
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convfuse.torch.explain: model must be a torch.nn.Module, got "
+                        f"{type(model).__name__}")
     torch._dynamo.reset()
     records: list[Record] = []
     saved = [(t, t.detach().clone()) for t in (*model.parameters(), *model.buffers())]
