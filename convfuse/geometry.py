@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -99,6 +100,15 @@ def same_padding(kernel: Sequence[int], dilation: Sequence[int]) -> tuple[tuple[
     """PyTorch's padding='same': d*(k-1) zeros per dim, the odd one at the end (right/bottom)."""
     return tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2)
                  for k, d in zip(kernel, dilation))
+
+
+def cached_hash(self: Any) -> int:
+    """A frozen dataclass's field hash, computed once: a geometry's `__hash__` (a frozen
+    dataclass generates its own unless the class body names one, so each assigns this)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in fields(self)))
+    return int(h)
 
 
 class LayoutShapes:
@@ -223,12 +233,7 @@ class ConvGeometry(ConvShapes):
     channels_last: bool
 
     # Cached: every engine cache looks a geometry up by it, several times a call.
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(tuple(
-                getattr(self, f.name) for f in fields(self)))
-        return h
+    __hash__ = cached_hash
 
     @classmethod
     def create(

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from .geometry import (
@@ -37,6 +37,7 @@ from .geometry import (
     ConvShapes,
     IntOrTuple,
     as_tuple,
+    cached_hash,
     check_conv_ranks,
     from_channels_first,
     is_int,
@@ -97,12 +98,7 @@ class ConvTransposeGeometry(ConvShapes):
     channels_last: bool
 
     # Cached: every engine cache looks a geometry up by it, several times a call.
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = self.__dict__["_hash"] = hash(tuple(
-                getattr(self, f.name) for f in fields(self)))
-        return h
+    __hash__ = cached_hash
 
     @classmethod
     def create(

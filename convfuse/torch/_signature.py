@@ -64,6 +64,16 @@ def lookup(cache: SignatureCache, key: Any) -> Any:
         return None
 
 
+def keyable(x: Any, residual: Any) -> bool:
+    """Whether a layer call's checks may be remembered by signature: plain tensors (the
+    checks refuse anything else, every time), outside a trace or compilation (whose sizes
+    may be symbolic)."""
+    return (type(x) is torch.Tensor
+            and (residual is None or type(residual) is torch.Tensor)
+            and not torch.compiler.is_compiling()
+            and torch._C._get_tracing_state() is None)
+
+
 def tensor_key(t: torch.Tensor | None) -> Any:
     """What the checks read of a tensor argument (strides included: layout and contiguity
     decisions depend on them)."""

@@ -22,7 +22,7 @@ from torch import nn
 from .. import activations
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
-from ._signature import SignatureCache, lookup
+from ._signature import SignatureCache, keyable, lookup
 from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -217,9 +217,7 @@ class _BatchNormNd(nn.Module):
         """The key of an input's checks (Note [per-signature decisions] in _signature.py),
         or None where they must run every time (a non-tensor argument, which they refuse;
         a trace, whose sizes may be symbolic)."""
-        if (type(x) is not torch.Tensor or (residual is not None
-                                            and type(residual) is not torch.Tensor)
-                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
+        if not keyable(x, residual):
             return None
         return (type(self), x.shape, x.dtype, x.device,
                 None if residual is None else (residual.shape, residual.dtype,

@@ -36,7 +36,7 @@ from ..errors import ConvfuseError
 from ..geometry import IntOrTuple, as_tuple, same_padding
 from . import _autocast, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
-from ._signature import SignatureCache, lookup
+from ._signature import SignatureCache, keyable, lookup
 
 #: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
 _CHECKED = SignatureCache()
@@ -76,9 +76,7 @@ class _ConvLayer(nn.Module):
         """The key of an input's checks (Note [per-signature decisions] in _signature.py),
         or None where they must run every time (a non-tensor argument, which they refuse;
         a trace, whose sizes may be symbolic)."""
-        if (type(x) is not torch.Tensor or (residual is not None
-                                            and type(residual) is not torch.Tensor)
-                or torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None):
+        if not keyable(x, residual):
             return None
         w, dev = self.weight, x.device
         return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
