@@ -20,6 +20,7 @@ from typing import Any
 from . import records
 from .records import Context
 from .timing import CpuTimer, TorchEventTimer
+from .torch_convert import train_step
 
 FORMS = ("eager", "inductor", "convfuse")
 #: The backend under each compiled form's name: convfuse's wraps Inductor, as
@@ -93,7 +94,7 @@ def _measure(ctx: Context, rec: dict[str, Any], torch: Any, gpu: bool, batch: in
     steps, compile_s, losses, grads = {}, {}, {}, {}
     for name, runner in runners.items():
         opt = torch.optim.SGD(models[name].parameters(), lr=1e-3, momentum=0.9)
-        steps[name] = _step(torch, runner, opt, batches)
+        steps[name] = train_step(torch, runner, opt, batches)
         t0 = time.perf_counter()
         losses[name] = float(steps[name](0))  # compiles; the check's step
         compile_s[name] = time.perf_counter() - t0
@@ -121,17 +122,3 @@ def _measure(ctx: Context, rec: dict[str, Any], torch: Any, gpu: bool, batch: in
     conv, ind = records.median(rec, "convfuse"), records.median(rec, "inductor")
     if conv and ind:
         rec["ratios"]["inductor/convfuse"] = ind / conv
-
-
-def _step(torch: Any, model: Any, opt: Any, batches: list[tuple[Any, Any]]) -> Any:
-    F = torch.nn.functional
-
-    def step(i: int) -> Any:
-        x, y = batches[i % len(batches)]
-        opt.zero_grad(set_to_none=False)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step

@@ -54,6 +54,12 @@ def _device(torch: Any) -> tuple[str, str]:
 
 def _step_fn(torch: Any, model: Any, batches: list[tuple[Any, Any]]) -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    return train_step(torch, model, opt, batches)
+
+
+def train_step(torch: Any, model: Any, opt: Any, batches: list[tuple[Any, Any]]) -> Any:
+    """step(i): one cross-entropy training step of `model` with `opt` on batch i (cycling
+    through `batches`); returns the loss, detached."""
     F = torch.nn.functional
 
     def step(i: int) -> Any:
@@ -62,7 +68,7 @@ def _step_fn(torch: Any, model: Any, batches: list[tuple[Any, Any]]) -> Any:
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        return loss
+        return loss.detach()
 
     return step
 

@@ -12,11 +12,12 @@ import copy
 
 import pytest
 
-import convfuse as cf
-
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
+
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+
 F = torch.nn.functional
 
 ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
@@ -26,17 +27,8 @@ TORCH_ACT = {"identity": lambda z: z, "relu": F.relu, "tanh": torch.tanh, "silu"
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda():
         yield
-
-
-def _poison(nbytes: int) -> None:
-    """Fill, then free, a block of PyTorch's cache with NaN: the next allocations likely
-    reuse it, so an output read before it is written shows."""
-    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del block
 
 
 def _count(monkeypatch, module, name, calls):
@@ -68,7 +60,7 @@ def test_conv_under_cuda_autocast(monkeypatch, dtype_name, act, channels_last):
     if channels_last:
         x, r = x.to(memory_format=torch.channels_last), r.to(memory_format=torch.channels_last)
     xg = x.clone().requires_grad_()
-    _poison(1 << 22)
+    poison(1 << 22)
     with torch.autocast("cuda", dtype=dtype):
         y = ours(xg, r)
         y_nn = TORCH_ACT[act](theirs(x))
@@ -124,7 +116,7 @@ def test_double_backward_on_cudnn_matches_the_cpu(monkeypatch, act):
     def penalty_grads(m, device):
         m = m.to(device)
         if device == "cuda":
-            _poison(1 << 22)
+            poison(1 << 22)
         xi = x.to(device).requires_grad_()
         gx, = torch.autograd.grad(m(xi).sum(), xi, create_graph=True)
         return [g.cpu() for g in torch.autograd.grad(gx.square().sum(), (xi, *m.parameters()))]

@@ -9,34 +9,19 @@ import copy
 
 import pytest
 
-import convfuse as cf
-
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
 import convfuse.torch as ct  # noqa: E402
 from tests._zoo import import_torchvision  # noqa: E402
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    allow = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    torch._dynamo.reset()
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda(reset_dynamo=True):
         yield
-    torch.backends.cudnn.allow_tf32 = allow
-    torch._dynamo.reset()
-
-
-def _poison_allocator():
-    """Fill the caching allocator's free blocks with NaN: memory an op hands out unwritten
-    shows up in the results."""
-    block = torch.full((64 << 20,), float("nan"), device="cuda")
-    del block
 
 
 def _resnet():
@@ -70,7 +55,7 @@ def test_resnet18_training_steps_match_float64_cpu(mode):
     compiled = torch.compile(model, backend=ct.backend(), mode=mode, fullgraph=True)
     x = torch.randn(4, 3, 32, 32, device="cuda")
     for i in range(3):  # CUDA graphs record on the first calls and replay after
-        _poison_allocator()
+        poison(256 << 20)
         with torch.profiler.profile() as prof:
             y = _step(compiled, x, opt)
         y_ref = _step(ref, x.double().cpu(), opt_ref)
@@ -105,7 +90,7 @@ def test_channels_last_and_autocast_with_inductor():
     x = torch.randn(4, 8, 16, 16, device="cuda").to(memory_format=torch.channels_last)
     compiled = torch.compile(model, backend=ct.backend(), fullgraph=True)
     with torch.autocast("cuda", dtype=torch.float16):
-        _poison_allocator()
+        poison(256 << 20)
         y = compiled(x)
         y_ref = ref(x)
     assert y.dtype == y_ref.dtype == torch.float16

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 
-import convfuse as cf
 from convfuse.plan.batchnorm import get_batchnorm_plan
 from convfuse.plan.conv import FusedFallbackWarning
 
@@ -22,18 +21,13 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda():
         yield
-
-
-def _poison(nbytes: int) -> None:
-    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del block
 
 
 def _spy(monkeypatch, module, name, record):
@@ -90,7 +84,7 @@ def test_runs_cudnn_on_a_non_default_stream(monkeypatch, channels_last, momentum
     stream.wait_stream(torch.cuda.current_stream())  # xs and the layer are ready
     for x, (y_ref, dx_ref) in zip(xs, want):
         with torch.cuda.stream(stream):
-            _poison(8 * 16 * 12 * 12 * 4 * 4)  # the caching allocator pools per stream
+            poison(8 * 16 * 12 * 12 * 4 * 4)  # the caching allocator pools per stream
             torch.cuda._sleep(10_000_000)  # a long producer: a race would read stale x
             xx = (x * 1.0).requires_grad_()
             y = layer(xx)

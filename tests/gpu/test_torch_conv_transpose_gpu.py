@@ -9,24 +9,18 @@ import copy
 
 import pytest
 
-import convfuse as cf
-
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
 import convfuse.torch as ct  # noqa: E402
+from tests.gpu._torch_gpu import exact_cuda  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    allow = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda():
         yield
-    torch.backends.cudnn.allow_tf32 = allow
 
 
 def _layers(act="relu", rank=2):

@@ -19,20 +19,13 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda():
         yield
-
-
-def _poison(nbytes: int) -> None:
-    """Fill, then free, a block of PyTorch's cache with NaN: the next allocations of the
-    current stream likely reuse it, so an output read before it is written shows."""
-    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del block
 
 
 def _reference(layer, x, residual=None):
@@ -85,7 +78,7 @@ def test_runs_on_a_non_default_torch_stream(monkeypatch, channels_last):
         for _ in range(20):
             x = torch.sin(x) * 1.5
         x = x.contiguous(memory_format=fmt).requires_grad_()
-        _poison(8 * 32 * 64 * 64 * 4 * 3)
+        poison(8 * 32 * 64 * 64 * 4 * 3)
         y = layer(x)
         y.square().sum().backward()
     stream.synchronize()
@@ -285,7 +278,7 @@ def test_memory_formats_and_in_place_ops_match_torch_nn_on_cuda(monkeypatch, ran
     theirs.load_state_dict(ours.state_dict())
     x = torch.randn(2, 4, *[6] * rank, dtype=dtype, device="cuda")
     x = x.movedim(1, -1).contiguous().movedim(-1, 1)  # channels-last strides at any rank
-    _poison(x.numel() * 8 * 8)
+    poison(x.numel() * 8 * 8)
     xo, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     yo, yt = ours(xo).relu_(), theirs(xt).relu_()
     assert yo._base is None and yo.stride() == yt.stride()

@@ -16,13 +16,12 @@ import copy
 
 import pytest
 
-import convfuse as cf
-
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
 import convfuse.torch as ct  # noqa: E402
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 TOL = {torch.float64: {"rtol": 1e-9, "atol": 1e-9},
        torch.float32: {"rtol": 2e-4, "atol": 2e-4}}
@@ -31,20 +30,8 @@ DTYPES = [torch.float64, torch.float32]
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with cf.config.flags(allow_tf32=False):
-            yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def _poison(nbytes: int = 64 << 20) -> None:
-    block = torch.full((nbytes // 4,), float("nan"), device="cuda")
-    del block
+    with exact_cuda():
+        yield
 
 
 class Block(torch.nn.Module):
@@ -136,7 +123,7 @@ def test_cuda_graph_replays_a_block_forward_and_backward(dtype, channels_last):
 
     model.zero_grad(set_to_none=True)
     static_x.grad = None
-    _poison()
+    poison()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y = model(static_x)
@@ -167,7 +154,7 @@ def test_make_graphed_callables(dtype):
     model = Block(8, dtype)
     xs = _inputs(dtype, 4)
     eager = copy.deepcopy(model)  # before graphing replaces model.forward
-    _poison()
+    poison()
     graphed = torch.cuda.make_graphed_callables(
         model, (xs[0].clone().requires_grad_(),), num_warmup_iters=3)
     eager.load_state_dict(model.state_dict())  # the warm-up's running statistics

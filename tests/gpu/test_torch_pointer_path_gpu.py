@@ -17,26 +17,19 @@ import copy
 import numpy as np
 import pytest
 
-import convfuse as cf
-
 pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
+
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 PATHS = ["pointer", "cupy"]
 
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
-    if not torch.cuda.is_available():
-        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
-    with cf.config.flags(allow_tf32=False):
+    with exact_cuda():
         yield
-
-
-def _poison(nbytes: int) -> None:
-    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del block
 
 
 @pytest.fixture
@@ -123,7 +116,7 @@ def test_conv_relu_matches_torch_nn(path_spy, path, dtype, channels_last):
     layer = layer.to("cuda", dtype).to(memory_format=fmt)
     x_ref = torch.randn(4, 8, 20, 20, dtype=torch.float64, requires_grad=True)
     x = x_ref.detach().to("cuda", dtype).contiguous(memory_format=fmt).requires_grad_()
-    _poison(4 * 16 * 20 * 20 * 8 * 4)
+    poison(4 * 16 * 20 * 20 * 8 * 4)
     y = layer(x)
     y.square().sum().backward()
     torch.cuda.synchronize()
@@ -153,7 +146,7 @@ def test_batchnorm_train_and_eval_match_torch_nn(path_spy, path, dtype):
     layer = layer.to("cuda", dtype)
     x_ref = torch.randn(4, 8, 6, 6, dtype=torch.float64, requires_grad=True)
     x = x_ref.detach().to("cuda", dtype).requires_grad_()
-    _poison(4 * 8 * 6 * 6 * 8 * 4)
+    poison(4 * 8 * 6 * 6 * 8 * 4)
     y = layer(x)
     y.square().sum().backward()
     y_ref = ref(x_ref)
@@ -167,7 +160,7 @@ def test_batchnorm_train_and_eval_match_torch_nn(path_spy, path, dtype):
     layer.eval()
     ref.eval()
     path_spy["engine"].clear()
-    _poison(4 * 8 * 6 * 6 * 8 * 4)
+    poison(4 * 8 * 6 * 6 * 8 * 4)
     with torch.no_grad():
         _close(layer(x), ref(x_ref), dtype)  # inference: CuPy's path inside (documented)
     assert [name for name, *_ in path_spy["engine"]] == ["batchnorm_forward_inference"]

@@ -1,0 +1,41 @@
+"""What the convfuse.torch GPU tests share: the test's CUDA setting and NaN poisoning of
+PyTorch's caching allocator."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+
+import convfuse as cf
+
+torch = pytest.importorskip("torch")
+
+
+@contextlib.contextmanager
+def exact_cuda(reset_dynamo: bool = False) -> Iterator[None]:
+    """Skip without a CUDA build of PyTorch; else run with TF32 off in convfuse and in
+    PyTorch's cuDNN and matmul (float32 results are compared with float64 references and
+    with torch.nn's float32, which must not round to TF32 either), Dynamo's caches reset
+    around the test when asked, and every flag restored afterwards."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"PyTorch {torch.__version__} has no usable CUDA")
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    if reset_dynamo:
+        torch._dynamo.reset()
+    try:
+        with cf.config.flags(allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        if reset_dynamo:
+            torch._dynamo.reset()
+
+
+def poison(nbytes: int = 64 << 20) -> None:
+    """Fill, then free, a block of PyTorch's cache with NaN: the next allocations of the
+    current stream likely reuse it, so an output read before it is written shows."""
+    block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del block
