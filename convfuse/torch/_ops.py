@@ -163,11 +163,25 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                    needs: tuple[bool, bool, bool, bool], names: tuple[str, str, str, str],
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The body of a fused backward op (conv_bias_act's or conv_transpose_bias_act's):
-    (dx, dw, db, dz), each only when asked (else an empty tensor), with convfuse's fused
-    activation-backward + bias-gradient kernel; `names` are the convfuse.ops to call."""
+    (dx, dw, db, dz), each only when asked (else an empty tensor: a custom op returns no
+    None), from `backward_parts`."""
+    parts = backward_parts(dy, x, weight, saved, prep, activations.normalize(activation),
+                           needs, names)
+    # one new empty tensor per unused output (outputs may not alias; new_empty costs less
+    # than a clone)
+    return tuple(t if t is not None else dy.new_empty(0) for t in parts)  # type: ignore
+
+
+def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                   saved: torch.Tensor | None, prep: Prepared, act: str,
+                   needs: tuple[bool, bool, bool, bool], names: tuple[str, str, str, str],
+                   ) -> tuple[torch.Tensor | None, ...]:
+    """(dx, dw, db, dz) of a fused forward, each only when asked (else None), with
+    convfuse's fused activation-backward + bias-gradient kernel; `act` is a normalized
+    activation name and `names` the convfuse.ops to call (bias gradient, activation
+    backward + bias gradient, filter gradient, data gradient)."""
     bias_grad, act_bias_grad, filter_grad, data_grad = names
     need_dx, need_dw, need_db, need_dz = needs
-    act = activations.normalize(activation)
     cl, geom, dev = prep.cl, prep.geom, device_type(x)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
     # views), written by convfuse through `out=` on their physical views.
@@ -176,16 +190,15 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with context(x):
         dya = to_array(physical(dy, cl))
-        sa = _array_or_none(saved, cl)
-        db_a = None if db_t is None else to_array(db_t)
         if act == "identity":
             dz = dya
             if need_db:
-                op(prep, dev, bias_grad, dz, geom, db_a)
+                op(prep, dev, bias_grad, dz, geom, to_array(db_t))
         elif need_db:
-            dz, _ = op(prep, dev, act_bias_grad, dya, sa, act, geom, db_a)
+            dz, _ = op(prep, dev, act_bias_grad, dya, _array_or_none(saved, cl), act, geom,
+                       to_array(db_t))
         else:
-            dz = op(prep, dev, "activation_backward", dya, sa, act)
+            dz = op(prep, dev, "activation_backward", dya, _array_or_none(saved, cl), act)
         if dw_t is not None:  # need_dw
             op(prep, dev, filter_grad, to_array(physical(x, cl)), dz, geom,
                to_array(physical(dw_t, cl)))
@@ -193,14 +206,7 @@ def fused_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             op(prep, dev, data_grad, dz, to_array(physical(weight, cl)), geom,
                to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
-    # one new empty tensor per unused output (outputs may not alias; new_empty costs less
-    # than a clone)
-    return (
-        dx_t if dx_t is not None else dy.new_empty(0),
-        dw_t if dw_t is not None else dy.new_empty(0),
-        db_t if db_t is not None else dy.new_empty(0),
-        dz_t if dz_t is not None else dy.new_empty(0),
-    )
+    return dx_t, dw_t, db_t, dz_t
 
 
 @conv_bias_act_backward.register_fake

@@ -87,14 +87,14 @@ def _conv_transpose_bias_act_backward(
     prep = prepare(ConvTransposeGeometry, x, weight, (stride, padding, dilation, groups),
                    (tensor_key(dy), tensor_key(saved)), output_padding)
     return fused_backward(dy, x, weight, saved, prep, activation,
-                          (need_dx, need_dw, need_db, need_dz), _BACKWARD)
+                          (need_dx, need_dw, need_db, need_dz), BACKWARD)
 
 
 conv_transpose_bias_act_backward = torch.library.custom_op(
     "convfuse::conv_transpose_bias_act_backward", _conv_transpose_bias_act_backward,
     mutates_args=())
 
-_BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward_bias",
+BACKWARD = ("conv_transpose_backward_bias", "conv_transpose_activation_backward_bias",
              "conv_transpose_backward_filter", "conv_transpose_backward_data")
 
 

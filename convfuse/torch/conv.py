@@ -33,13 +33,15 @@ from torch import nn
 
 from .. import activations
 from ..errors import ConvfuseError
-from ..geometry import IntOrTuple, as_tuple, same_padding
+from ..geometry import ConvGeometry, IntOrTuple, as_tuple, same_padding
 from . import _autocast, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
-from ._signature import SignatureCache, keyable, lookup
+from ._call_plan import FusedCall
+from ._signature import SignatureCache, keyable, lookup, tensor_key
 
-#: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
-_CHECKED = SignatureCache()
+#: Signatures whose checks passed -> their FusedCall, or GENERAL (Note [call plans]).
+CALLS = SignatureCache()
+GENERAL = "general"  # a call the layer's general path runs
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _FUNCTIONAL = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -72,17 +74,17 @@ class _ConvLayer(nn.Module):
                 self.padding, self.dilation, self.groups, self.padding_mode,
                 self.output_padding, getattr(self, "_pads", None))
 
-    def _signature(self, x: Any, residual: Any, *extra: Any) -> Any:
-        """The key of an input's checks (Note [per-signature decisions] in _signature.py),
-        or None where they must run every time (a non-tensor argument, which they refuse;
-        a trace, whose sizes may be symbolic)."""
+    def _call_key(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None,
+                  residual: Any, *extra: Any) -> Any:
+        """The key of a call's FusedCall (Note [call plans]): all its plan and its checks
+        read, strides included, or None where nothing may be remembered (a non-tensor
+        argument, which the checks refuse; a trace, whose sizes may be symbolic)."""
         if not keyable(x, residual):
             return None
-        w, dev = self.weight, x.device
-        return (type(self), x.shape, x.dtype, dev, w.shape, w.dtype, w.device,
-                None if residual is None else (residual.shape, residual.dtype,
-                                               residual.device),
-                _autocast.enabled(dev.type), self._hyper(), extra)
+        dev = x.device
+        return (type(self), x.shape, x.stride(), x.dtype, dev, tensor_key(weight),
+                tensor_key(bias), tensor_key(residual), _autocast.enabled(dev.type),
+                self._hyper(), self.activation, extra)
 
     def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
@@ -270,10 +272,13 @@ class _ConvNd(_ConvLayer):
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """torch.nn's hook for subclasses that transform the weight (weight standardisation),
         plus the residual."""
-        key = self._signature(x, residual)
-        if lookup(_CHECKED, key) is None:
+        key = self._call_key(x, weight, bias, residual)
+        call = lookup(CALLS, key)
+        if call is None:
             self._check(x, residual)
-            _CHECKED.remember(key, True)
+            call = CALLS.remember(key, self._plan(x, weight, bias, residual, key))
+        if call is not GENERAL:
+            return call(x, weight, bias, residual)
         batched = x.dim() == self._rank + 2
         if not batched:  # torch.nn's rule: run it as a batch of one, drop that dim again
             x = x.unsqueeze(0)
@@ -286,6 +291,23 @@ class _ConvNd(_ConvLayer):
                 x, weight, bias, residual, list(self.stride), padding, list(self.dilation),
                 self.groups, self.activation)
         return y if batched else y.squeeze(0)
+
+    def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None, key: Any) -> Any:
+        """A checked call's FusedCall, or GENERAL where the general path runs it (Note
+        [call plans])."""
+        if (key is None or self.padding_mode != "zeros" or x.dim() != self._rank + 2
+                or x.shape[0] == 0 or _autocast.enabled(x.device.type)):
+            return GENERAL
+        extra, symmetric = _zero_padding(self._pads)
+        if extra is not None:
+            return GENERAL
+        hyper = (list(self.stride), list(symmetric), list(self.dilation), self.groups)
+        prep = _ops.prepare(ConvGeometry, x, weight, hyper,
+                            (tensor_key(bias), tensor_key(residual)))
+        return FusedCall(prep, "conv_bias_act", _ops.CONV_BACKWARD,
+                         torch.ops.convfuse.conv_bias_act, "conv_backward", hyper,
+                         self.activation)
 
     def _pad(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """x padded as torch.nn pads it before the convolution, and the symmetric zero

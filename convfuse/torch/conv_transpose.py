@@ -20,10 +20,11 @@ import torch
 
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
-from ..transpose_geometry import output_padding_for
+from ..transpose_geometry import ConvTransposeGeometry, output_padding_for
 from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
-from ._signature import lookup
-from .conv import _CHECKED, _ConvLayer
+from ._call_plan import FusedCall
+from ._signature import lookup, tensor_key
+from .conv import CALLS, _ConvLayer
 
 
 class _ConvTransposeNd(_ConvLayer):
@@ -92,10 +93,14 @@ class _ConvTransposeNd(_ConvLayer):
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
         sizes = None if output_size is None else tuple(output_size)
-        key = self._signature(input, residual, sizes)
-        opad = lookup(_CHECKED, key)
-        if opad is None:
-            opad = _CHECKED.remember(key, self._check(input, output_size, residual))
+        key = self._call_key(input, weight, bias, residual, sizes)
+        call = lookup(CALLS, key)
+        if call is None:
+            opad = self._check(input, output_size, residual)
+            call = CALLS.remember(key, self._plan(input, weight, bias, residual, opad, key))
+        if type(call) is FusedCall:
+            return call(input, weight, bias, residual)
+        opad = call  # the general path's output_padding
         unbatched = input.dim() == self._rank + 1
         x = input.unsqueeze(0) if unbatched else input
         res = residual
@@ -105,6 +110,21 @@ class _ConvTransposeNd(_ConvLayer):
             x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
             list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
+
+    def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None, opad: tuple[int, ...], key: Any) -> Any:
+        """A checked call's FusedCall, or where the general path runs it, the output_padding
+        it runs with (Note [call plans] in _call_plan.py)."""
+        if key is None or x.dim() != self._rank + 2 or _autocast.enabled(x.device.type):
+            return opad
+        hyper = (list(self.stride), list(self.padding), list(opad), list(self.dilation),
+                 self.groups)
+        prep = _transpose_ops.prepare(ConvTransposeGeometry, x, weight,
+                                      (hyper[0], hyper[1], hyper[3], hyper[4]),
+                                      (tensor_key(bias), tensor_key(residual)), hyper[2])
+        return FusedCall(prep, "conv_transpose_bias_act", _transpose_ops.BACKWARD,
+                         torch.ops.convfuse.conv_transpose_bias_act, "conv_transpose_backward",
+                         hyper, self.activation)
 
     def _check(self, input: torch.Tensor, output_size: Sequence[int] | None,
                residual: torch.Tensor | None) -> tuple[int, ...]:

@@ -1,0 +1,127 @@
+"""A layer call's decisions, made once per signature and shared by the layer and the bridge
+(Note [call plans]).
+
+Note [call plans]
+A fused convolution's eager call used to decide the same things twice per call: the layer
+keyed its input checks, then the bridge keyed the layout and geometry again from the
+padded tensors, and each autograd node carried its hyperparameters as lists to re-key in
+its backward. On a GPU host time per call is what a small or medium batch waits on, so a
+layer now keys one `FusedCall` per signature: the tensors' shapes, strides, dtypes and
+devices (the bias's and residual's included), the layer's hyperparameters and whether
+autocast is on, all that any decision below reads. It holds the bridge's Prepared (layout,
+geometry, the convfuse.ops it validated), the hyperparameters in the custom op's form, and
+the normalized activation, and a call is then:
+- under a tracer or transform (Note [two call paths] in _eager.py): the custom op, with the
+  same arguments the layer passed before;
+- on the eager path when autograd records the call: `FusedFunction.apply`, one node whose
+  backward goes straight to the plan's `backward` (the same body the backward custom op
+  runs, `_ops.backward_parts`);
+- otherwise the forward body alone.
+The numbers are bit for bit those of the custom ops, whose bodies run the same
+convfuse.ops through the same Prepared. Where a call needs what a plan does not hold (an
+unbatched input, padding torch must add first, an empty batch, autocast) the layer keeps
+its general path. A key that cannot be made (a trace, a non-tensor argument) or a call
+that fails leaves nothing behind, as in Note [per-signature decisions] in _signature.py.
+
+The forward returns y alone unless the activation saves its pre-activation z (silu,
+gelu): z is then the node's second output, differentiable for a recorded backward (Note
+[two backward paths] in _double.py), and otherwise there is nothing to hand back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import activations
+from . import _double, _eager
+from ._ops import backward_parts, fused_forward
+from ._signature import Prepared
+
+
+class FusedCall:
+    """One signature of a fused convolution layer's call (Note [call plans]): `name` is the
+    convfuse.ops forward (conv_bias_act, conv_transpose_bias_act), `names` its backward ops
+    (_ops.CONV_BACKWARD's order), `custom` the forward custom op, `recorded` _double's
+    recorded backward, `hyper` the custom op's non-tensor arguments before the activation."""
+
+    __slots__ = ("act", "custom", "function", "hyper", "identity", "name", "names", "prep",
+                 "recorded", "saves")
+
+    def __init__(self, prep: Prepared, name: str, names: tuple[str, str, str, str],
+                 custom: Any, recorded: str, hyper: tuple[Any, ...], activation: str) -> None:
+        self.prep, self.name, self.names = prep, name, names
+        self.custom, self.recorded, self.hyper = custom, recorded, hyper
+        self.act = activations.normalize(activation)
+        self.saves = activations.saves(self.act)
+        self.identity = self.act == "identity"
+        self.function = _FUNCTIONS[name]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None) -> torch.Tensor:
+        if not _eager.takes_eager_path(x, weight, bias, residual):
+            return self.custom(x, weight, bias, residual, *self.hyper, self.act)[0]
+        if _eager.needs_graph(x, weight, bias, residual):
+            out = self.function.apply(x, weight, bias, residual, self)
+            return out[0] if self.saves == "preactivation" else out
+        return self.forward(x, weight, bias, residual)[0]
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, z) as the forward custom op's body returns them."""
+        return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
+
+    def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 saved: torch.Tensor | None, needs: tuple[bool, bool, bool, bool],
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """(dx, dw, db, dz) as the backward custom op's body computes them, None where not
+        asked for."""
+        return backward_parts(dy, x, weight, saved, self.prep, self.act, needs, self.names)
+
+
+class _FusedFunction(torch.autograd.Function):
+    """A FusedCall as one autograd node: the formula of _ops.fused_autograd, with the
+    plan in place of the hyperparameters. Subclassed once per op, so a node is named as
+    the general path's (ConvBiasActBackward, ...)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor | None, call: FusedCall) -> Any:
+        y, z = call.forward(x, weight, bias, residual)
+        kind = call.saves
+        ctx.save_for_backward(x, weight, None if kind == "none" else y if kind == "output"
+                              else z)
+        ctx.call, ctx.has_bias = call, bias is not None
+        ctx.set_materialize_grads(False)
+        return (y, z) if kind == "preactivation" else y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None,
+                 dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
+        x, weight, saved = ctx.saved_tensors
+        call: FusedCall = ctx.call
+        if _double.takes_recorded_path(dz_output):
+            grads = getattr(_double, call.recorded)(ctx, dy, dz_output, x, weight, saved,
+                                                    *call.hyper, call.act)
+            return (*grads[:4], None)
+        if dy is None:  # y itself fed nothing that needs a gradient
+            return None, None, None, None, None
+        need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+        need_db = bool(need_db and ctx.has_bias)
+        identity = call.identity
+        dx, dw, db, dz = call.backward(dy, x, weight, saved,
+                                       (need_dx, need_dw, need_db,
+                                        need_dres and not identity))
+        return (dx, dw, db, (dy if identity else dz) if need_dres else None, None)
+
+
+class ConvBiasAct(_FusedFunction):
+    """conv_bias_act's FusedCall as one autograd node."""
+
+
+class ConvTransposeBiasAct(_FusedFunction):
+    """conv_transpose_bias_act's FusedCall as one autograd node."""
+
+
+_FUNCTIONS = {"conv_bias_act": ConvBiasAct, "conv_transpose_bias_act": ConvTransposeBiasAct}
