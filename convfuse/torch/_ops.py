@@ -190,13 +190,14 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with context(x):
         dya = to_array(physical(dy, cl))
+        db_a = None if db_t is None else to_array(db_t)
         if act == "identity":
             dz = dya
             if need_db:
-                op(prep, dev, bias_grad, dz, geom, to_array(db_t))
+                op(prep, dev, bias_grad, dz, geom, db_a)
         elif need_db:
             dz, _ = op(prep, dev, act_bias_grad, dya, _array_or_none(saved, cl), act, geom,
-                       to_array(db_t))
+                       db_a)
         else:
             dz = op(prep, dev, "activation_backward", dya, _array_or_none(saved, cl), act)
         if dw_t is not None:  # need_dw
