@@ -65,6 +65,7 @@ from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
 from . import _threads, conv_flat, conv_images
 from .activation import apply_activation, finish, relu
+from .conv_tiny import TinyConv
 
 
 def _channels_first(a: np.ndarray, channels_last: bool) -> np.ndarray:
@@ -231,11 +232,9 @@ def _columns(x: np.ndarray, geom: ConvGeometry, cd: np.dtype, tag: str | None = 
              ) -> np.ndarray:
     """cols[G, C/G*L, N*prod(out)] of the L live taps, in `cd`: one gather for tiny
     problems, else one strided copy per tap (Note [choosing the method])."""
-    if _column_entries(geom) <= GATHER_ELEMENTS:
-        ext = np.empty(x.size + 1, cd)
-        ext[:-1] = x.reshape(-1)
-        ext[-1] = 0
-        return ext[_gather_index(geom)]
+    tiny = _tiny(geom, cd)
+    if tiny is not None:
+        return tiny.columns(x)
     return _fill_columns(_channels_first(x, geom.channels_last), geom, cd, 0, tag)
 
 
@@ -436,8 +435,9 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
     forward inside keep_columns(x) leaves what the filter gradient will read. `dead_nans`:
     skipped taps' inf * 0 put back (Note [choosing the method]); the data gradient's
     skipped taps scatter only into the cropped padding, so it passes False."""
-    if _column_entries(geom) <= GATHER_ELEMENTS:
-        return _tiny_convolve(x, w4, geom, cd, dtype, epilogue, dead_nans)
+    tiny = _tiny(geom, cd)
+    if tiny is not None:
+        return tiny.convolve(x, w4, dtype, epilogue, dead_nans)
     layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
         wm = _matrix(w4, geom, cd, live_only=False)
@@ -461,29 +461,16 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
     return _finish_output(src, geom, dtype, epilogue)
 
 
-def _tiny_convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
-                   dtype: np.dtype,
-                   epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None,
-                   dead_nans: bool) -> np.ndarray:
-    """`_convolve` of a tiny geometry (Note [choosing the method]): the same gathered
-    columns, GEMM and epilogue, with no pass split (each would be one chunk anyway) and
-    none of the general path's choices made per call. Its columns are not kept: a gather
-    is cheaper to redo than to keep."""
-    ym = _threads.matmul(_matrix(w4, geom, cd, live_only=True), _columns(x, geom, cd))
-    if dead_nans:
-        _dead_tap_nans(ym, w4, geom)
-    src = _gemm_view(ym, geom)
-    out = np.empty(geom.output_shape, dtype)
-    dst = _channels_first(out, geom.channels_last)
-    if epilogue is None:
-        dst[...] = src
-    elif dtype == cd:
-        epilogue(src, dst, 0, geom.batch)
-    else:
-        tmp = np.empty(dst.shape, cd)
-        epilogue(src, tmp, 0, geom.batch)
-        dst[...] = tmp  # rounded to the storage dtype once
-    return out
+@functools.lru_cache(maxsize=512)
+def _tiny(geom: ConvGeometry, cd: np.dtype, with_data: bool = True) -> TinyConv | None:
+    """The TinyConv of a tiny geometry (Note [tiny plans] in conv_tiny.py), else None; its
+    data gradient's own (`with_data`) where that is a tiny convolution too."""
+    if _column_entries(geom) > GATHER_ELEMENTS:
+        return None
+    tgeom = _transposed_geometry(geom) if with_data else None
+    return TinyConv(geom, cd, _gather_index(geom), _live_taps(geom),
+                    None if tgeom is None else _tiny(tgeom, cd, False),
+                    (_dead_tap_nans, _full_filter) if _dead_taps(geom) else None)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
@@ -535,8 +522,10 @@ def conv_bias_act(
         elif act != "identity":
             dst[...] = apply_activation(dst, act)
 
-    y = _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype, epilogue)
-    return y, z_out
+    tiny = _tiny(geom, cd)
+    if tiny is not None:
+        return tiny.convolve(x, tiny.weight_taps(w), x.dtype, epilogue, True), z_out
+    return _convolve(x, _weight_taps(w, geom), geom, cd, x.dtype, epilogue), z_out
 
 
 @functools.lru_cache(maxsize=512)
@@ -573,8 +562,11 @@ def conv_backward_data(dz: np.ndarray, w: np.ndarray, geom: ConvGeometry,
     With stride 1 it is a convolution of dz (one im2col, one GEMM, one output pass);
     otherwise dcols = w^T dz is scattered back by col2im.
     """
-    g = geom.groups
     cd = compute_dtype(dz.dtype)
+    tiny = _tiny(geom, cd)
+    if tiny is not None and tiny.data is not None:
+        return tiny.data_grad(dz, w, out, beta)
+    g = geom.groups
     tgeom = _transposed_geometry(geom)
     if tgeom is not None:
         dtype = dz.dtype if out is None else cd
@@ -614,6 +606,9 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
                          out: np.ndarray | None = None, beta: float = 0.0) -> np.ndarray:
     """dw = sum over batch and positions of dz * x-windows, shaped like the weight."""
     cd = compute_dtype(x.dtype)
+    tiny = _tiny(geom, cd)
+    if tiny is not None:  # never the flat form, nor kept columns (a gather is cheaper)
+        return tiny.filter_grad(x, dz, out, beta)
     dw = None
     layout = flat_choice(geom, cd.itemsize)
     if layout is not None:  # Note [flat padded convolution]
@@ -644,5 +639,8 @@ def conv_backward_filter(x: np.ndarray, dz: np.ndarray, geom: ConvGeometry,
 def conv_backward_bias(dz: np.ndarray, geom: ConvGeometry, out: np.ndarray | None = None,
                        beta: float = 0.0) -> np.ndarray:
     """db (shape (K,)) = dz summed over all axes but the channel axis."""
-    db = np.sum(dz, axis=geom.reduce_axes, dtype=compute_dtype(dz.dtype))
-    return finish(db, dz.dtype, out, beta)
+    cd = compute_dtype(dz.dtype)
+    tiny = _tiny(geom, cd)
+    if tiny is not None:
+        return tiny.bias_grad(dz, out, beta)
+    return finish(np.sum(dz, axis=geom.reduce_axes, dtype=cd), dz.dtype, out, beta)
