@@ -197,7 +197,7 @@ class ConvTransposeGeometry(ConvShapes):
             offsets.append(p - q)
         return tuple(pads), tuple(sizes), tuple(offsets)
 
-    @property
+    @functools.cached_property
     def windowed(self) -> bool:
         """Whether G's output differs from this one's (Note [transposed convolution as a
         swapped convolution]); only with an output_padding >= stride."""

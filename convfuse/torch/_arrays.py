@@ -194,6 +194,19 @@ def to_array(t: torch.Tensor) -> Any:
     return t.numpy(force=True) if t.is_cpu else t.detach().numpy()
 
 
+def host_array(t: torch.Tensor, channels_last: bool) -> np.ndarray:
+    """A CPU tensor as a C-contiguous NumPy array in convfuse's order for the layout:
+    `to_array(physical(t, channels_last))` without the CUDA branches (the eager path's
+    CPU calls, Note [call plans] in _call_plan.py)."""
+    if channels_last:
+        t = t.movedim(1, -1)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:  # Note [bfloat16 on the CPU]
+        return t.detach().view(torch.int16).numpy().view(_BFLOAT16)
+    return t.numpy(force=True)
+
+
 def device_array(t: torch.Tensor) -> DeviceArray:
     """A C-contiguous CUDA tensor as a DeviceArray on PyTorch's current stream of its
     device; the array keeps `t` alive."""

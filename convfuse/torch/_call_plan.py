@@ -23,6 +23,14 @@ unbatched input, padding torch must add first, an empty batch, autocast) the lay
 its general path. A key that cannot be made (a trace, a non-tensor argument) or a call
 that fails leaves nothing behind, as in Note [per-signature decisions] in _signature.py.
 
+Note [applying the node]
+torch.autograd.Function.apply is a Python wrapper around the C++ apply of its base class:
+with no setup_context and no functorch transform active it only unwraps functorch's dead
+wrappers, then calls the C++ apply. The eager path runs only where no transform is
+active and no argument is a functorch wrapper (_eager.takes_eager_path), so there is
+nothing to unwrap, and the plan binds the C++ apply itself (`super(Function, cls).apply`,
+what the wrapper calls): a few microseconds per call, the same node.
+
 The forward returns y alone unless the activation saves its pre-activation z (silu,
 gelu): z is then the node's second output, differentiable for a recorded backward (Note
 [two backward paths] in _double.py), and otherwise there is nothing to hand back.
@@ -35,9 +43,11 @@ from typing import Any
 import torch
 
 from .. import activations
+from ..ops import validated
 from . import _double, _eager
+from ._arrays import host_array, logical, to_tensor
 from ._ops import backward_parts, fused_forward
-from ._signature import Prepared
+from ._signature import Prepared, op, validated_engine
 
 
 class FusedCall:
@@ -46,7 +56,7 @@ class FusedCall:
     (_ops.CONV_BACKWARD's order), `custom` the forward custom op, `recorded` _double's
     recorded backward, `hyper` the custom op's non-tensor arguments before the activation."""
 
-    __slots__ = ("act", "custom", "function", "hyper", "identity", "name", "names", "prep",
+    __slots__ = ("act", "apply", "custom", "hyper", "identity", "name", "names", "prep",
                  "recorded", "saves")
 
     def __init__(self, prep: Prepared, name: str, names: tuple[str, str, str, str],
@@ -56,28 +66,67 @@ class FusedCall:
         self.act = activations.normalize(activation)
         self.saves = activations.saves(self.act)
         self.identity = self.act == "identity"
-        self.function = _FUNCTIONS[name]
+        # Note [applying the node]
+        self.apply = super(torch.autograd.Function, _FUNCTIONS[name]).apply
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor | None) -> torch.Tensor:
-        if not _eager.takes_eager_path(x, weight, bias, residual):
-            return self.custom(x, weight, bias, residual, *self.hyper, self.act)[0]
-        if _eager.needs_graph(x, weight, bias, residual):
-            out = self.function.apply(x, weight, bias, residual, self)
+        path = _eager.call_path(x, weight, bias, residual)
+        if path == _eager.BODY:
+            return self.forward(x, weight, bias, residual)[0]
+        if path == _eager.GRAPH:
+            out = self.apply(x, weight, bias, residual, self)
             return out[0] if self.saves == "preactivation" else out
-        return self.forward(x, weight, bias, residual)[0]
+        return self.custom(x, weight, bias, residual, *self.hyper, self.act)[0]
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y, z) as the forward custom op's body returns them."""
-        return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y, z) as the forward custom op's body computes them (z None where the
+        activation saves no pre-activation)."""
+        if x.is_cuda:  # pragma: gpu
+            return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
+        cl = self.prep.cl
+        y, z = self._run(self.name, host_array(x, cl), host_array(weight, cl),
+                         None if bias is None else host_array(bias, False), self.prep.geom,
+                         self.act, None if residual is None else host_array(residual, cl))
+        return logical(to_tensor(y), cl), None if z is None else logical(to_tensor(z), cl)
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                  saved: torch.Tensor | None, needs: tuple[bool, bool, bool, bool],
                  ) -> tuple[torch.Tensor | None, ...]:
         """(dx, dw, db, dz) as the backward custom op's body computes them, None where not
         asked for."""
-        return backward_parts(dy, x, weight, saved, self.prep, self.act, needs, self.names)
+        if x.is_cuda:  # pragma: gpu
+            return backward_parts(dy, x, weight, saved, self.prep, self.act, needs,
+                                  self.names)
+        bias_grad, act_bias_grad, filter_grad, data_grad = self.names
+        need_dx, need_dw, need_db, need_dz = needs
+        cl, geom, act, run = self.prep.cl, self.prep.geom, self.act, self._run
+        dz = host_array(dy, cl)
+        db = None
+        if self.identity:
+            if need_db:
+                db = run(bias_grad, dz, geom, None)
+        elif need_db:
+            dz, db = run(act_bias_grad, dz, host_array(saved, cl), act, geom, None)
+        else:
+            dz = run("activation_backward", dz, host_array(saved, cl), act)
+        dw = run(filter_grad, host_array(x, cl), dz, geom, None) if need_dw else None
+        dx = run(data_grad, dz, host_array(weight, cl), geom, None) if need_dx else None
+        return (None if dx is None else logical(to_tensor(dx), cl),
+                None if dw is None else logical(to_tensor(dw), cl),
+                None if db is None else to_tensor(db),
+                logical(to_tensor(dz), cl) if need_dz and not self.identity else None)
+
+    def _run(self, name: str, *args: Any) -> Any:
+        """convfuse.ops.<name>(*args) on CPU arrays: through `op` until it has validated
+        this signature, then its convfuse.ops.validated entry on the engine directly
+        (Note [per-signature decisions] in _signature.py); the engine allocates the
+        results (fresh, C-contiguous: what `to_tensor` takes without a copy)."""
+        eng = validated_engine(self.prep, "cpu", name)
+        if eng is None:
+            return op(self.prep, "cpu", name, *args)
+        return getattr(validated, name)(eng, *args)
 
 
 class _FusedFunction(torch.autograd.Function):

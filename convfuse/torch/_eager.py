@@ -50,6 +50,19 @@ def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     return True
 
 
+def call_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              residual: torch.Tensor | None) -> int:
+    """A fused layer's path for these arguments: CUSTOM_OP where a tracer or transform must
+    see the custom op, else GRAPH where autograd records the call (`needs_graph`), else
+    BODY (Note [two call paths]); one call instead of two at every layer call."""
+    if not takes_eager_path(x, weight, bias, residual):
+        return CUSTOM_OP
+    return GRAPH if needs_graph(x, weight, bias, residual) else BODY
+
+
+CUSTOM_OP, GRAPH, BODY = 0, 1, 2
+
+
 def needs_graph(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records this call: grad mode on and some input requiring grad.
     Otherwise the eager path runs the body alone, as a custom op's autograd wrapper does

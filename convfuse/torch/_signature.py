@@ -152,6 +152,15 @@ def _engine(device_type: str, kind: str) -> ModuleType:
     return mod
 
 
+def validated_engine(prep: Prepared, device_type: str, name: str) -> ModuleType | None:
+    """The engine module convfuse.ops.validated.<name> takes for `prep`'s signature, where
+    `op` would call it directly (validated before, not replaced by a spy), else None: the
+    caller then goes through `op`."""
+    if name in prep.checked and getattr(ops, name) is _ORIGINAL[name]:
+        return _engine(device_type, _DIRECT[name][0])
+    return None
+
+
 def op(prep: Prepared, device_type: str, name: str, *args: Any, aligned: bool = True) -> Any:
     """convfuse.ops.<name>(*args) (positional, as _DIRECT spells them), validated the first
     time `prep`'s signature calls it and a direct engine call after that."""

@@ -82,9 +82,11 @@ class _ConvLayer(nn.Module):
         if not keyable(x, residual):
             return None
         dev = x.device
-        return (type(self), x.shape, x.stride(), x.dtype, dev, tensor_key(weight),
-                tensor_key(bias), tensor_key(residual), _autocast.enabled(dev.type),
-                self._hyper(), self.activation, extra)
+        return (type(self), x.shape, x.stride(), x.dtype, dev, weight.shape, weight.stride(),
+                weight.dtype, weight.device,
+                None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                None if residual is None else tensor_key(residual),
+                _autocast.enabled(dev.type), self._hyper(), self.activation, extra)
 
     def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),

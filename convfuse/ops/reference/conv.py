@@ -461,6 +461,10 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
     return _finish_output(src, geom, dtype, epilogue)
 
 
+#: Storage dtypes that are their own compute dtype (TinyConv.bias_act's).
+_FAST = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 @functools.lru_cache(maxsize=512)
 def _tiny(geom: ConvGeometry, cd: np.dtype, with_data: bool = True) -> TinyConv | None:
     """The TinyConv of a tiny geometry (Note [tiny plans] in conv_tiny.py), else None; its
@@ -495,6 +499,11 @@ def conv_bias_act(
     rounded to the storage dtype once.
     """
     act = acts.normalize(activation)
+    if residual is None and (act == "relu" or act == "identity") and x.dtype in _FAST \
+            and w.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+        tiny = _tiny(geom, x.dtype)
+        if tiny is not None:  # the common tiny call, with no epilogue to build
+            return tiny.bias_act(x, w, b, act), None
     cd = compute_dtype(x.dtype)
     bias = None
     if b is not None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...geometry import ConvGeometry
 from . import _threads
-from .activation import finish
+from .activation import finish, relu
 
 
 class TinyConv:
@@ -31,7 +31,8 @@ class TinyConv:
     (conv._transposed_geometry) or None where that is not tiny or not one, and with dead
     taps, `dead_rules` conv's (_dead_tap_nans, _full_filter), their non-finite rules."""
 
-    __slots__ = ("cd", "cl", "data", "dead_rules", "ext", "flip", "geom", "index", "k_shape",
+    __slots__ = ("bias_shape", "cd", "cl", "data", "dead_rules", "ext", "flip", "geom", "index",
+                 "k_shape", "matmul",
                  "out_shape", "reduce_axes", "take", "w4_shape", "w_cf_shape", "wf_shape",
                  "wm_shape", "y_shape", "ym_shape")
 
@@ -57,8 +58,13 @@ class TinyConv:
         self.w_cf_shape = geom.weight_shape_cf
         self.k_shape = (g, k // g, c // g, *geom.kernel_size)
         self.wf_shape = (g, c // g, k // g, taps)
-        self.flip = (Ellipsis, *[slice(None, None, -1)] * geom.rank)
+        self.flip: tuple[Any, ...] = (Ellipsis, *[slice(None, None, -1)] * geom.rank)
         self.reduce_axes = geom.reduce_axes
+        self.bias_shape = (k, *[1] * geom.rank)
+        # _threads.matmul's own choice for these operands, made once: the forward's GEMM
+        # and the filter gradient's multiply the same number of products
+        products = self.wm_shape[1] * self.wm_shape[2] * self.y_shape[2]
+        self.matmul = np.matmul if products < _threads.TINY_GEMM_FLOPS else _threads.matmul
 
     def _cf(self, a: np.ndarray) -> np.ndarray:
         return np.moveaxis(a, -1, 1) if self.cl else a
@@ -85,7 +91,7 @@ class TinyConv:
                  dead_nans: bool) -> np.ndarray:
         """conv._convolve of the tiny geometry: columns, GEMM, then `epilogue` into a new
         array in the geometry's layout and `dtype`."""
-        ym = _threads.matmul(self._matrix(w4), self.columns(x))
+        ym = self.matmul(self._matrix(w4), self.columns(x))
         if dead_nans and self.dead_rules is not None:
             self.dead_rules[0](ym, w4, self.geom)
         src = ym.reshape(self.ym_shape).swapaxes(0, 1)
@@ -100,6 +106,29 @@ class TinyConv:
             tmp = np.empty(dst.shape, cd)
             epilogue(src, tmp, 0, self.geom.batch)
             dst[...] = tmp  # rounded to the storage dtype once
+        return out
+
+    def bias_act(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+                 act: str) -> np.ndarray:
+        """conv.conv_bias_act's y for x, w and b in the compute dtype, act identity or
+        relu and no residual: the same GEMM and the same epilogue passes, without
+        building the general epilogue."""
+        w4 = self.weight_taps(w)
+        ym = self.matmul(self._matrix(w4), self.columns(x))
+        if self.dead_rules is not None:
+            self.dead_rules[0](ym, w4, self.geom)
+        src = ym.reshape(self.ym_shape).swapaxes(0, 1)
+        out = np.empty(self.out_shape, self.cd)
+        dst = self._cf(out)
+        if b is None:
+            if act == "relu":
+                relu(src, out=dst)
+            else:
+                np.copyto(dst, src)
+            return out
+        np.add(src, b.reshape(self.bias_shape), out=dst)
+        if act == "relu":
+            relu(dst, out=dst)
         return out
 
     def weight_taps(self, w: np.ndarray) -> np.ndarray:
@@ -118,7 +147,7 @@ class TinyConv:
         dzm = np.empty(self.ym_shape, self.cd)  # conv._output_matrix
         dzm[...] = self._cf(dz).swapaxes(0, 1)
         dzm = dzm.reshape(self.y_shape)
-        dw = _threads.matmul(dzm, cols.transpose(0, 2, 1))
+        dw = self.matmul(dzm, cols.transpose(0, 2, 1))
         if self.dead_rules is not None:
             dw = self.dead_rules[1](dw, dzm, self.geom)
         dw = dw.reshape(self.w_cf_shape)

@@ -30,7 +30,7 @@ def conv_transpose_bias_act(
     if b is None and residual is None and act == "identity":
         return y, None  # no pass at all
     cd = compute_dtype(x.dtype)
-    z = y.astype(cd)
+    z = y.astype(cd, copy=False)  # y is this call's own array: no copy where it is in cd
     if b is not None:
         shape = [1] * z.ndim
         shape[tgeom.channel_axis] = -1
