@@ -67,7 +67,7 @@ class FusedCall:
         self.saves = activations.saves(self.act)
         self.identity = self.act == "identity"
         # Note [applying the node]
-        self.apply = super(torch.autograd.Function, _FUNCTIONS[name]).apply
+        self.apply = _node_apply(_FUNCTIONS[name])
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  residual: torch.Tensor | None) -> torch.Tensor:
@@ -104,13 +104,16 @@ class FusedCall:
         cl, geom, act, run = self.prep.cl, self.prep.geom, self.act, self._run
         dz = host_array(dy, cl)
         db = None
+        if not self.identity:
+            assert saved is not None  # what every activation but identity saves
+            sa = host_array(saved, cl)
         if self.identity:
             if need_db:
                 db = run(bias_grad, dz, geom, None)
         elif need_db:
-            dz, db = run(act_bias_grad, dz, host_array(saved, cl), act, geom, None)
+            dz, db = run(act_bias_grad, dz, sa, act, geom, None)
         else:
-            dz = run("activation_backward", dz, host_array(saved, cl), act)
+            dz = run("activation_backward", dz, sa, act)
         dw = run(filter_grad, host_array(x, cl), dz, geom, None) if need_dw else None
         dx = run(data_grad, dz, host_array(weight, cl), geom, None) if need_dx else None
         return (None if dx is None else logical(to_tensor(dx), cl),
@@ -171,6 +174,12 @@ class ConvBiasAct(_FusedFunction):
 
 class ConvTransposeBiasAct(_FusedFunction):
     """conv_transpose_bias_act's FusedCall as one autograd node."""
+
+
+def _node_apply(function: type[torch.autograd.Function]) -> Any:
+    """`function`'s C++ apply (Note [applying the node])."""
+    base: Any = super(torch.autograd.Function, function)
+    return base.apply
 
 
 _FUNCTIONS = {"conv_bias_act": ConvBiasAct, "conv_transpose_bias_act": ConvTransposeBiasAct}
