@@ -39,6 +39,17 @@ def conv_bias_act(eng: ModuleType, x: Any, w: Any, b: Any, g: Any, act: str = "i
     return eng.conv_bias_act(x, w, b, g, act, residual, scale)
 
 
+def conv_bias_act_runner(eng: ModuleType, g: Any, dtype: Any, act: str,
+                         residual: bool) -> Any:
+    """conv_bias_act's y for one validated signature whose arrays are all `dtype`, as a
+    callable (x, w, b) -> y with every per-call decision made, where the engine has one
+    for it (the reference engine's tiny convolutions), else None. It computes what
+    `conv_bias_act(eng, x, w, b, g, act)` returns as y; a caller uses it only while
+    neither function is replaced (a spy must see every call)."""
+    make = getattr(eng, "bias_act_runner", None)
+    return None if make is None else make(g, dtype, act, residual)
+
+
 def conv_backward_data(eng: ModuleType, dz: Any, w: Any, g: Any, out: Any = None,
                        beta: float = 0.0) -> Any:
     return eng.conv_backward_data(dz, w, g, out, beta)

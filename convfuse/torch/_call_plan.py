@@ -42,50 +42,85 @@ from typing import Any
 
 import torch
 
-from .. import activations
+from .. import activations, ops
 from ..ops import validated
 from . import _double, _eager
 from ._arrays import host_array, logical, to_tensor
 from ._ops import backward_parts, fused_forward
-from ._signature import Prepared, op, validated_engine
+from ._signature import Prepared, engine, op, validated_engine
+
+# What a runner stands for (FusedCall._runnable): the functions as imported, before any
+# test could replace one.
+_CONV_BIAS_ACT = (ops.conv_bias_act, validated.conv_bias_act,
+                  engine("cpu", "conv").conv_bias_act)
 
 
 class FusedCall:
     """One signature of a fused convolution layer's call (Note [call plans]): `name` is the
     convfuse.ops forward (conv_bias_act, conv_transpose_bias_act), `names` its backward ops
-    (_ops.CONV_BACKWARD's order), `custom` the forward custom op, `recorded` _double's
-    recorded backward, `hyper` the custom op's non-tensor arguments before the activation."""
+    (_ops.CONV_BACKWARD's order), `recorded` _double's recorded backward, `hyper` the
+    custom op's non-tensor arguments before the activation."""
 
-    __slots__ = ("act", "apply", "custom", "hyper", "identity", "name", "names", "prep",
-                 "recorded", "saves")
+    __slots__ = (
+        "act",
+        "apply",
+        "hyper",
+        "identity",
+        "name",
+        "names",
+        "plain",
+        "prep",
+        "recorded",
+        "runner",
+        "same_dtype",
+        "saves",
+    )
 
     def __init__(self, prep: Prepared, name: str, names: tuple[str, str, str, str],
-                 custom: Any, recorded: str, hyper: tuple[Any, ...], activation: str) -> None:
+                 recorded: str, hyper: tuple[Any, ...], activation: str,
+                 tensors: tuple[torch.Tensor | None, ...]) -> None:
         self.prep, self.name, self.names = prep, name, names
-        self.custom, self.recorded, self.hyper = custom, recorded, hyper
+        # The key holds every forward tensor's strides and dtype: where all are
+        # contiguous, channels-first and not bfloat16 each crosses as its own .numpy().
+        self.plain = not prep.cl and all(
+            t is None or (t.is_contiguous() and t.dtype != torch.bfloat16) for t in tensors)
+        dtypes = {t.dtype for t in tensors if t is not None}
+        self.same_dtype = len(dtypes) == 1
+        self.runner: Any = None  # once the op validated the signature: a runner or False
+        self.recorded, self.hyper = recorded, hyper
         self.act = activations.normalize(activation)
         self.saves = activations.saves(self.act)
         self.identity = self.act == "identity"
         # Note [applying the node]
         self.apply = _node_apply(_FUNCTIONS[name])
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor | None) -> torch.Tensor:
-        path = _eager.call_path(x, weight, bias, residual)
+    def run(self, path: int, x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+        """y for an eager call on `path` (_eager.call_path's GRAPH or BODY)."""
         if path == _eager.BODY:
             return self.forward(x, weight, bias, residual)[0]
-        if path == _eager.GRAPH:
-            out = self.apply(x, weight, bias, residual, self)
-            return out[0] if self.saves == "preactivation" else out
-        return self.custom(x, weight, bias, residual, *self.hyper, self.act)[0]
+        out = self.apply(x, weight, bias, residual, self)
+        return out[0] if self.saves == "preactivation" else out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, z) as the forward custom op's body computes them (z None where the
         activation saves no pre-activation)."""
-        if x.is_cuda:  # pragma: gpu
+        if not x.is_cpu:  # CUDA (and a device convfuse refuses, which the op says)
             return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
         cl = self.prep.cl
+        if self.plain:
+            runner = self.runner
+            if runner and self._runnable():
+                return torch.from_numpy(runner(x.numpy(force=True), weight.numpy(force=True),
+                                               None if bias is None
+                                               else bias.numpy(force=True))), None
+            y, z = self._run(self.name, x.numpy(force=True), weight.numpy(force=True),
+                             None if bias is None else bias.numpy(force=True), self.prep.geom,
+                             self.act, None if residual is None else residual.numpy(force=True))
+            if runner is None:
+                self._arm(x, residual is not None)
+            return to_tensor(y), None if z is None else to_tensor(z)
         y, z = self._run(self.name, host_array(x, cl), host_array(weight, cl),
                          None if bias is None else host_array(bias, False), self.prep.geom,
                          self.act, None if residual is None else host_array(residual, cl))
@@ -96,7 +131,7 @@ class FusedCall:
                  ) -> tuple[torch.Tensor | None, ...]:
         """(dx, dw, db, dz) as the backward custom op's body computes them, None where not
         asked for."""
-        if x.is_cuda:  # pragma: gpu
+        if not x.is_cpu:
             return backward_parts(dy, x, weight, saved, self.prep, self.act, needs,
                                   self.names)
         bias_grad, act_bias_grad, filter_grad, data_grad = self.names
@@ -120,6 +155,23 @@ class FusedCall:
                 None if dw is None else logical(to_tensor(dw), cl),
                 None if db is None else to_tensor(db),
                 logical(to_tensor(dz), cl) if need_dz and not self.identity else None)
+
+    def _arm(self, x: torch.Tensor, residual: bool) -> None:
+        """After a call the op validated: the engine's runner for this signature, where it
+        has one (convfuse.ops.validated.conv_bias_act_runner)."""
+        eng = validated_engine(self.prep, "cpu", self.name)
+        if eng is None or self.name != "conv_bias_act" or not self.same_dtype:
+            return
+        self.runner = validated.conv_bias_act_runner(eng, self.prep.geom,
+                                                     x.detach().numpy().dtype,
+                                                     self.act, residual) or False
+
+    def _runnable(self) -> bool:
+        """Whether the runner computes what the validated entry would: neither convfuse.ops'
+        op, nor its validated entry, nor the engine's function was replaced."""
+        op_fn, entry, eng_fn = _CONV_BIAS_ACT
+        return (ops.conv_bias_act is op_fn and validated.conv_bias_act is entry
+                and engine("cpu", "conv").conv_bias_act is eng_fn)
 
     def _run(self, name: str, *args: Any) -> Any:
         """convfuse.ops.<name>(*args) on CPU arrays: through `op` until it has validated

@@ -143,7 +143,8 @@ _ORIGINAL = {name: getattr(ops, name) for name in _DIRECT}
 _ENGINES: dict[tuple[str, str], ModuleType] = {}
 
 
-def _engine(device_type: str, kind: str) -> ModuleType:
+def engine(device_type: str, kind: str) -> ModuleType:
+    """The engine module of `kind` convfuse.ops runs for arrays of a `device_type` tensor."""
     mod = _ENGINES.get((device_type, kind))
     if mod is None:  # convfuse.ops._checks.engine's choice: CuPy arrays run cuDNN
         package = "cudnn" if device_type == "cuda" else "reference"
@@ -157,7 +158,7 @@ def validated_engine(prep: Prepared, device_type: str, name: str) -> ModuleType 
     `op` would call it directly (validated before, not replaced by a spy), else None: the
     caller then goes through `op`."""
     if name in prep.checked and getattr(ops, name) is _ORIGINAL[name]:
-        return _engine(device_type, _DIRECT[name][0])
+        return engine(device_type, _DIRECT[name][0])
     return None
 
 
@@ -167,7 +168,7 @@ def op(prep: Prepared, device_type: str, name: str, *args: Any, aligned: bool = 
     fn = getattr(ops, name)
     if name in prep.checked and aligned and fn is _ORIGINAL[name]:
         kind, direct = _DIRECT[name]
-        return direct(_engine(device_type, kind), prep, *args)
+        return direct(engine(device_type, kind), prep, *args)
     out = fn(*args)
     if prep.direct:
         prep.checked.add(name)

@@ -34,10 +34,10 @@ from torch import nn
 from .. import activations
 from ..errors import ConvfuseError
 from ..geometry import ConvGeometry, IntOrTuple, as_tuple, same_padding
-from . import _autocast, _ops  # _ops registers torch.ops.convfuse.*
+from . import _autocast, _eager, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
 from ._call_plan import FusedCall
-from ._signature import SignatureCache, keyable, lookup, tensor_key
+from ._signature import SignatureCache, lookup, tensor_key
 
 #: Signatures whose checks passed -> their FusedCall, or GENERAL (Note [call plans]).
 CALLS = SignatureCache()
@@ -76,11 +76,9 @@ class _ConvLayer(nn.Module):
 
     def _call_key(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None,
                   residual: Any, *extra: Any) -> Any:
-        """The key of a call's FusedCall (Note [call plans]): all its plan and its checks
-        read, strides included, or None where nothing may be remembered (a non-tensor
-        argument, which the checks refuse; a trace, whose sizes may be symbolic)."""
-        if not keyable(x, residual):
-            return None
+        """The key of an eager call's FusedCall (Note [call plans]): all its plan and its
+        checks read, strides included. Only for the eager path's arguments (plain tensors,
+        no trace: _eager.takes_eager_path), whose sizes are concrete."""
         dev = x.device
         return (type(self), x.shape, x.stride(), x.dtype, dev, weight.shape, weight.stride(),
                 weight.dtype, weight.device,
@@ -274,13 +272,17 @@ class _ConvNd(_ConvLayer):
                       residual: torch.Tensor | None = None) -> torch.Tensor:
         """torch.nn's hook for subclasses that transform the weight (weight standardisation),
         plus the residual."""
-        key = self._call_key(x, weight, bias, residual)
-        call = lookup(CALLS, key)
-        if call is None:
+        path = _eager.call_path(x, weight, bias, residual)
+        if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
             self._check(x, residual)
-            call = CALLS.remember(key, self._plan(x, weight, bias, residual, key))
-        if call is not GENERAL:
-            return call(x, weight, bias, residual)
+        else:
+            key = self._call_key(x, weight, bias, residual)
+            call = lookup(CALLS, key)
+            if call is None:
+                self._check(x, residual)
+                call = CALLS.remember(key, self._plan(x, weight, bias, residual))
+            if call is not GENERAL:
+                return call.run(path, x, weight, bias, residual)
         batched = x.dim() == self._rank + 2
         if not batched:  # torch.nn's rule: run it as a batch of one, drop that dim again
             x = x.unsqueeze(0)
@@ -295,10 +297,10 @@ class _ConvNd(_ConvLayer):
         return y if batched else y.squeeze(0)
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              residual: torch.Tensor | None, key: Any) -> Any:
-        """A checked call's FusedCall, or GENERAL where the general path runs it (Note
-        [call plans])."""
-        if (key is None or self.padding_mode != "zeros" or x.dim() != self._rank + 2
+              residual: torch.Tensor | None) -> Any:
+        """A checked eager call's FusedCall, or GENERAL where the general path runs it
+        (Note [call plans])."""
+        if (self.padding_mode != "zeros" or x.dim() != self._rank + 2
                 or x.shape[0] == 0 or _autocast.enabled(x.device.type)):
             return GENERAL
         extra, symmetric = _zero_padding(self._pads)
@@ -307,9 +309,8 @@ class _ConvNd(_ConvLayer):
         hyper = (list(self.stride), list(symmetric), list(self.dilation), self.groups)
         prep = _ops.prepare(ConvGeometry, x, weight, hyper,
                             (tensor_key(bias), tensor_key(residual)))
-        return FusedCall(prep, "conv_bias_act", _ops.CONV_BACKWARD,
-                         torch.ops.convfuse.conv_bias_act, "conv_backward", hyper,
-                         self.activation)
+        return FusedCall(prep, "conv_bias_act", _ops.CONV_BACKWARD, "conv_backward", hyper,
+                         self.activation, (x, weight, bias, residual))
 
     def _pad(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """x padded as torch.nn pads it before the convolution, and the symmetric zero

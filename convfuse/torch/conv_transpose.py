@@ -21,7 +21,7 @@ import torch
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import ConvTransposeGeometry, output_padding_for
-from . import _autocast, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
+from . import _autocast, _eager, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
 from ._call_plan import FusedCall
 from ._signature import lookup, tensor_key
 from .conv import CALLS, _ConvLayer
@@ -93,13 +93,17 @@ class _ConvTransposeNd(_ConvLayer):
         weight: torch.Tensor = self.weight
         bias: torch.Tensor | None = self.bias
         sizes = None if output_size is None else tuple(output_size)
-        key = self._call_key(input, weight, bias, residual, sizes)
-        call = lookup(CALLS, key)
-        if call is None:
-            opad = self._check(input, output_size, residual)
-            call = CALLS.remember(key, self._plan(input, weight, bias, residual, opad, key))
-        if type(call) is FusedCall:
-            return call(input, weight, bias, residual)
+        path = _eager.call_path(input, weight, bias, residual)
+        if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
+            call: Any = self._check(input, output_size, residual)
+        else:
+            key = self._call_key(input, weight, bias, residual, sizes)
+            call = lookup(CALLS, key)
+            if call is None:
+                opad = self._check(input, output_size, residual)
+                call = CALLS.remember(key, self._plan(input, weight, bias, residual, opad))
+            if type(call) is FusedCall:
+                return call.run(path, input, weight, bias, residual)
         opad = call  # the general path's output_padding
         unbatched = input.dim() == self._rank + 1
         x = input.unsqueeze(0) if unbatched else input
@@ -112,10 +116,10 @@ class _ConvTransposeNd(_ConvLayer):
         return y.squeeze(0) if unbatched else y
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              residual: torch.Tensor | None, opad: tuple[int, ...], key: Any) -> Any:
+              residual: torch.Tensor | None, opad: tuple[int, ...]) -> Any:
         """A checked call's FusedCall, or where the general path runs it, the output_padding
         it runs with (Note [call plans] in _call_plan.py)."""
-        if key is None or x.dim() != self._rank + 2 or _autocast.enabled(x.device.type):
+        if x.dim() != self._rank + 2 or _autocast.enabled(x.device.type):
             return opad
         hyper = (list(self.stride), list(self.padding), list(opad), list(self.dilation),
                  self.groups)
@@ -123,8 +127,8 @@ class _ConvTransposeNd(_ConvLayer):
                                       (hyper[0], hyper[1], hyper[3], hyper[4]),
                                       (tensor_key(bias), tensor_key(residual)), hyper[2])
         return FusedCall(prep, "conv_transpose_bias_act", _transpose_ops.BACKWARD,
-                         torch.ops.convfuse.conv_transpose_bias_act, "conv_transpose_backward",
-                         hyper, self.activation)
+                         "conv_transpose_backward", hyper, self.activation,
+                         (x, weight, bias, residual))
 
     def _check(self, input: torch.Tensor, output_size: Sequence[int] | None,
                residual: torch.Tensor | None) -> tuple[int, ...]:

@@ -477,6 +477,19 @@ def _tiny(geom: ConvGeometry, cd: np.dtype, with_data: bool = True) -> TinyConv 
                     (_dead_tap_nans, _full_filter) if _dead_taps(geom) else None)
 
 
+def bias_act_runner(geom: ConvGeometry, dtype: np.dtype, act: str, residual: bool,
+                    ) -> Callable[..., np.ndarray] | None:
+    """For a validated conv_bias_act signature whose arrays are all `dtype` (with a
+    residual or not, `act` normalized): a callable (x, w, b) -> y computing what
+    conv_bias_act returns as y with no per-call decision, where the signature is the
+    common tiny one (TinyConv.bias_act's); else None (Note [call plans] in
+    convfuse/torch/_call_plan.py)."""
+    if residual or act not in ("relu", "identity") or dtype not in _FAST:
+        return None
+    tiny = _tiny(geom, dtype)
+    return None if tiny is None else functools.partial(tiny.bias_act, act=act)
+
+
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:
     """y = conv(x, w): cross-correlation in the geometry's layout, in x's dtype."""
     cd = compute_dtype(x.dtype)

@@ -15,6 +15,7 @@ and the same rounding, so each result is the one conv.py's general functions def
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -31,10 +32,30 @@ class TinyConv:
     (conv._transposed_geometry) or None where that is not tiny or not one, and with dead
     taps, `dead_rules` conv's (_dead_tap_nans, _full_filter), their non-finite rules."""
 
-    __slots__ = ("bias_shape", "cd", "cl", "data", "dead_rules", "ext", "flip", "geom", "index",
-                 "k_shape", "matmul",
-                 "out_shape", "reduce_axes", "take", "w4_shape", "w_cf_shape", "wf_shape",
-                 "wm_shape", "y_shape", "ym_shape")
+    __slots__ = (
+        "bias_shape",
+        "cd",
+        "cl",
+        "data",
+        "dead_rules",
+        "ext",
+        "flip",
+        "geom",
+        "index",
+        "k_shape",
+        "local",
+        "matmul",
+        "out_shape",
+        "reduce_axes",
+        "src_shape",
+        "take",
+        "w4_shape",
+        "w_cf_shape",
+        "wf_shape",
+        "wm_shape",
+        "y_shape",
+        "ym_shape",
+    )
 
     def __init__(self, geom: ConvGeometry, cd: np.dtype, index: np.ndarray,
                  live: tuple[int, ...], data: TinyConv | None, dead_rules: Any = None,
@@ -65,15 +86,26 @@ class TinyConv:
         # and the filter gradient's multiply the same number of products
         products = self.wm_shape[1] * self.wm_shape[2] * self.y_shape[2]
         self.matmul = np.matmul if products < _threads.TINY_GEMM_FLOPS else _threads.matmul
+        # one image: the GEMM's (K, N*P) rows already are the (N, K, *out) output, in order
+        self.src_shape = geom.output_shape_cf if geom.batch == 1 else None
+        self.local = threading.local()  # each thread's zero-extended copy of x
+
+    def _src(self, ym: np.ndarray) -> np.ndarray:
+        """The GEMM result as an (N, K, *out) view (conv._gemm_view)."""
+        if self.src_shape is not None:
+            return ym.reshape(self.src_shape)
+        return ym.reshape(self.ym_shape).swapaxes(0, 1)
 
     def _cf(self, a: np.ndarray) -> np.ndarray:
         return np.moveaxis(a, -1, 1) if self.cl else a
 
     def columns(self, x: np.ndarray) -> np.ndarray:
-        """conv._columns of x: one gather through the index, in the compute dtype."""
-        ext = np.empty(self.ext, self.cd)
+        """conv._columns of x: one gather through the index, in the compute dtype, from x
+        copied into this thread's buffer whose last element stays zero (the padding's)."""
+        ext = getattr(self.local, "ext", None)
+        if ext is None:
+            ext = self.local.ext = np.zeros(self.ext, self.cd)
         ext[:-1] = x.reshape(-1)
-        ext[-1] = 0
         return ext[self.index]
 
     def _matrix(self, w4: np.ndarray) -> np.ndarray:
@@ -94,7 +126,7 @@ class TinyConv:
         ym = self.matmul(self._matrix(w4), self.columns(x))
         if dead_nans and self.dead_rules is not None:
             self.dead_rules[0](ym, w4, self.geom)
-        src = ym.reshape(self.ym_shape).swapaxes(0, 1)
+        src = self._src(ym)
         out = np.empty(self.out_shape, dtype)
         dst = self._cf(out)
         cd = self.cd
@@ -117,7 +149,7 @@ class TinyConv:
         ym = self.matmul(self._matrix(w4), self.columns(x))
         if self.dead_rules is not None:
             self.dead_rules[0](ym, w4, self.geom)
-        src = ym.reshape(self.ym_shape).swapaxes(0, 1)
+        src = self._src(ym)
         out = np.empty(self.out_shape, self.cd)
         dst = self._cf(out)
         if b is None:
