@@ -72,7 +72,7 @@ class _ConvLayer(nn.Module):
         """Every attribute the input checks read (the cache key's hyperparameters)."""
         return (self.in_channels, self.out_channels, self.kernel_size, self.stride,
                 self.padding, self.dilation, self.groups, self.padding_mode,
-                self.output_padding, getattr(self, "_pads", None))
+                self.output_padding)
 
     def _call_key(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None,
                   residual: Any, *extra: Any) -> Any:
@@ -188,7 +188,7 @@ class _ConvNd(_ConvLayer):
         factory = self._factory(device, dtype)
         try:
             self._set_window(kernel_size, stride, dilation)
-            self.padding, self._pads = self._resolve_padding(padding)
+            self.padding, pads = self._resolve_padding(padding)
             self.activation = activations.normalize(activation)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
@@ -196,9 +196,19 @@ class _ConvNd(_ConvLayer):
         self.padding_mode = padding_mode
         self.output_padding = (0,) * rank
         # torch.nn's name and order: (left, right) per spatial dim, last dim first (F.pad's)
-        self._reversed_padding_repeated_twice = [p for lr in reversed(self._pads) for p in lr]
+        self._reversed_padding_repeated_twice = [p for lr in reversed(pads) for p in lr]
         self._make_parameters((out_channels, in_channels // groups, *self.kernel_size), bias,
                               out_channels, factory)
+
+    @property
+    def _pads(self) -> tuple[tuple[int, int], ...]:
+        """The (left, right) zeros per spatial dim of `padding` as it is now: torch.nn's
+        convolution reads its padding at every call, so an assignment after construction
+        takes effect (an invalid one is refused, naming the layer)."""
+        try:
+            return self._resolve_padding(self.padding)[1]
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def _resolve_padding(self, padding: IntOrTuple | str,
                          ) -> tuple[tuple[int, ...] | str, tuple[tuple[int, int], ...]]:
