@@ -74,7 +74,7 @@ def test_tiny_plans_give_the_general_paths_results(monkeypatch, case, dtype):
 
 
 def test_dead_taps_keep_im2cols_non_finite_rule(monkeypatch):
-    g, x, w, b, dy, _ = _arrays(CASES[2], np.float64)
+    g, x, w, _, dy, _ = _arrays(CASES[2], np.float64)
     w[0, 0, 0, 0] = np.inf  # a dead tap: im2col multiplies it by padding zeros -> NaN
     dy[0, 0, 0, 0] = np.nan
     tiny = [rc.conv_forward(x, w, g), rc.conv_backward_filter(x, dy, g)]
