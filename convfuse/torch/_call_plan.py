@@ -6,22 +6,32 @@ A fused convolution's eager call used to decide the same things twice per call: 
 keyed its input checks, then the bridge keyed the layout and geometry again from the
 padded tensors, and each autograd node carried its hyperparameters as lists to re-key in
 its backward. On a GPU host time per call is what a small or medium batch waits on, so a
-layer now keys one `FusedCall` per signature: the tensors' shapes, strides, dtypes and
-devices (the bias's and residual's included), the layer's hyperparameters and whether
-autocast is on, all that any decision below reads. It holds the bridge's Prepared (layout,
-geometry, the convfuse.ops it validated), the hyperparameters in the custom op's form, and
-the normalized activation, and a call is then:
-- under a tracer or transform (Note [two call paths] in _eager.py): the custom op, with the
-  same arguments the layer passed before;
-- on the eager path when autograd records the call: `FusedFunction.apply`, one node whose
-  backward goes straight to the plan's `backward` (the same body the backward custom op
-  runs, `_ops.backward_parts`);
-- otherwise the forward body alone.
+layer call now goes:
+1. `_eager.call_path` first: under a tracer or transform (Note [two call paths] in
+   _eager.py) the layer checks its input and calls the custom op as before, remembering
+   nothing (sizes may be symbolic there);
+2. otherwise one key of everything a decision below reads: the tensors' shapes, strides,
+   dtypes and devices (bias and residual included), the layer's hyperparameters, its
+   activation and whether autocast is on. Its `FusedCall` holds the bridge's Prepared
+   (layout, geometry, the convfuse.ops it validated), the hyperparameters in the custom
+   op's form and the normalized activation;
+3. with autograd recording, one node (`apply`, Note [applying the node]) whose backward
+   goes straight to the plan's `backward`; else the forward alone.
+On the CPU the plan hands the engine NumPy views directly (`.numpy()` where the key says
+every tensor is contiguous, channels-first and not bfloat16), calls the op's validated
+entry once the op has validated the signature, and wraps the engine's own fresh results.
+Once validated, a tiny float32/float64 conv with relu or identity and no residual runs the
+engine's runner (convfuse.ops.validated.conv_bias_act_runner: TinyConv.bias_act with
+nothing decided per call), but only while convfuse.ops.conv_bias_act, its validated entry
+and the engine's function are the ones imported: a replaced one (a test's spy) is called,
+as every call reaches it. CUDA calls keep the bodies (`_ops.fused_forward`,
+`_ops.backward_parts`), whose pointer path never ran on a GPU here.
 The numbers are bit for bit those of the custom ops, whose bodies run the same
 convfuse.ops through the same Prepared. Where a call needs what a plan does not hold (an
 unbatched input, padding torch must add first, an empty batch, autocast) the layer keeps
-its general path. A key that cannot be made (a trace, a non-tensor argument) or a call
-that fails leaves nothing behind, as in Note [per-signature decisions] in _signature.py.
+its general path. A key that cannot be hashed (a list assigned to a hyperparameter) or a
+call that fails leaves nothing behind (Note [per-signature decisions] in _signature.py):
+a failed op has validated nothing, so the next call goes through the op's checks again.
 
 Note [applying the node]
 torch.autograd.Function.apply is a Python wrapper around the C++ apply of its base class:
