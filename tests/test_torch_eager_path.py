@@ -244,6 +244,10 @@ def test_batchnorm_running_stats_versions_move_as_the_custom_op_moves_them():
 
 
 def test_only_the_first_call_of_a_signature_validates():
+    from convfuse.torch import _ops, conv
+
+    conv.CALLS.clear()  # a signature no earlier test validated
+    _ops._PREPARED.clear()
     layer = ct.Conv2d(2, 3, 3, padding=1, activation="relu")
     x = torch.randn(1, 2, 5, 5, requires_grad=True)
     calls = []
