@@ -21,8 +21,9 @@ from torch import nn
 
 from .. import activations
 from ._arrays import SUPPORTED_DTYPES
+from . import _bn_plan, _eager
 from ._bn_ops import batchnorm_call
-from ._signature import SignatureCache, keyable, lookup
+from ._signature import SignatureCache, keyable, lookup, tensor_key
 from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -41,12 +42,10 @@ def _torch_allows_zero_eps_in_eval() -> bool:
 
 _ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
 
-#: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
-_CHECKED = SignatureCache()
-
-
-def _meta(t: Any) -> Any:
-    return None if t is None else (t.dtype, t.device)
+#: Signatures whose input checks passed -> their BatchNormCall, or GENERAL (Note
+#: [batch-norm call plans] in _bn_plan.py).
+CALLS = SignatureCache()
+GENERAL = "general"  # a checked call the layer's general path runs
 
 
 class _BatchNormNd(nn.Module):
@@ -191,19 +190,52 @@ class _BatchNormNd(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
         between batch and running statistics and whether the running ones are updated."""
-        use_batch_stats = self.training or (self.running_mean is None
-                                            and self.running_var is None)
-        key = self._signature(x, residual, use_batch_stats)
-        if lookup(_CHECKED, key) is None:
+        weight, bias = self.weight, self.bias
+        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
+        key = self._call_key(x, residual, weight, bias, rm, rv, nbt)
+        call = lookup(CALLS, key)
+        if call is None:
+            use_batch_stats = self._use_batch_stats()
             self._check(x, residual, use_batch_stats)  # before any state changes
-            _CHECKED.remember(key, True)
-        factor_momentum = self.momentum
-        update = self.training and self.track_running_stats
-        if update and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if update and self.momentum is None and self.num_batches_tracked is None:
-            factor_momentum = 0.0  # torch.nn: no count, no cumulative average
+            call = CALLS.remember(key, self._plan(x, use_batch_stats, key))
+        if call is GENERAL or not _eager.takes_eager_path(x, weight, bias, residual, rm, rv,
+                                                          nbt):
+            return self._general(x, residual)
+        if self.training and self.track_running_stats and nbt is not None:
+            nbt.add_(1)
         # Buffers are passed when they are updated (training and tracking) or read (eval).
+        if self.training and not self.track_running_stats:
+            rm = rv = None
+        return call(x, weight, bias, residual, (rm, rv, nbt))
+
+    def _use_batch_stats(self) -> bool:
+        return self.training or (self.running_mean is None and self.running_var is None)
+
+    def _factor_momentum(self) -> float | None:
+        """The momentum handed to the op: torch.nn's, 0 with no count to average over."""
+        if self.training and self.track_running_stats and self.momentum is None \
+                and self.num_batches_tracked is None:
+            return 0.0  # torch.nn: no count, no cumulative average
+        return self.momentum
+
+    def _plan(self, x: torch.Tensor, use_batch_stats: bool, key: Any) -> Any:
+        """A checked call's BatchNormCall, or GENERAL where the general path runs it (Note
+        [batch-norm call plans] in _bn_plan.py)."""
+        if key is None:
+            return GENERAL
+        stats = not self.training or self.track_running_stats
+        call = _bn_plan.plan(x, use_batch_stats, float(self.eps), self._factor_momentum(),
+                             self.activation, self.running_mean if stats else None,
+                             self.num_batches_tracked)
+        return GENERAL if call is None else call
+
+    def _general(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """A checked call through batchnorm_call: the custom ops under a tracer, and
+        whatever a plan does not hold (Note [batch-norm call plans] in _bn_plan.py)."""
+        use_batch_stats = self._use_batch_stats()
+        factor_momentum = self._factor_momentum()
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
         stats = not self.training or self.track_running_stats
         rm = self.running_mean if stats else None
         rv = self.running_var if stats else None
@@ -213,17 +245,18 @@ class _BatchNormNd(nn.Module):
                               self.num_batches_tracked, use_batch_stats, factor_momentum,
                               float(self.eps), self.activation)
 
-    def _signature(self, x: Any, residual: Any, use_batch_stats: bool) -> Any:
-        """The key of an input's checks (Note [per-signature decisions] in _signature.py),
-        or None where they must run every time (a non-tensor argument, which they refuse;
-        a trace, whose sizes may be symbolic)."""
+    def _call_key(self, x: Any, residual: Any, weight: Any, bias: Any, rm: Any, rv: Any,
+                  nbt: Any) -> Any:
+        """The key of a call's checks and BatchNormCall (Note [batch-norm call plans] in
+        _bn_plan.py): all they read, strides included, or None where nothing may be
+        remembered (a non-tensor argument, which the checks refuse; a trace, whose sizes
+        may be symbolic)."""
         if not keyable(x, residual):
             return None
-        return (type(self), x.shape, x.dtype, x.device,
-                None if residual is None else (residual.shape, residual.dtype,
-                                               residual.device),
-                _meta(self.weight), _meta(self.bias), _meta(self.running_mean),
-                _meta(self.running_var), self.num_features, self.eps, use_batch_stats)
+        return (type(self), x.shape, x.stride(), x.dtype, x.device, tensor_key(residual),
+                tensor_key(weight), tensor_key(bias), tensor_key(rm), tensor_key(rv),
+                nbt is None, self.num_features, self.eps, self.momentum, self.activation,
+                self.training, self.track_running_stats)
 
     def _empty_batch(self, x: torch.Tensor, residual: torch.Tensor | None, rm: Any, rv: Any,
                      use_batch_stats: bool) -> torch.Tensor:

@@ -59,13 +59,15 @@ def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
 
 def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
                 ax: _Axes) -> np.ndarray:
-    cd = compute_dtype(x.dtype)
-    return (x.astype(cd) - _per_channel(mean, ax)) * _per_channel(invstd, ax)
+    """(x - mean) * invstd, a fresh array in the compute dtype."""
+    xhat = x.astype(compute_dtype(x.dtype), copy=False) - _per_channel(mean, ax)
+    return np.multiply(xhat, _per_channel(invstd, ax), out=xhat)
 
 
 def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activation: str,
                 ax: _Axes, dtype: np.dtype) -> tuple[np.ndarray, Any]:
-    """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves."""
+    """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves.
+    `xhat` is a fresh array this call owns (Note [batch norm's temporaries])."""
     cd = xhat.dtype
     z = xhat
     if weight is not None:
@@ -73,8 +75,11 @@ def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activat
     if bias is not None:
         z = z + _per_channel(bias.astype(cd, copy=False), ax)
     if residual is not None:
-        z = z + residual.astype(cd)
-    y = apply_activation(z, activation).astype(dtype, order="C")
+        z = z + residual.astype(cd, copy=False)
+    # identity's y is z itself, a fresh C-contiguous array (the `astype` below copies
+    # only to round to a half dtype)
+    y = z if activation == "identity" else apply_activation(z, activation)
+    y = y.astype(dtype, order="C", copy=False)
     need = acts.saves(activation)
     saved = y if need == "output" else (z.astype(dtype, order="C") if need != "none" else None)
     return y, saved
@@ -87,19 +92,21 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
     """(y, saved, mean, invstd); updates running_mean/var in place when given."""
     cd = compute_dtype(x.dtype)
     ax = _axes(g)
-    xc = x.astype(cd)
+    xc = x.astype(cd, copy=False)  # only read
     mean = _mean(xc, ax)
     centred = xc - _per_channel(mean, ax)
     var = _mean(centred * centred, ax)
-    invstd = (1.0 / np.sqrt(var + cd.type(eps))).astype(cd)
-    y, saved = _affine_act(centred * _per_channel(invstd, ax), weight, bias, residual,
-                           activation, ax, x.dtype)
+    invstd = var + cd.type(eps)
+    np.sqrt(invstd, out=invstd)
+    np.true_divide(1.0, invstd, out=invstd)
+    y, saved = _affine_act(np.multiply(centred, _per_channel(invstd, ax), out=centred),
+                           weight, bias, residual, activation, ax, x.dtype)
     if running_mean is not None:
         n = ax.values
         f = cd.type(factor)
         unbiased = var * cd.type(n / (n - 1))
-        running_mean[...] = (1 - f) * running_mean + f * mean
-        running_var[...] = (1 - f) * running_var + f * unbiased
+        np.add((1 - f) * running_mean, f * mean, out=running_mean)
+        np.add((1 - f) * running_var, f * unbiased, out=running_var)
     return y, saved, mean, invstd
 
 
@@ -137,13 +144,17 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     dweight = _sum(dz * xhat, ax)
     dx = None
     if need_dx:
-        w = weight.astype(cd) if weight is not None else np.ones(g.channels, cd)
+        w = weight.astype(cd, copy=False) if weight is not None else np.ones(g.channels, cd)
         scale = _per_channel(w * invstd, ax)
         if training:
             n = cd.type(ax.values)
-            dx = scale / n * (n * dz - _per_channel(dbias, ax) - xhat * _per_channel(dweight, ax))
+            dx = n * dz
+            dx -= _per_channel(dbias, ax)
+            dx -= np.multiply(xhat, _per_channel(dweight, ax), out=xhat)
+            dx *= scale / n
         else:
             dx = dz * scale
-        dx = dx.astype(x.dtype, order="C")
+        dx = dx.astype(x.dtype, order="C", copy=False)  # fresh: rounded to a half dtype only
+    # dz may be dy itself (identity): dres is always a copy
     dres = dz.astype(x.dtype, order="C") if residual else None
-    return dx, dweight.astype(cd), dbias.astype(cd), dres
+    return dx, dweight.astype(cd, copy=False), dbias.astype(cd, copy=False), dres
