@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .. import activations, ops
+from ..ops import validated
 from ..geometry import from_channels_first
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
@@ -47,7 +48,9 @@ from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
 from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
 from ._ops import aligned, context, device_type
-from ._signature import Prepared, op
+from ._signature import _ORIGINAL, Prepared, _engine, op
+
+_TRAINING, _BACKWARD = "batchnorm_forward_training", "batchnorm_backward"
 
 #: What a forward keeps for its backward: mean and invstd (the engine's arrays), and on
 #: the CPU the arrays of x (or None), weight, bias and the saved tensor it handed over.
@@ -60,11 +63,12 @@ class BatchNormCall:
     update factor handed to the op (0 with nothing to update); `cumulative`: momentum=None
     with a count, the op filling fresh statistics blended on the device afterwards."""
 
-    __slots__ = ("act", "cd", "cl", "cumulative", "eps", "factor", "identity", "layout",
-                 "prep", "saves", "training")
+    __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "identity",
+                 "layout", "params", "prep", "reads", "saves", "training")
 
     def __init__(self, x: torch.Tensor, training: bool, eps: float, act: str,
-                 factor: float, cumulative: bool) -> None:
+                 factor: float, cumulative: bool, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
         self.cl = cl = batchnorm_channels_last(x)
         self.layout = _layout(cl)
         name = "batchnorm_forward_training" if training else "batchnorm_forward_inference"
@@ -79,6 +83,11 @@ class BatchNormCall:
         self.factor, self.cumulative = factor, cumulative
         self.saves = activations.saves(act)
         self.identity = act == "identity"
+        # CPU weight and bias convfuse takes as they are (dtype and strides are in the key)
+        self.params = not x.is_cuda and all(t is None or _usable(t, self.cd)
+                                             for t in (weight, bias))
+        # the layer's: whether it counts the batch, and passes its running statistics
+        self.count, self.reads = False, True
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, residual: torch.Tensor | None,
@@ -99,7 +108,12 @@ class BatchNormCall:
         cd, cl, prep = self.cd, self.cl, self.prep
         xp = physical(x, cl)
         rp = None if residual is None else physical(residual, cl)
-        xa, wa, ba = to_array(xp), _per_channel(weight, cd), _per_channel(bias, cd)
+        xa = to_array(xp)
+        if self.params:
+            wa = None if weight is None else to_array(weight)
+            ba = None if bias is None else to_array(bias)
+        else:
+            wa, ba = _per_channel(weight, cd), _per_channel(bias, cd)
         if not self.training:
             with context(x):
                 y, saved = op(
@@ -116,13 +130,19 @@ class BatchNormCall:
         v = _statistic(running_var, cd, cumulative)
         written = [s for s, t in ((m, running_mean), (v, running_var))
                    if s is not None and s is t]
+        ma = None if m is None else to_array(m)
+        va = None if v is None else to_array(v)
+        ra = None if rp is None else to_array(rp)
+        dev = device_type(x)
         with context(x):
-            y, saved = op(
-                prep, device_type(x), "batchnorm_forward_training", xa, wa, ba,
-                None if m is None else to_array(m), None if v is None else to_array(v),
-                self.layout, self.eps, self.factor, self.act,
-                None if rp is None else to_array(rp),
-                aligned=not written or _apart(written, (xp, rp, weight, bias)))
+            if _direct(prep, _TRAINING) and (not written
+                                             or _apart(written, (xp, rp, weight, bias))):
+                y, saved = validated.batchnorm_forward_training(
+                    _engine(dev, "batchnorm"), xa, wa, ba, ma, va, prep.geom, self.eps,
+                    self.factor, self.act, ra)
+            else:  # the first call of the signature, or outputs overlapping inputs
+                y, saved = op(prep, dev, _TRAINING, xa, wa, ba, ma, va, self.layout, self.eps,
+                              self.factor, self.act, ra, aligned=False)
             out = self._result(y, saved, x, xp, xa, wa, ba)
         if cumulative:
             f = 1.0 / nbt.clamp(min=1).to(cd)
@@ -167,12 +187,17 @@ class BatchNormCall:
             xa, wa, ba, sa = arrays
             if xa is None:
                 xa = to_array(physical(x, cl))
-            dx, dw, db, dres = op(
-                prep, "cpu", "batchnorm_backward", dya, xa, wa, ba,
-                ops.BatchNormSaved(mean, invstd, sa, self.training), self.layout, self.eps,
-                self.act, need_dres, need_dx, None, None, 0.0)
-            dw = None if dw is None or weight is None else to_tensor(dw).to(weight.dtype)
-            db = None if db is None or weight is None else to_tensor(db).to(weight.dtype)
+            state = ops.BatchNormSaved(mean, invstd, sa, self.training)
+            if _direct(prep, _BACKWARD):
+                dx, dw, db, dres = validated.batchnorm_backward(
+                    _engine("cpu", "batchnorm"), dya, xa, wa, ba, state, prep.geom, self.eps,
+                    self.act, need_dres, need_dx)
+            else:
+                dx, dw, db, dres = op(prep, "cpu", _BACKWARD, dya, xa, wa, ba, state,
+                                      self.layout, self.eps, self.act, need_dres, need_dx,
+                                      None, None, 0.0)
+            if weight is not None:  # the parameters' dtype (a copy only for half ones)
+                dw, db = _in_dtype(dw, weight.dtype), _in_dtype(db, weight.dtype)
             return (None if dx is None else logical(to_tensor(dx), cl), dw, db,
                     None if dres is None else logical(to_tensor(dres), cl))
         dw_t = db_t = None  # pragma: gpu (below)
@@ -196,6 +221,18 @@ class BatchNormCall:
                     logical(to_tensor(dres), cl) if dres is not None else None)
 
 
+def _direct(prep: Prepared, name: str) -> bool:
+    """_signature.op's test: whether the signature's first call of convfuse.ops.<name>
+    validated it, so its convfuse.ops.validated entry may run directly, unless a test
+    replaced the op (then called through, as op does)."""
+    return name in prep.checked and getattr(ops, name) is _ORIGINAL[name]
+
+
+def _in_dtype(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    t = to_tensor(a)
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _statistic(s: torch.Tensor | None, cd: torch.dtype, cumulative: bool) -> Any:
     if s is None or (not cumulative and _usable(s, cd)):
         return s
@@ -209,8 +246,9 @@ def _aligned_stats(stats: tuple[Any, Any]) -> bool:  # pragma: gpu
     return all(aligned(to_tensor(a)) for a in stats)
 
 
-def plan(x: torch.Tensor, use_batch_stats: bool, eps: float, momentum: Any,
-         activation: Any, running_mean: torch.Tensor | None,
+def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+         use_batch_stats: bool, eps: float, momentum: Any, activation: Any,
+         running_mean: torch.Tensor | None,
          num_batches_tracked: torch.Tensor | None) -> BatchNormCall | None:
     """The checked call's BatchNormCall, or None where the layer's general path runs it
     (Note [batch-norm call plans]); `momentum` is the layer's factor_momentum and
@@ -227,7 +265,7 @@ def plan(x: torch.Tensor, use_batch_stats: bool, eps: float, momentum: Any,
         return None
     if not 0.0 <= factor <= 1.0:
         return None
-    return BatchNormCall(x, use_batch_stats, eps, act, factor, cumulative)
+    return BatchNormCall(x, use_batch_stats, eps, act, factor, cumulative, weight, bias)
 
 
 class BatchNormFunction(torch.autograd.Function):

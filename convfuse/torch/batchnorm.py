@@ -23,7 +23,7 @@ from .. import activations
 from ._arrays import SUPPORTED_DTYPES
 from . import _bn_plan, _eager
 from ._bn_ops import batchnorm_call
-from ._signature import SignatureCache, keyable, lookup, tensor_key
+from ._signature import SignatureCache, keyable
 from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -46,6 +46,8 @@ _ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
 #: [batch-norm call plans] in _bn_plan.py).
 CALLS = SignatureCache()
 GENERAL = "general"  # a checked call the layer's general path runs
+_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+_PLAIN_CLASSES: dict[type, bool] = {}  # classes that define none of _STATE's names
 
 
 class _BatchNormNd(nn.Module):
@@ -190,23 +192,42 @@ class _BatchNormNd(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
         between batch and running statistics and whether the running ones are updated."""
-        weight, bias = self.weight, self.bias
-        rm, rv, nbt = self.running_mean, self.running_var, self.num_batches_tracked
-        key = self._call_key(x, residual, weight, bias, rm, rv, nbt)
-        call = lookup(CALLS, key)
+        weight, bias, rm, rv, nbt = self._state()
+        eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
+        key = self._call_key(x, residual, weight, bias, rm, rv, nbt, eager)
+        try:
+            call = CALLS.get(key)
+        except TypeError:  # an unhashable hyperparameter: checked every time
+            call = None
         if call is None:
             use_batch_stats = self._use_batch_stats()
             self._check(x, residual, use_batch_stats)  # before any state changes
             call = CALLS.remember(key, self._plan(x, use_batch_stats, key))
-        if call is GENERAL or not _eager.takes_eager_path(x, weight, bias, residual, rm, rv,
-                                                          nbt):
+        if call is GENERAL or not eager:
             return self._general(x, residual)
-        if self.training and self.track_running_stats and nbt is not None:
+        if call.count:
             nbt.add_(1)
         # Buffers are passed when they are updated (training and tracking) or read (eval).
-        if self.training and not self.track_running_stats:
-            rm = rv = None
-        return call(x, weight, bias, residual, (rm, rv, nbt))
+        return call(x, weight, bias, residual, (rm, rv, nbt) if call.reads else (None, None, nbt))
+
+    def _state(self) -> tuple[Any, Any, Any, Any, Any]:
+        """(weight, bias, running_mean, running_var, num_batches_tracked), read from
+        nn.Module's dicts where attribute access would return just that (a class that
+        defines none of these names: not a parametrized one), else by attribute access."""
+        cls = type(self)
+        plain = _PLAIN_CLASSES.get(cls)
+        if plain is None:
+            plain = _PLAIN_CLASSES[cls] = not any(hasattr(cls, n) for n in _STATE)
+        if plain:
+            d = self.__dict__
+            try:
+                p, b = d["_parameters"], d["_buffers"]
+                return (p["weight"], p["bias"], b["running_mean"], b["running_var"],
+                        b["num_batches_tracked"])
+            except KeyError:  # deleted, or moved out of the dicts
+                pass
+        return (self.weight, self.bias, self.running_mean, self.running_var,
+                self.num_batches_tracked)
 
     def _use_batch_stats(self) -> bool:
         return self.training or (self.running_mean is None and self.running_var is None)
@@ -223,11 +244,16 @@ class _BatchNormNd(nn.Module):
         [batch-norm call plans] in _bn_plan.py)."""
         if key is None:
             return GENERAL
-        stats = not self.training or self.track_running_stats
-        call = _bn_plan.plan(x, use_batch_stats, float(self.eps), self._factor_momentum(),
-                             self.activation, self.running_mean if stats else None,
-                             self.num_batches_tracked)
-        return GENERAL if call is None else call
+        reads = not self.training or self.track_running_stats
+        call = _bn_plan.plan(x, self.weight, self.bias, use_batch_stats, float(self.eps),
+                             self._factor_momentum(), self.activation,
+                             self.running_mean if reads else None, self.num_batches_tracked)
+        if call is None:
+            return GENERAL
+        call.reads = reads
+        call.count = (self.training and self.track_running_stats
+                      and self.num_batches_tracked is not None)
+        return call
 
     def _general(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         """A checked call through batchnorm_call: the custom ops under a tracer, and
@@ -246,15 +272,23 @@ class _BatchNormNd(nn.Module):
                               float(self.eps), self.activation)
 
     def _call_key(self, x: Any, residual: Any, weight: Any, bias: Any, rm: Any, rv: Any,
-                  nbt: Any) -> Any:
+                  nbt: Any, eager: bool) -> Any:
         """The key of a call's checks and BatchNormCall (Note [batch-norm call plans] in
         _bn_plan.py): all they read, strides included, or None where nothing may be
         remembered (a non-tensor argument, which the checks refuse; a trace, whose sizes
-        may be symbolic)."""
-        if not keyable(x, residual):
+        may be symbolic: `eager` already rules it out)."""
+        if type(x) is not torch.Tensor or (residual is not None
+                                           and type(residual) is not torch.Tensor) \
+                or (not eager and not keyable(x, residual)):
             return None
-        return (type(self), x.shape, x.stride(), x.dtype, x.device, tensor_key(residual),
-                tensor_key(weight), tensor_key(bias), tensor_key(rm), tensor_key(rv),
+        return (type(self), x.shape, x.stride(), x.dtype, x.device,
+                None if residual is None else (residual.shape, residual.stride(),
+                                               residual.dtype, residual.device),
+                None if weight is None else (weight.shape, weight.stride(), weight.dtype,
+                                             weight.device),
+                None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                None if rm is None else (rm.shape, rm.stride(), rm.dtype, rm.device),
+                None if rv is None else (rv.shape, rv.stride(), rv.dtype, rv.device),
                 nbt is None, self.num_features, self.eps, self.momentum, self.activation,
                 self.training, self.track_running_stats)
 
