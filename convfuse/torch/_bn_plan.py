@@ -46,7 +46,7 @@ from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
 from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
-from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
+from ._bn_ops import _apart, _layout, _per_channel, _usable
 from ._ops import aligned, context, device_type
 from ._signature import _ORIGINAL, Prepared, _engine, op
 
@@ -63,12 +63,14 @@ class BatchNormCall:
     update factor handed to the op (0 with nothing to update); `cumulative`: momentum=None
     with a count, the op filling fresh statistics blended on the device afterwards."""
 
-    __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "identity",
-                 "layout", "params", "prep", "reads", "saves", "training")
+    __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "host",
+                 "identity", "layout", "params", "prep", "reads", "saves", "stats_as_is",
+                 "training", "x_as_is")
 
     def __init__(self, x: torch.Tensor, training: bool, eps: float, act: str,
                  factor: float, cumulative: bool, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
+                 running_var: torch.Tensor | None) -> None:
         self.cl = cl = batchnorm_channels_last(x)
         self.layout = _layout(cl)
         name = "batchnorm_forward_training" if training else "batchnorm_forward_inference"
@@ -83,9 +85,15 @@ class BatchNormCall:
         self.factor, self.cumulative = factor, cumulative
         self.saves = activations.saves(act)
         self.identity = act == "identity"
-        # CPU weight and bias convfuse takes as they are (dtype and strides are in the key)
-        self.params = not x.is_cuda and all(t is None or _usable(t, self.cd)
-                                             for t in (weight, bias))
+        # Note [the host path]: what crosses as plain NumPy views, decided on what the key
+        # holds (device, dtype, strides)
+        self.host = host = not x.is_cuda and x.dtype != torch.bfloat16
+        self.x_as_is = host and not cl and x.is_contiguous()
+        self.params = host and all(t is None or _usable(t, self.cd) for t in (weight, bias))
+        self.stats_as_is = (host and training and not cumulative
+                            and running_mean is not None and running_var is not None
+                            and _usable(running_mean, self.cd)
+                            and _usable(running_var, self.cd))
         # the layer's: whether it counts the batch, and passes its running statistics
         self.count, self.reads = False, True
 
@@ -95,7 +103,7 @@ class BatchNormCall:
         """y; `stats` is (running_mean, running_var, num_batches_tracked) as the op takes
         them (the count already incremented by the layer)."""
         if _eager.needs_graph(x, weight, bias, residual):
-            out = BatchNormFunction.apply(x, weight, bias, residual, self, stats)
+            out = _apply(x, weight, bias, residual, self, stats)
             return out[0] if self.saves == "preactivation" else out
         return self.forward(x, weight, bias, residual, stats)[0]
 
@@ -106,12 +114,17 @@ class BatchNormCall:
         only where the activation saves it); `kept` is what the backward reuses."""
         running_mean, running_var, nbt = stats
         cd, cl, prep = self.cd, self.cl, self.prep
-        xp = physical(x, cl)
+        xp = x if self.x_as_is else physical(x, cl)
         rp = None if residual is None else physical(residual, cl)
-        xa = to_array(xp)
+        if self.host:
+            xa = xp.numpy(force=True)
+            ra = None if rp is None else rp.numpy(force=True)
+        else:
+            xa = to_array(xp)
+            ra = None if rp is None else to_array(rp)
         if self.params:
-            wa = None if weight is None else to_array(weight)
-            ba = None if bias is None else to_array(bias)
+            wa = None if weight is None else weight.numpy(force=True)
+            ba = None if bias is None else bias.numpy(force=True)
         else:
             wa, ba = _per_channel(weight, cd), _per_channel(bias, cd)
         if not self.training:
@@ -119,20 +132,25 @@ class BatchNormCall:
                 y, saved = op(
                     prep, device_type(x), "batchnorm_forward_inference", xa, wa, ba,
                     _per_channel(running_mean, cd), _per_channel(running_var, cd),
-                    self.layout, self.eps, self.act, None if rp is None else to_array(rp))
+                    self.layout, self.eps, self.act, ra)
                 return self._result(y, saved, x, xp, xa, wa, ba)
-        _bump(running_mean, running_var)
+        if not torch.is_inference_mode_enabled():  # _bump's
+            torch.autograd.graph.increment_version(
+                [t for t in (running_mean, running_var) if t is not None])
         cumulative = self.cumulative
-        # _batchnorm_training's choice, statistic by statistic: in place when usable
-        # (dtype and contiguity are in the key, a CUDA address is not), else a copy
-        # written back, or fresh statistics for the cumulative average.
-        m = _statistic(running_mean, cd, cumulative)
-        v = _statistic(running_var, cd, cumulative)
-        written = [s for s, t in ((m, running_mean), (v, running_var))
-                   if s is not None and s is t]
-        ma = None if m is None else to_array(m)
-        va = None if v is None else to_array(v)
-        ra = None if rp is None else to_array(rp)
+        if self.stats_as_is:  # written in place
+            m, v, written = running_mean, running_var, [running_mean, running_var]
+            ma, va = m.numpy(force=True), v.numpy(force=True)
+        else:
+            # _batchnorm_training's choice, statistic by statistic: in place when usable
+            # (dtype and contiguity are in the key, a CUDA address is not), else a copy
+            # written back, or fresh statistics for the cumulative average.
+            m = _statistic(running_mean, cd, cumulative)
+            v = _statistic(running_var, cd, cumulative)
+            written = [s for s, t in ((m, running_mean), (v, running_var))
+                       if s is not None and s is t]
+            ma = None if m is None else to_array(m)
+            va = None if v is None else to_array(v)
         dev = device_type(x)
         with context(x):
             if _direct(prep, _TRAINING) and (not written
@@ -144,6 +162,8 @@ class BatchNormCall:
                 y, saved = op(prep, dev, _TRAINING, xa, wa, ba, ma, va, self.layout, self.eps,
                               self.factor, self.act, ra, aligned=False)
             out = self._result(y, saved, x, xp, xa, wa, ba)
+        if self.stats_as_is:
+            return out
         if cumulative:
             f = 1.0 / nbt.clamp(min=1).to(cd)
             for target, batch in ((running_mean, m), (running_var, v)):
@@ -160,7 +180,8 @@ class BatchNormCall:
         engine returned them and, on the CPU, the arrays this forward handed it (x's only
         where it is x's own memory, not a copy the backward would keep alive)."""
         cl = self.cl
-        yt = logical(to_tensor(y), cl)
+        # the engine's results are C-contiguous: to_tensor's checks are for other arrays
+        yt = logical(torch.from_numpy(y) if self.host else to_tensor(y), cl)
         zt = None  # returned (and saved) for a pre-activation only
         if self.saves == "preactivation":
             z = saved.saved
@@ -168,7 +189,7 @@ class BatchNormCall:
                 else x.new_empty(0)
         arrays = None
         if not x.is_cuda:  # CUDA arrays are bound to the stream current when made
-            own = xp.data_ptr() == x.data_ptr()
+            own = xp is x or xp.data_ptr() == x.data_ptr()
             arrays = (xa if own else None, wa, ba,
                       None if self.saves == "none" else saved.saved)
         return yt, zt, (saved.mean, saved.invstd, arrays)
@@ -182,7 +203,8 @@ class BatchNormCall:
         `kept` still hold their values."""
         cd, cl, prep = self.cd, self.cl, self.prep
         mean, invstd, arrays = kept
-        dya = to_array(physical(dy, cl))
+        dyp = physical(dy, cl)
+        dya = dyp.numpy(force=True) if self.host else to_array(dyp)
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
             xa, wa, ba, sa = arrays
             if xa is None:
@@ -198,8 +220,10 @@ class BatchNormCall:
                                       None, None, 0.0)
             if weight is not None:  # the parameters' dtype (a copy only for half ones)
                 dw, db = _in_dtype(dw, weight.dtype), _in_dtype(db, weight.dtype)
-            return (None if dx is None else logical(to_tensor(dx), cl), dw, db,
-                    None if dres is None else logical(to_tensor(dres), cl))
+            # from_numpy: the engine's results are C-contiguous
+            out = torch.from_numpy if self.host else to_tensor
+            return (None if dx is None else logical(out(dx), cl), dw, db,
+                    None if dres is None else logical(out(dres), cl))
         dw_t = db_t = None  # pragma: gpu (below)
         if weight is not None:  # written by convfuse through weight_grad/bias_grad
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
@@ -229,7 +253,7 @@ def _direct(prep: Prepared, name: str) -> bool:
 
 
 def _in_dtype(a: Any, dtype: torch.dtype) -> torch.Tensor:
-    t = to_tensor(a)
+    t = torch.from_numpy(a)  # the CPU's: a NumPy array in the compute dtype
     return t if t.dtype == dtype else t.to(dtype)
 
 
@@ -248,7 +272,7 @@ def _aligned_stats(stats: tuple[Any, Any]) -> bool:  # pragma: gpu
 
 def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
          use_batch_stats: bool, eps: float, momentum: Any, activation: Any,
-         running_mean: torch.Tensor | None,
+         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
          num_batches_tracked: torch.Tensor | None) -> BatchNormCall | None:
     """The checked call's BatchNormCall, or None where the layer's general path runs it
     (Note [batch-norm call plans]); `momentum` is the layer's factor_momentum and
@@ -265,7 +289,8 @@ def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
         return None
     if not 0.0 <= factor <= 1.0:
         return None
-    return BatchNormCall(x, use_batch_stats, eps, act, factor, cumulative, weight, bias)
+    return BatchNormCall(x, use_batch_stats, eps, act, factor, cumulative, weight, bias,
+                         running_mean, running_var)
 
 
 class BatchNormFunction(torch.autograd.Function):
@@ -321,3 +346,9 @@ class BatchNormFunction(torch.autograd.Function):
             dres = dy  # the gradient at the sum is dy itself: no copy, no op
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 dres if need_dres else None, *none2)
+
+
+# Note [the host path]: BatchNormFunction.apply less its Python wrapper. Outside functorch
+# transforms (which the eager path excludes) that wrapper only unwraps dead functorch
+# wrappers, and the eager path takes no wrapped tensor (_eager.takes_eager_path).
+_apply = super(torch.autograd.Function, BatchNormFunction).apply

@@ -247,7 +247,8 @@ class _BatchNormNd(nn.Module):
         reads = not self.training or self.track_running_stats
         call = _bn_plan.plan(x, self.weight, self.bias, use_batch_stats, float(self.eps),
                              self._factor_momentum(), self.activation,
-                             self.running_mean if reads else None, self.num_batches_tracked)
+                             self.running_mean if reads else None,
+                             self.running_var if reads else None, self.num_batches_tracked)
         if call is None:
             return GENERAL
         call.reads = reads
