@@ -108,12 +108,23 @@ def _prepare(name: str, x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...
 
 def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether the contiguous `outputs` share no byte with each other or with `inputs` (the
-    overlap convfuse.ops refuses, which depends on addresses, not on the signature). Asked
-    of all the spans at once, sorted: inputs that overlap each other (a residual that is x)
-    answer False too, and the op then checks the call itself."""
-    spans = sorted((p, p + t.nbytes) for t in (*outputs, *inputs) if t is not None
-                   for p in (t.data_ptr(),))
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    overlap convfuse.ops refuses, which depends on addresses, not on the signature)."""
+    spans = []
+    for t in outputs:
+        p = t.data_ptr()
+        spans.append((p, p + t.nbytes))
+    for k, (lo, hi) in enumerate(spans):
+        for lo2, hi2 in spans[k + 1:]:
+            if lo < hi2 and lo2 < hi:
+                return False
+    for t in inputs:  # noqa: SIM110 (loops, not any(<generator>): this runs at every call)
+        if t is not None:
+            p = t.data_ptr()
+            end = p + t.nbytes
+            for lo, hi in spans:
+                if lo < end and p < hi:
+                    return False
+    return True
 
 
 def _result(y: Any, saved: Any, cl: bool, x: torch.Tensor

@@ -25,18 +25,29 @@ from .activation import _backward_cd, apply_activation
 class _Axes(NamedTuple):
     """What the formulas read of a geometry, derived once per geometry (its properties
     recompute at every access): the reduce axes, the broadcast shape of a (C,) array, and
-    the values per channel."""
+    the values per channel (and as the intp NumPy's mean divides by)."""
 
     reduce: tuple[int, ...]
     shape: tuple[int, ...]
     values: int
+    count: np.intp
 
 
 @functools.lru_cache(maxsize=256)
 def _axes(g: BatchNormGeometry) -> _Axes:
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
-    return _Axes(g.reduce_axes, tuple(shape), g.count)
+    return _Axes(g.reduce_axes, tuple(shape), g.count, np.intp(g.count))
+
+
+#: compute_dtype of the storage dtypes, without its canonicalisation (one dict lookup per
+#: call at the sizes where the call's overhead is the cost)
+_COMPUTE = {np.dtype(np.float64): np.dtype(np.float64), np.dtype(np.float32):
+            np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.float32)}
+
+
+def _compute(dtype: np.dtype) -> np.dtype:
+    return _COMPUTE.get(dtype) or compute_dtype(dtype)
 
 
 def _per_channel(a: np.ndarray, ax: _Axes) -> np.ndarray:
@@ -53,27 +64,27 @@ def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
     """a.mean over the reduce axes, bit for bit: NumPy's _mean is this sum divided in place
     by the count as an intp."""
     total = np.add.reduce(a, axis=ax.reduce)
-    np.true_divide(total, np.intp(ax.values), out=total, casting="unsafe")
+    np.true_divide(total, ax.count, out=total, casting="unsafe")
     return total
 
 
 def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
                 ax: _Axes) -> np.ndarray:
     """(x - mean) * invstd, a fresh array in the compute dtype."""
-    xhat = x.astype(compute_dtype(x.dtype), copy=False) - _per_channel(mean, ax)
-    return np.multiply(xhat, _per_channel(invstd, ax), out=xhat)
+    xhat = x.astype(_compute(x.dtype), copy=False) - mean.reshape(ax.shape)
+    return np.multiply(xhat, invstd.reshape(ax.shape), out=xhat)
 
 
 def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activation: str,
                 ax: _Axes, dtype: np.dtype) -> tuple[np.ndarray, Any]:
     """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves.
     `xhat` is a fresh array this call owns (Note [batch norm's temporaries])."""
-    cd = xhat.dtype
+    cd, shape = xhat.dtype, ax.shape
     z = xhat
     if weight is not None:
-        z = z * _per_channel(weight.astype(cd, copy=False), ax)
+        z = z * weight.astype(cd, copy=False).reshape(shape)
     if bias is not None:
-        z = z + _per_channel(bias.astype(cd, copy=False), ax)
+        z = z + bias.astype(cd, copy=False).reshape(shape)
     if residual is not None:
         z = z + residual.astype(cd, copy=False)
     # identity's y is z itself, a fresh C-contiguous array (the `astype` below copies
@@ -90,23 +101,24 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
                                factor: float, activation: str,
                                residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
     """(y, saved, mean, invstd); updates running_mean/var in place when given."""
-    cd = compute_dtype(x.dtype)
+    cd = _compute(x.dtype)
     ax = _axes(g)
     xc = x.astype(cd, copy=False)  # only read
     mean = _mean(xc, ax)
-    centred = xc - _per_channel(mean, ax)
+    centred = xc - mean.reshape(ax.shape)
     var = _mean(centred * centred, ax)
     invstd = var + cd.type(eps)
     np.sqrt(invstd, out=invstd)
     np.true_divide(1.0, invstd, out=invstd)
-    y, saved = _affine_act(np.multiply(centred, _per_channel(invstd, ax), out=centred),
+    y, saved = _affine_act(np.multiply(centred, invstd.reshape(ax.shape), out=centred),
                            weight, bias, residual, activation, ax, x.dtype)
     if running_mean is not None:
         n = ax.values
         f = cd.type(factor)
+        keep = 1 - f
         unbiased = var * cd.type(n / (n - 1))
-        np.add((1 - f) * running_mean, f * mean, out=running_mean)
-        np.add((1 - f) * running_var, f * unbiased, out=running_var)
+        np.add(keep * running_mean, f * mean, out=running_mean)
+        np.add(keep * running_var, f * unbiased, out=running_var)
     return y, saved, mean, invstd
 
 
@@ -116,7 +128,7 @@ def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_m
                                 residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
     """(y, saved, mean, invstd) with the running statistics (copied, so backward sees the
     statistics this forward used)."""
-    cd = compute_dtype(x.dtype)
+    cd = _compute(x.dtype)
     ax = _axes(g)
     mean = running_mean.astype(cd, copy=True)
     invstd = (1.0 / np.sqrt(running_var.astype(cd) + cd.type(eps))).astype(cd)
@@ -134,8 +146,9 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     dx = weight * invstd / n * (n * dz - dbias - xhat * dweight) (the batch statistics
     depend on x), in evaluation dx = dz * weight * invstd.
     """
-    cd = compute_dtype(x.dtype)
+    cd = _compute(x.dtype)
     ax = _axes(g)
+    shape = ax.shape
     # identity's backward is dy itself: no pass over the samples (dz is only read below)
     dz = dy.astype(cd, copy=False) if activation == "identity" \
         else _backward_cd(dy, saved, activation)[0]
@@ -145,12 +158,12 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     dx = None
     if need_dx:
         w = weight.astype(cd, copy=False) if weight is not None else np.ones(g.channels, cd)
-        scale = _per_channel(w * invstd, ax)
+        scale = (w * invstd).reshape(shape)
         if training:
             n = cd.type(ax.values)
             dx = n * dz
-            dx -= _per_channel(dbias, ax)
-            dx -= np.multiply(xhat, _per_channel(dweight, ax), out=xhat)
+            dx -= dbias.reshape(shape)
+            dx -= np.multiply(xhat, dweight.reshape(shape), out=xhat)
             dx *= scale / n
         else:
             dx = dz * scale
