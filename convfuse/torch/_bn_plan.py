@@ -46,7 +46,7 @@ from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
 from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
-from ._bn_ops import _apart, _layout, _per_channel, _usable
+from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
 from ._ops import aligned, context, device_type
 from ._signature import _ORIGINAL, Prepared, _engine, op
 
@@ -113,35 +113,18 @@ class BatchNormCall:
         """(y, z, kept) as _bn_ops' forward bodies compute y and z (z, the pre-activation,
         only where the activation saves it); `kept` is what the backward reuses."""
         running_mean, running_var, nbt = stats
-        cd, cl, prep = self.cd, self.cl, self.prep
+        cd, cl, prep, host = self.cd, self.cl, self.prep, self.host
         xp = x if self.x_as_is else physical(x, cl)
         rp = None if residual is None else physical(residual, cl)
-        if self.host:
-            xa = xp.numpy(force=True)
-            ra = None if rp is None else rp.numpy(force=True)
-        else:
-            xa = to_array(xp)
-            ra = None if rp is None else to_array(rp)
-        if self.params:
-            wa = None if weight is None else weight.numpy(force=True)
-            ba = None if bias is None else bias.numpy(force=True)
-        else:
-            wa, ba = _per_channel(weight, cd), _per_channel(bias, cd)
-        if not self.training:
-            with context(x):
-                y, saved = op(
-                    prep, device_type(x), "batchnorm_forward_inference", xa, wa, ba,
-                    _per_channel(running_mean, cd), _per_channel(running_var, cd),
-                    self.layout, self.eps, self.act, ra)
-                return self._result(y, saved, x, xp, xa, wa, ba)
-        if not torch.is_inference_mode_enabled():  # _bump's
-            torch.autograd.graph.increment_version(
-                [t for t in (running_mean, running_var) if t is not None])
-        cumulative = self.cumulative
-        if self.stats_as_is:  # written in place
+        training, cumulative = self.training, self.cumulative
+        m = v = None
+        written: list[torch.Tensor] = []
+        if training and self.stats_as_is:  # written in place
             m, v, written = running_mean, running_var, [running_mean, running_var]
-            ma, va = m.numpy(force=True), v.numpy(force=True)
-        else:
+            if not torch.is_inference_mode_enabled():  # _bump's
+                torch.autograd.graph.increment_version(written)
+        elif training:
+            _bump(running_mean, running_var)
             # _batchnorm_training's choice, statistic by statistic: in place when usable
             # (dtype and contiguity are in the key, a CUDA address is not), else a copy
             # written back, or fresh statistics for the cumulative average.
@@ -149,10 +132,29 @@ class BatchNormCall:
             v = _statistic(running_var, cd, cumulative)
             written = [s for s, t in ((m, running_mean), (v, running_var))
                        if s is not None and s is t]
-            ma = None if m is None else to_array(m)
-            va = None if v is None else to_array(v)
-        dev = device_type(x)
+        dev = "cpu" if host else device_type(x)
         with context(x):
+            if host:  # Note [the host path]
+                xa = xp.numpy(force=True)
+                ra = None if rp is None else rp.numpy(force=True)
+            else:
+                xa = to_array(xp)
+                ra = None if rp is None else to_array(rp)
+            if self.params:
+                wa = None if weight is None else weight.numpy(force=True)
+                ba = None if bias is None else bias.numpy(force=True)
+            else:
+                wa, ba = _per_channel(weight, cd), _per_channel(bias, cd)
+            if not training:
+                y, saved = op(prep, dev, "batchnorm_forward_inference", xa, wa, ba,
+                              _per_channel(running_mean, cd), _per_channel(running_var, cd),
+                              self.layout, self.eps, self.act, ra)
+                return self._result(y, saved, x, xp, xa, wa, ba)
+            if self.stats_as_is:
+                ma, va = m.numpy(force=True), v.numpy(force=True)
+            else:
+                ma = None if m is None else to_array(m)
+                va = None if v is None else to_array(v)
             if _direct(prep, _TRAINING) and (not written
                                              or _apart(written, (xp, rp, weight, bias))):
                 y, saved = validated.batchnorm_forward_training(
@@ -204,8 +206,8 @@ class BatchNormCall:
         cd, cl, prep = self.cd, self.cl, self.prep
         mean, invstd, arrays = kept
         dyp = physical(dy, cl)
-        dya = dyp.numpy(force=True) if self.host else to_array(dyp)
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
+            dya = dyp.numpy(force=True) if self.host else to_array(dyp)
             xa, wa, ba, sa = arrays
             if xa is None:
                 xa = to_array(physical(x, cl))
@@ -224,11 +226,12 @@ class BatchNormCall:
             out = torch.from_numpy if self.host else to_tensor
             return (None if dx is None else logical(out(dx), cl), dw, db,
                     None if dres is None else logical(out(dres), cl))
-        dw_t = db_t = None  # pragma: gpu (below)
+        dw_t = db_t = None  # CUDA from here on, as _batchnorm_backward
         if weight is not None:  # written by convfuse through weight_grad/bias_grad
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
             db_t = torch.empty(weight.shape, dtype=cd, device=x.device)
         with context(x):
+            dya = to_array(dyp)
             state = ops.BatchNormSaved(
                 mean, invstd, None if saved is None else to_array(physical(saved, cl)),
                 self.training)
