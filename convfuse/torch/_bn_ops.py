@@ -117,7 +117,7 @@ def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...])
         for lo2, hi2 in spans[k + 1:]:
             if lo < hi2 and lo2 < hi:
                 return False
-    for t in inputs:  # noqa: SIM110 (loops, not any(<generator>): this runs at every call)
+    for t in inputs:
         if t is not None:
             p = t.data_ptr()
             end = p + t.nbytes

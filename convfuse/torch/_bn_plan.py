@@ -2,35 +2,50 @@
 plans]).
 
 Note [batch-norm call plans]
-Note [call plans] in _call_plan.py, for BatchNorm: a layer's eager call used to key its
+Note [call plans] in _call_plan.py, for BatchNorm. A layer's eager call used to key its
 input checks, then key the layout and geometry again from six tensors in the forward body
-and again in the backward, and carry its hyperparameters through the autograd node to
-re-key them there. At the tiny sizes where host time decides a step, those keys, the
-list-built statistics and the node's eleven arguments cost more than the arithmetic. So
-the layer keys one `BatchNormCall` per signature: the input's and residual's shapes,
-strides, dtypes and devices, those of the parameters and running statistics (a
-`module.half()` changes a buffer's dtype in place, behind the same Parameter), whether a
-count exists, and every hyperparameter a decision reads (eps, momentum, activation,
-training, track_running_stats). The plan holds what the custom ops' bodies decide per
-call: the Prepared (layout, geometry, validated convfuse.ops), the compute dtype, the
-update factor (momentum, or 1 into fresh statistics for the cumulative average, Note [the
-cumulative average on the device] in _bn_ops.py), which statistic the op may write in
-place, and the normalized activation. A call is then:
-- under a tracer or transform (Note [two call paths] in _eager.py): `batchnorm_call`, the
-  custom ops, exactly as before;
-- on the eager path when autograd records the call: `BatchNormFunction.apply` (this
-  module's: one node named as the general path's), whose backward goes straight to the
-  plan with the forward's mean and invstd as the engine returned them (no tensor round
-  trip, no re-key), or to the backward custom op where dy is a subclass;
+and again in the backward, and carry its hyperparameters through an eleven-argument
+autograd node to re-key them there. At the sizes where host time decides a step those keys
+cost more than the arithmetic. So the layer keys one `BatchNormCall` per signature: the
+input's and residual's shapes, strides, dtypes and devices, the same of the parameters and
+running statistics (`module.half()` changes a buffer's dtype behind the same object),
+whether a count exists, and every hyperparameter a decision reads (eps, momentum,
+activation, training, track_running_stats). The plan holds what the custom ops' bodies
+decide per call: the Prepared (layout, geometry, the convfuse.ops it validated), the
+compute dtype, the update factor (momentum, or 1 into fresh statistics for the cumulative
+average: Note [the cumulative average on the device] in _bn_ops.py), whether the layer
+counts the batch and passes its statistics, and the normalized activation. A call is then:
+- under a tracer or transform (Note [two call paths] in _eager.py): the layer's general
+  path, `batchnorm_call`, the custom ops as before;
+- on the eager path when autograd records the call: this module's `BatchNormFunction`, one
+  node named as the general path's, whose backward goes straight to the plan (or to the
+  backward custom op where dy is a subclass);
 - otherwise the forward body alone.
-The bodies call the same convfuse.ops entries in the same order with the same arrays as
-_bn_ops' `_batchnorm_training`/`_inference`/`_backward`, so the numbers are theirs bit for
-bit. The node takes the running statistics and the count as one non-tensor argument:
-autograd never differentiates them, and every tensor argument of `apply` costs host time;
-their version counters move as the custom op's do (`_bump`). Whatever a plan does not
-hold (an empty batch, an activation or momentum the ops refuse, with the ops' own words)
-takes the layer's general path; a key that cannot be made or a call that fails leaves
-nothing behind (Note [per-signature decisions] in _signature.py).
+The bodies call the same convfuse.ops entries, in the same order, on the same values as
+_bn_ops' `_batchnorm_training`, `_inference` and `_backward`, so the numbers are theirs
+bit for bit. The node takes the running statistics and the count as one non-tensor
+argument (autograd never differentiates them; their version counters move as the custom
+op's do, `_bump`). Whatever a plan does not hold (an empty batch; an activation or
+momentum the ops refuse, in the ops' words) takes the general path; a key that cannot be
+made or a call that fails leaves nothing behind (Note [per-signature decisions] in
+_signature.py).
+
+Note [the host path]
+On the CPU, data in a NumPy dtype (not bfloat16, Note [bfloat16 on the CPU] in _arrays.py)
+crosses as `numpy(force=True)` views and comes back through `torch.from_numpy` (the
+engine's results are C-contiguous): the checks `to_array`/`to_tensor` make per call are
+answered by the key (device, dtype, strides), and so are whether x, weight, bias and the
+running statistics go to the engine as they are (the statistics are then written in
+place, nothing copied back). The forward keeps for the backward the arrays it handed over
+(x's only where they are x's own memory, not a copy the backward would keep alive), and
+mean and invstd as the engine returned them: the backward's x, weight, bias and saved
+output come out of ctx.saved_tensors, whose version checks then passed, so those arrays
+still hold what the tensors hold. The engine returns dweight and dbias itself, where on
+CUDA they are written into tensors allocated first (cuDNN accumulates into given
+outputs), and CUDA keeps _bn_ops' conversions, bound to the stream current at each call.
+`apply` is the autograd Function's C apply: outside functorch transforms, which the eager
+path excludes, Function.apply's Python wrapper only unwraps dead functorch wrappers, which
+the eager path does not take either (_eager.takes_eager_path).
 """
 
 from __future__ import annotations
@@ -40,8 +55,8 @@ from typing import Any
 import torch
 
 from .. import activations, ops
-from ..ops import validated
 from ..geometry import from_channels_first
+from ..ops import validated
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
 from . import _double, _eager
@@ -351,7 +366,5 @@ class BatchNormFunction(torch.autograd.Function):
                 dres if need_dres else None, *none2)
 
 
-# Note [the host path]: BatchNormFunction.apply less its Python wrapper. Outside functorch
-# transforms (which the eager path excludes) that wrapper only unwraps dead functorch
-# wrappers, and the eager path takes no wrapped tensor (_eager.takes_eager_path).
+#: BatchNormFunction.apply less its Python wrapper (Note [the host path]).
 _apply = super(torch.autograd.Function, BatchNormFunction).apply

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .. import activations
-from ._arrays import SUPPORTED_DTYPES
 from . import _bn_plan, _eager
+from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
 from ._signature import SignatureCache, keyable
 from .conv import InputShapeError
