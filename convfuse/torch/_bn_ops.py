@@ -117,10 +117,10 @@ def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...])
         for lo2, hi2 in spans[k + 1:]:
             if lo < hi2 and lo2 < hi:
                 return False
-    for t in inputs:
-        if t is not None:
-            p = t.data_ptr()
-            end = p + t.nbytes
+    for i in inputs:
+        if i is not None:
+            p = i.data_ptr()
+            end = p + i.nbytes
             for lo, hi in spans:
                 if lo < end and p < hi:
                     return False

@@ -166,7 +166,7 @@ class BatchNormCall:
                               self.layout, self.eps, self.act, ra)
                 return self._result(y, saved, x, xp, xa, wa, ba)
             if self.stats_as_is:
-                ma, va = m.numpy(force=True), v.numpy(force=True)
+                ma, va = running_mean.numpy(force=True), running_var.numpy(force=True)
             else:
                 ma = None if m is None else to_array(m)
                 va = None if v is None else to_array(v)

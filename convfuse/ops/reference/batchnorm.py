@@ -30,7 +30,7 @@ class _Axes(NamedTuple):
     reduce: tuple[int, ...]
     shape: tuple[int, ...]
     values: int
-    count: np.intp
+    divisor: np.intp
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,12 +42,14 @@ def _axes(g: BatchNormGeometry) -> _Axes:
 
 #: compute_dtype of the storage dtypes, without its canonicalisation (one dict lookup per
 #: call at the sizes where the call's overhead is the cost)
-_COMPUTE = {np.dtype(np.float64): np.dtype(np.float64), np.dtype(np.float32):
-            np.dtype(np.float32), np.dtype(np.float16): np.dtype(np.float32)}
+_COMPUTE: dict[np.dtype, np.dtype] = {
+    np.dtype(np.float64): np.dtype(np.float64), np.dtype(np.float32): np.dtype(np.float32),
+    np.dtype(np.float16): np.dtype(np.float32)}
 
 
 def _compute(dtype: np.dtype) -> np.dtype:
-    return _COMPUTE.get(dtype) or compute_dtype(dtype)
+    cd = _COMPUTE.get(dtype)
+    return cd if cd is not None else compute_dtype(dtype)
 
 
 def _per_channel(a: np.ndarray, ax: _Axes) -> np.ndarray:
@@ -64,7 +66,7 @@ def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
     """a.mean over the reduce axes, bit for bit: NumPy's _mean is this sum divided in place
     by the count as an intp."""
     total = np.add.reduce(a, axis=ax.reduce)
-    np.true_divide(total, ax.count, out=total, casting="unsafe")
+    np.true_divide(total, ax.divisor, out=total, casting="unsafe")
     return total
 
 
