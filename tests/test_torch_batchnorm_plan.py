@@ -234,3 +234,23 @@ def test_backward_keeps_its_safety_rules_with_the_forwards_arrays():
     g1 = torch.autograd.grad(y.sum(), x, retain_graph=True)[0]
     g2 = torch.autograd.grad(y.sum(), x)[0]  # twice: the kept arrays are only read
     _same([g1], [g2])
+
+
+def test_statistics_overlapping_an_input_get_the_ops_refusal_on_every_call():
+    """The overlap test of in-place statistics depends on addresses, not on the key: a
+    cached signature whose statistics now share memory with the input is refused by
+    convfuse.ops, as on the custom-op path."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, 4)
+    layer = ct.BatchNorm2d(2)
+    layer(torch.randn(3, 2, 4, 4))
+    errors = []
+    for path in ("eager", "custom_op"):
+        with pytest.MonkeyPatch.context() as mp:
+            if path == "custom_op":
+                mp.setattr(eager, "takes_eager_path", lambda *a: False)
+            layer.running_mean = x.view(-1)[:2]  # the input's first values
+            with pytest.raises(ValueError) as err:
+                layer(x)
+            errors.append(str(err.value))
+    assert "overlap" in errors[0] and errors[0] == errors[1]

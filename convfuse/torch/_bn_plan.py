@@ -79,13 +79,13 @@ class BatchNormCall:
     with a count, the op filling fresh statistics blended on the device afterwards."""
 
     __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "host",
-                 "identity", "layout", "params", "prep", "reads", "saves", "stats_as_is",
-                 "training", "x_as_is")
+                 "identity", "layout", "nbytes", "params", "prep", "reads", "saves",
+                 "stats_as_is", "training", "x_as_is")
 
     def __init__(self, x: torch.Tensor, training: bool, eps: float, act: str,
                  factor: float, cumulative: bool, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None, running_mean: torch.Tensor | None,
-                 running_var: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, residual: torch.Tensor | None,
+                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None) -> None:
         self.cl = cl = batchnorm_channels_last(x)
         self.layout = _layout(cl)
         name = "batchnorm_forward_training" if training else "batchnorm_forward_inference"
@@ -109,6 +109,9 @@ class BatchNormCall:
                             and running_mean is not None and running_var is not None
                             and _usable(running_mean, self.cd)
                             and _usable(running_var, self.cd))
+        # the sizes _stats_apart compares (in the key: shapes and dtypes)
+        self.nbytes = tuple(0 if t is None else t.numel() * t.element_size()
+                            for t in (running_mean, running_var, x, residual, weight, bias))
         # the layer's: whether it counts the batch, and passes its running statistics
         self.count, self.reads = False, True
 
@@ -167,11 +170,12 @@ class BatchNormCall:
                 return self._result(y, saved, x, xp, xa, wa, ba)
             if self.stats_as_is:
                 ma, va = running_mean.numpy(force=True), running_var.numpy(force=True)
+                apart = self._stats_apart(running_mean, running_var, xp, rp, weight, bias)
             else:
                 ma = None if m is None else to_array(m)
                 va = None if v is None else to_array(v)
-            if _direct(prep, _TRAINING) and (not written
-                                             or _apart(written, (xp, rp, weight, bias))):
+                apart = not written or _apart(written, (xp, rp, weight, bias))
+            if apart and _direct(prep, _TRAINING):
                 y, saved = validated.batchnorm_forward_training(
                     _engine(dev, "batchnorm"), xa, wa, ba, ma, va, prep.geom, self.eps,
                     self.factor, self.act, ra)
@@ -190,6 +194,24 @@ class BatchNormCall:
                 if target is not None and s is not None and s is not target:
                     target.copy_(s)
         return out
+
+    def _stats_apart(self, running_mean: torch.Tensor, running_var: torch.Tensor,
+                     *inputs: torch.Tensor | None) -> bool:
+        """_bn_ops._apart for the running statistics written in place, with the sizes the
+        key fixes: whether they overlap each other or x, residual, weight, bias."""
+        m, v, *sizes = self.nbytes
+        a0 = running_mean.data_ptr()
+        b0 = running_var.data_ptr()
+        a1, b1 = a0 + m, b0 + v
+        if a0 < b1 and b0 < a1:
+            return False
+        for t, size in zip(inputs, sizes):
+            if t is not None:
+                p = t.data_ptr()
+                e = p + size
+                if (a0 < e and p < a1) or (b0 < e and p < b1):
+                    return False
+        return True
 
     def _result(self, y: Any, saved: Any, x: torch.Tensor, xp: torch.Tensor, xa: Any,
                 wa: Any, ba: Any) -> tuple[torch.Tensor, torch.Tensor | None, Kept]:
@@ -289,7 +311,7 @@ def _aligned_stats(stats: tuple[Any, Any]) -> bool:  # pragma: gpu
 
 
 def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-         use_batch_stats: bool, eps: float, momentum: Any, activation: Any,
+         residual: torch.Tensor | None, use_batch_stats: bool, eps: float, momentum: Any, activation: Any,
          running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
          num_batches_tracked: torch.Tensor | None) -> BatchNormCall | None:
     """The checked call's BatchNormCall, or None where the layer's general path runs it
@@ -308,7 +330,7 @@ def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     if not 0.0 <= factor <= 1.0:
         return None
     return BatchNormCall(x, use_batch_stats, eps, act, factor, cumulative, weight, bias,
-                         running_mean, running_var)
+                         residual, running_mean, running_var)
 
 
 class BatchNormFunction(torch.autograd.Function):

@@ -202,7 +202,7 @@ class _BatchNormNd(nn.Module):
         if call is None:
             use_batch_stats = self._use_batch_stats()
             self._check(x, residual, use_batch_stats)  # before any state changes
-            call = CALLS.remember(key, self._plan(x, use_batch_stats, key))
+            call = CALLS.remember(key, self._plan(x, residual, use_batch_stats, key))
         if call is GENERAL or not eager:
             return self._general(x, residual)
         if call.count:
@@ -239,13 +239,15 @@ class _BatchNormNd(nn.Module):
             return 0.0  # torch.nn: no count, no cumulative average
         return self.momentum
 
-    def _plan(self, x: torch.Tensor, use_batch_stats: bool, key: Any) -> Any:
+    def _plan(self, x: torch.Tensor, residual: torch.Tensor | None, use_batch_stats: bool,
+              key: Any) -> Any:
         """A checked call's BatchNormCall, or GENERAL where the general path runs it (Note
         [batch-norm call plans] in _bn_plan.py)."""
         if key is None:
             return GENERAL
         reads = not self.training or self.track_running_stats
-        call = _bn_plan.plan(x, self.weight, self.bias, use_batch_stats, float(self.eps),
+        call = _bn_plan.plan(x, self.weight, self.bias, residual, use_batch_stats,
+                             float(self.eps),
                              self._factor_momentum(), self.activation,
                              self.running_mean if reads else None,
                              self.running_var if reads else None, self.num_batches_tracked)
