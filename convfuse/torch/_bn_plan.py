@@ -311,8 +311,8 @@ def _aligned_stats(stats: tuple[Any, Any]) -> bool:  # pragma: gpu
 
 
 def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-         residual: torch.Tensor | None, use_batch_stats: bool, eps: float, momentum: Any, activation: Any,
-         running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+         residual: torch.Tensor | None, use_batch_stats: bool, eps: float, momentum: Any,
+         activation: Any, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
          num_batches_tracked: torch.Tensor | None) -> BatchNormCall | None:
     """The checked call's BatchNormCall, or None where the layer's general path runs it
     (Note [batch-norm call plans]); `momentum` is the layer's factor_momentum and

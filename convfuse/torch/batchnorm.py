@@ -247,8 +247,7 @@ class _BatchNormNd(nn.Module):
             return GENERAL
         reads = not self.training or self.track_running_stats
         call = _bn_plan.plan(x, self.weight, self.bias, residual, use_batch_stats,
-                             float(self.eps),
-                             self._factor_momentum(), self.activation,
+                             float(self.eps), self._factor_momentum(), self.activation,
                              self.running_mean if reads else None,
                              self.running_var if reads else None, self.num_batches_tracked)
         if call is None:
