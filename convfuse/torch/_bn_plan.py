@@ -258,11 +258,14 @@ class BatchNormCall:
                                       self.layout, self.eps, self.act, need_dres, need_dx,
                                       None, None, 0.0)
             if weight is not None:  # the parameters' dtype (a copy only for half ones)
-                dw, db = _in_dtype(dw, weight.dtype), _in_dtype(db, weight.dtype)
+                dw, db = torch.from_numpy(dw), torch.from_numpy(db)  # the compute dtype
+                if dw.dtype != weight.dtype:
+                    dw, db = dw.to(weight.dtype), db.to(weight.dtype)
             # from_numpy: the engine's results are C-contiguous
             out = torch.from_numpy if self.host else to_tensor
-            return (None if dx is None else logical(out(dx), cl), dw, db,
-                    None if dres is None else logical(out(dres), cl))
+            if dx is not None:
+                dx = out(dx) if not cl else logical(out(dx), cl)
+            return dx, dw, db, None if dres is None else logical(out(dres), cl)
         dw_t = db_t = None  # CUDA from here on, as _batchnorm_backward
         if weight is not None:  # written by convfuse through weight_grad/bias_grad
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
@@ -290,11 +293,6 @@ def _direct(prep: Prepared, name: str) -> bool:
     validated it, so its convfuse.ops.validated entry may run directly, unless a test
     replaced the op (then called through, as op does)."""
     return name in prep.checked and getattr(ops, name) is _ORIGINAL[name]
-
-
-def _in_dtype(a: Any, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(a)  # the CPU's: a NumPy array in the compute dtype
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _statistic(s: torch.Tensor | None, cd: torch.dtype, cumulative: bool) -> Any:
@@ -356,7 +354,7 @@ class BatchNormFunction(torch.autograd.Function):
                  dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
         x, weight, bias, saved = ctx.saved_tensors
         call: BatchNormCall = ctx.call
-        need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+        need_dx, need_dw, need_db, need_dres, _, _ = ctx.needs_input_grad
         none2 = (None, None)
         if _double.takes_recorded_path(dz_output):
             # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
