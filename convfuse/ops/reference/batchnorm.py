@@ -33,8 +33,24 @@ class _Axes(NamedTuple):
     divisor: np.intp
 
 
-@functools.lru_cache(maxsize=256)
+_BY_OBJECT: dict[int, tuple[BatchNormGeometry, _Axes]] = {}
+
+
 def _axes(g: BatchNormGeometry) -> _Axes:
+    """_Axes of `g`: found by the geometry object itself first (a caller that keeps its
+    geometry, the torch bridge's plans, pays no hash of the dataclass), then by value."""
+    hit = _BY_OBJECT.get(id(g))
+    if hit is not None and hit[0] is g:  # the entry keeps g alive: its id is not reused
+        return hit[1]
+    ax = _axes_of(g)
+    if len(_BY_OBJECT) >= 256:
+        _BY_OBJECT.clear()
+    _BY_OBJECT[id(g)] = (g, ax)
+    return ax
+
+
+@functools.lru_cache(maxsize=256)
+def _axes_of(g: BatchNormGeometry) -> _Axes:
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
     return _Axes(g.reduce_axes, tuple(shape), g.count, np.intp(g.count))
