@@ -7,6 +7,20 @@ otherwise; float16/bfloat16 results are rounded once at the end. The per-channel
 (weight, bias, running statistics, mean, invstd) are in that compute dtype, as cuDNN's
 derived BN descriptor requires. Inputs are never modified; the running statistics are
 documented outputs and are updated in place.
+
+Note [batch norm's temporaries]
+At the sizes where a training step waits on the host (issue #25: a 2x1x4x4 batch norm),
+each NumPy call costs about a microsecond whatever its size, and a copy is a call. So the
+formulas keep their order of operations (the results are what they were, bit for bit) but
+write into temporaries the call made itself (`out=`, in-place operators), and `astype`
+takes copy=False wherever its result is only read or is already a fresh array: x in the
+compute dtype, the output before a half-precision rounding, identity's output, which is
+the pre-activation itself. What a caller passed is never written, except the running
+statistics; a gradient that may be dy itself (identity's dz) is copied before it is
+returned. Per-geometry constants (reduce axes, broadcast shape, the mean's intp divisor)
+come from `_axes`, found by the geometry object before its value: the torch bridge's
+plans hand over the same object at every call, and the geometry's dataclass hash is
+Python.
 """
 
 from __future__ import annotations
