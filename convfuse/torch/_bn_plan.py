@@ -246,8 +246,10 @@ class BatchNormCall:
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
             dya = dyp.numpy(force=True) if self.host else to_array(dyp)
             xa, wa, ba, sa = arrays
-            if xa is None:
+            if xa is None:  # a copy of x, or released by an earlier backward
                 xa = to_array(physical(x, cl))
+            if sa is None and saved is not None:  # released by an earlier backward
+                sa = to_array(physical(saved, cl))
             state = ops.BatchNormSaved(mean, invstd, sa, self.training)
             if _direct(prep, _BACKWARD):
                 dx, dw, db, dres = validated.batchnorm_backward(
@@ -373,8 +375,14 @@ class BatchNormFunction(torch.autograd.Function):
         if need_dx or need_dw or need_db or (need_dres and not identity):
             want_dres = bool(need_dres) and not identity
             if _eager.takes_eager_path(dy):
-                dx, dw, db, dres = call.backward(dy, x, weight, bias, saved, ctx.kept,
+                kept = ctx.kept
+                dx, dw, db, dres = call.backward(dy, x, weight, bias, saved, kept,
                                                  bool(need_dx), want_dres)
+                arrays = kept[2]
+                if arrays is not None:  # x's and the output's memory go when autograd
+                    # frees the saved tensors, not when the graph goes (retain_graph: the
+                    # next backward makes the arrays again)
+                    ctx.kept = (kept[0], kept[1], (None, arrays[1], arrays[2], None))
             else:  # a subclass gradient: the op, as _bn_ops.BatchNormFunction does
                 mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
                 dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(
