@@ -102,14 +102,19 @@ def conv_transpose_backward_bias(eng: ModuleType, dz: Any, g: Any, out: Any = No
     return eng.conv_transpose_activation_backward_bias(dz, None, "identity", g, out, beta)[1]
 
 
+_new_tuple = tuple.__new__
+
+
 def batchnorm_forward_training(eng: ModuleType, x: Any, weight: Any, bias: Any,
                                running_mean: Any, running_var: Any, g: Any, eps: float,
                                f: float, act: str, residual: Any = None
                                ) -> tuple[Any, BatchNormSaved]:
     out = eng.batchnorm_forward_training(x, weight, bias, running_mean, running_var, g, eps,
                                          f, act, residual)
-    y, saved, mean, invstd = out[:4]
-    return y, BatchNormSaved(mean, invstd, saved, True, out[4] if len(out) > 4 else None)
+    # BatchNormSaved(mean, invstd, saved, True, state), without the namedtuple's Python
+    # __new__ (this runs at every training call)
+    return out[0], _new_tuple(BatchNormSaved, (out[2], out[3], out[1], True,
+                                               out[4] if len(out) > 4 else None))
 
 
 def batchnorm_forward_inference(eng: ModuleType, x: Any, weight: Any, bias: Any,

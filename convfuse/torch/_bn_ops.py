@@ -109,11 +109,21 @@ def _prepare(name: str, x: torch.Tensor, tensors: tuple[torch.Tensor | None, ...
 def _apart(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether the contiguous `outputs` share no byte with each other or with `inputs` (the
     overlap convfuse.ops refuses, which depends on addresses, not on the signature)."""
-    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-             for t in (*outputs, *(i for i in inputs if i is not None))]
-    for k, (lo, hi) in enumerate(spans[:len(outputs)]):
-        if any(lo < h and l2 < hi for j, (l2, h) in enumerate(spans) if j != k):
-            return False
+    spans = []
+    for t in outputs:
+        p = t.data_ptr()
+        spans.append((p, p + t.nbytes))
+    for k, (lo, hi) in enumerate(spans):
+        for lo2, hi2 in spans[k + 1:]:
+            if lo < hi2 and lo2 < hi:
+                return False
+    for i in inputs:
+        if i is not None:
+            p = i.data_ptr()
+            end = p + i.nbytes
+            for lo, hi in spans:
+                if lo < end and p < hi:
+                    return False
     return True
 
 

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from .. import activations
+from . import _bn_plan, _eager
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
-from ._signature import SignatureCache, keyable, lookup
+from ._signature import SignatureCache, keyable
 from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -41,12 +42,12 @@ def _torch_allows_zero_eps_in_eval() -> bool:
 
 _ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
 
-#: Signatures whose input checks passed (Note [per-signature decisions] in _signature.py).
-_CHECKED = SignatureCache()
-
-
-def _meta(t: Any) -> Any:
-    return None if t is None else (t.dtype, t.device)
+#: Signatures whose input checks passed -> their BatchNormCall, or GENERAL (Note
+#: [batch-norm call plans] in _bn_plan.py).
+CALLS = SignatureCache()
+GENERAL = "general"  # a checked call the layer's general path runs
+_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+_PLAIN_CLASSES: dict[type, bool] = {}  # classes that define none of _STATE's names
 
 
 class _BatchNormNd(nn.Module):
@@ -191,19 +192,78 @@ class _BatchNormNd(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
         between batch and running statistics and whether the running ones are updated."""
-        use_batch_stats = self.training or (self.running_mean is None
-                                            and self.running_var is None)
-        key = self._signature(x, residual, use_batch_stats)
-        if lookup(_CHECKED, key) is None:
+        weight, bias, rm, rv, nbt = self._state()
+        eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
+        key = self._call_key(x, residual, weight, bias, rm, rv, nbt, eager)
+        try:
+            call = CALLS.get(key)
+        except TypeError:  # an unhashable hyperparameter: checked every time
+            call = None
+        if call is None:
+            use_batch_stats = self._use_batch_stats()
             self._check(x, residual, use_batch_stats)  # before any state changes
-            _CHECKED.remember(key, True)
-        factor_momentum = self.momentum
-        update = self.training and self.track_running_stats
-        if update and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-        if update and self.momentum is None and self.num_batches_tracked is None:
-            factor_momentum = 0.0  # torch.nn: no count, no cumulative average
+            call = CALLS.remember(key, self._plan(x, residual, use_batch_stats, key))
+        if call is GENERAL or not eager:
+            return self._general(x, residual)
+        if call.count:
+            nbt.add_(1)
         # Buffers are passed when they are updated (training and tracking) or read (eval).
+        return call(x, weight, bias, residual, (rm, rv, nbt) if call.reads else (None, None, nbt))
+
+    def _state(self) -> tuple[Any, Any, Any, Any, Any]:
+        """(weight, bias, running_mean, running_var, num_batches_tracked), read from
+        nn.Module's dicts where attribute access would return just that (a class that
+        defines none of these names: not a parametrized one), else by attribute access."""
+        cls = type(self)
+        plain = _PLAIN_CLASSES.get(cls)
+        if plain is None:
+            plain = _PLAIN_CLASSES[cls] = not any(hasattr(cls, n) for n in _STATE)
+        if plain:
+            d = self.__dict__
+            try:
+                p, b = d["_parameters"], d["_buffers"]
+                return (p["weight"], p["bias"], b["running_mean"], b["running_var"],
+                        b["num_batches_tracked"])
+            except KeyError:  # deleted, or moved out of the dicts
+                pass
+        return (self.weight, self.bias, self.running_mean, self.running_var,
+                self.num_batches_tracked)
+
+    def _use_batch_stats(self) -> bool:
+        return self.training or (self.running_mean is None and self.running_var is None)
+
+    def _factor_momentum(self) -> float | None:
+        """The momentum handed to the op: torch.nn's, 0 with no count to average over."""
+        if self.training and self.track_running_stats and self.momentum is None \
+                and self.num_batches_tracked is None:
+            return 0.0  # torch.nn: no count, no cumulative average
+        return self.momentum
+
+    def _plan(self, x: torch.Tensor, residual: torch.Tensor | None, use_batch_stats: bool,
+              key: Any) -> Any:
+        """A checked call's BatchNormCall, or GENERAL where the general path runs it (Note
+        [batch-norm call plans] in _bn_plan.py)."""
+        if key is None:
+            return GENERAL
+        reads = not self.training or self.track_running_stats
+        call = _bn_plan.plan(x, self.weight, self.bias, residual, use_batch_stats,
+                             float(self.eps), self._factor_momentum(), self.activation,
+                             self.running_mean if reads else None,
+                             self.running_var if reads else None, self.num_batches_tracked)
+        if call is None:
+            return GENERAL
+        call.reads = reads
+        call.count = (self.training and self.track_running_stats
+                      and self.num_batches_tracked is not None)
+        return call
+
+    def _general(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """A checked call through batchnorm_call: the custom ops under a tracer, and
+        whatever a plan does not hold (Note [batch-norm call plans] in _bn_plan.py)."""
+        use_batch_stats = self._use_batch_stats()
+        factor_momentum = self._factor_momentum()
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
         stats = not self.training or self.track_running_stats
         rm = self.running_mean if stats else None
         rv = self.running_var if stats else None
@@ -213,17 +273,26 @@ class _BatchNormNd(nn.Module):
                               self.num_batches_tracked, use_batch_stats, factor_momentum,
                               float(self.eps), self.activation)
 
-    def _signature(self, x: Any, residual: Any, use_batch_stats: bool) -> Any:
-        """The key of an input's checks (Note [per-signature decisions] in _signature.py),
-        or None where they must run every time (a non-tensor argument, which they refuse;
-        a trace, whose sizes may be symbolic)."""
-        if not keyable(x, residual):
+    def _call_key(self, x: Any, residual: Any, weight: Any, bias: Any, rm: Any, rv: Any,
+                  nbt: Any, eager: bool) -> Any:
+        """The key of a call's checks and BatchNormCall (Note [batch-norm call plans] in
+        _bn_plan.py): all they read, strides included, or None where nothing may be
+        remembered (a non-tensor argument, which the checks refuse; a trace, whose sizes
+        may be symbolic: `eager` already rules it out)."""
+        if type(x) is not torch.Tensor or (residual is not None
+                                           and type(residual) is not torch.Tensor) \
+                or (not eager and not keyable(x, residual)):
             return None
-        return (type(self), x.shape, x.dtype, x.device,
-                None if residual is None else (residual.shape, residual.dtype,
-                                               residual.device),
-                _meta(self.weight), _meta(self.bias), _meta(self.running_mean),
-                _meta(self.running_var), self.num_features, self.eps, use_batch_stats)
+        return (type(self), x.shape, x.stride(), x.dtype, x.device,
+                None if residual is None else (residual.shape, residual.stride(),
+                                               residual.dtype, residual.device),
+                None if weight is None else (weight.shape, weight.stride(), weight.dtype,
+                                             weight.device),
+                None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+                None if rm is None else (rm.shape, rm.stride(), rm.dtype, rm.device),
+                None if rv is None else (rv.shape, rv.stride(), rv.dtype, rv.device),
+                nbt is None, self.num_features, self.eps, self.momentum, self.activation,
+                self.training, self.track_running_stats)
 
     def _empty_batch(self, x: torch.Tensor, residual: torch.Tensor | None, rm: Any, rv: Any,
                      use_batch_stats: bool) -> torch.Tensor:
