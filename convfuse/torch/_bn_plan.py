@@ -63,7 +63,7 @@ from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
 from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
 from ._ops import aligned, context, device_type
-from ._signature import _ORIGINAL, Prepared, _engine, op
+from ._signature import _ORIGINAL, Prepared, engine, op
 
 _TRAINING, _BACKWARD = "batchnorm_forward_training", "batchnorm_backward"
 
@@ -177,7 +177,7 @@ class BatchNormCall:
                 apart = not written or _apart(written, (xp, rp, weight, bias))
             if apart and _direct(prep, _TRAINING):
                 y, saved = validated.batchnorm_forward_training(
-                    _engine(dev, "batchnorm"), xa, wa, ba, ma, va, prep.geom, self.eps,
+                    engine(dev, "batchnorm"), xa, wa, ba, ma, va, prep.geom, self.eps,
                     self.factor, self.act, ra)
             else:  # the first call of the signature, or outputs overlapping inputs
                 y, saved = op(prep, dev, _TRAINING, xa, wa, ba, ma, va, self.layout, self.eps,
@@ -253,7 +253,7 @@ class BatchNormCall:
             state = ops.BatchNormSaved(mean, invstd, sa, self.training)
             if _direct(prep, _BACKWARD):
                 dx, dw, db, dres = validated.batchnorm_backward(
-                    _engine("cpu", "batchnorm"), dya, xa, wa, ba, state, prep.geom, self.eps,
+                    engine("cpu", "batchnorm"), dya, xa, wa, ba, state, prep.geom, self.eps,
                     self.act, need_dres, need_dx)
             else:
                 dx, dw, db, dres = op(prep, "cpu", _BACKWARD, dya, xa, wa, ba, state,
