@@ -200,3 +200,28 @@ def test_names_aliases_and_errors():
     with pytest.raises(ValueError, match="pre-activation"):
         ref.activation_backward(z, None, "gelu")
     np.testing.assert_array_equal(ref.activation_backward(z, None, "identity"), z)
+
+
+@pytest.mark.parametrize("layout,shape", [("NCHW", (2, 3, 4, 5)), ("NHWC", (2, 4, 5, 3)),
+                                          ("NCW", (1, 4, 6))])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_identity_bias_gradient_shortcut_is_the_pass_it_skips(layout, shape, dtype):
+    """activation_backward_bias for identity on a small contiguous dy in its compute dtype
+    takes no pass over the samples; its dz and db are the pass's, bit for bit, out= and
+    beta included."""
+    from convfuse.ops.reference.activation import _backward_cd
+
+    rank = len(shape) - 2
+    c = shape[-1] if layout.endswith("C") else shape[1]
+    w_shape = (c, *(1,) * rank, c) if layout.endswith("C") else (c, c, *(1,) * rank)
+    g = ConvGeometry.create(shape, w_shape, 1, 0, 1, 1, layout)
+    dy = np.random.default_rng(3).standard_normal(shape).astype(dtype)
+    dz, db = ref.activation_backward_bias(dy, None, "identity", g)
+    want_dz, rows = _backward_cd(dy, None, "identity", g.reduce_axes)
+    np.testing.assert_array_equal(dz, want_dz)
+    assert dz is not dy
+    np.testing.assert_array_equal(db, rows.sum(axis=0))
+    out = np.full(c, 2.0, dtype)
+    _, got = ref.activation_backward_bias(dy, None, "identity", g, out, 0.5)
+    assert got is out
+    np.testing.assert_array_equal(got, rows.sum(axis=0) + dtype(0.5) * dtype(2.0))

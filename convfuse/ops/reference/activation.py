@@ -368,6 +368,15 @@ def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activatio
 
     db sums the compute-dtype dz before it is rounded, as a fused GPU kernel would.
     """
-    dz, rows = _backward_cd(dy, saved, acts.normalize(activation), geom.reduce_axes)
+    act = acts.normalize(activation)
+    if (act == "identity" and dy.ndim and dy.size < 2 * _threads.MIN_ELEMENTS
+            and dy.dtype == compute_dtype(dy.dtype) and dy.flags.c_contiguous):
+        # what _backward_cd computes for a pass it runs as one piece (the same reductions
+        # over the same layout), without the pass:
+        # dz is a copy of dy, each sample's row its sum over the other axes
+        inner = tuple(a for a in geom.reduce_axes if a != 0)
+        rows = np.add.reduce(dy, axis=inner)
+        return dy.copy(), finish(np.add.reduce(rows, axis=0), dy.dtype, db_out, beta)
+    dz, rows = _backward_cd(dy, saved, act, geom.reduce_axes)
     assert rows is not None
     return finish(dz, dy.dtype), finish(rows.sum(axis=0), dy.dtype, db_out, beta)
