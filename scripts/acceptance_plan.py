@@ -11,9 +11,10 @@ The selfcheck chunk also gets SELFCHECK_RUN_S for the whole selfcheck its fixtur
 
 Packing, in order of value: every chunk goes into the first stage (from the previous
 chunk's on) whose minimums still fit its cap; a chunk too big for any stage is split by
-files; then the tail parts (syncs, benchmarks, sanitizer) the same way, never before stage
-2. A lease of 15 minutes runs two stages (two 300 s commands and a machine start), so at
-most MAX_STAGES stages are allowed: more, and the plan fails loudly (exit 1).
+files; then the tail parts (syncs, the host-overhead benchmark, the other benchmarks,
+sanitizer) the same way, never before stage 2. A lease of 15 minutes runs two stages
+(two 300 s commands and a machine start), so at most MAX_STAGES stages are allowed:
+more, and the plan fails loudly (exit 1).
 
 Collection is `python -m pytest --collect-only -q tests/gpu`, which needs no GPU and no
 built binding; ACCEPT_COLLECTED names a file holding that output instead (the CPU tests).
@@ -97,9 +98,17 @@ def head_parts(stage: int) -> list[Part]:
 
 
 def tail_parts(bench_sections: str) -> list[Part]:
+    bench_sections = ",".join(s for s in bench_sections.split(",") if s != "host-overhead")
     return [
         Part("syncs", 10, 25, True, '"$PY" scripts/count_syncs.py --steps 5 --out '
              '"$OUT/syncs.json"'),
+        # Issue 25's GPU figure (host time per fused call against PyTorch eager) in the
+        # first lease: the host-overhead section alone, appended to bench.jsonl as the
+        # benchmarks' sections are (`bench` then leaves it out).
+        Part("host", 25, 60, True,
+             '"$PY" benchmarks/fused_vs_unfused.py --quick --quiet --sections host-overhead '
+             '--no-conv-transpose --stream "$OUT/bench.jsonl" --out "$SCRATCH/host.json" '
+             '--plot "$SCRATCH/host.png"'),
         # The sections stream one by one, so a cut run keeps the finished ones; `compile`
         # (ResNet-18 through Inductor twice) is the last section and the likeliest cut.
         Part("bench", 150, 260, True,

@@ -40,6 +40,7 @@ TITLES = {
     "collect": "pytest tests/gpu --collect-only",
     "bench": "headline numbers (benchmarks/fused_vs_unfused.py --stream)",
     "syncs": "device-to-host syncs per training step (scripts/count_syncs.py)",
+    "host": "host time per call against PyTorch eager (benchmarks' host-overhead, issue 25)",
     "sanitizer": "compute-sanitizer memcheck: one eager step and one replay",
 }
 SKIP_CODES = {122: "SKIP (out of time)", 125: "SKIP (no usable GPU)",
@@ -59,6 +60,17 @@ def _load(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _host_case(c: dict) -> str:
+    """One host-overhead row: its ratio to PyTorch and goal, or why it has none."""
+    goal = c.get("goal") or {}
+    ratio = (c.get("ratios") or {}).get("convfuse/pytorch")
+    if ratio is None:
+        return f"{c.get('case')}: {c.get('status')}"
+    verdict = "" if not goal else (f" (goal <= {goal.get('target')}: "
+                                   f"{'met' if goal.get('met') else 'NOT met'})")
+    return f"{c.get('case')}: {ratio:.2f}x{verdict}"
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -183,6 +195,10 @@ def details(name: str, out: Path, note: str = "") -> str:
             text = (f"sections: {', '.join(str(r.get('section')) for r in rows)}; "
                     f"device: {gpu.get('name') or env.get('label')}; "
                     f"errors: {sum(int((r.get('counts') or {}).get('error', 0)) for r in rows)}")
+    elif name == "host":
+        rows = [r for r in _jsonl(out / "bench.jsonl") if r.get("section") == "host-overhead"]
+        cases = [c for r in rows for c in (r.get("results") or [])]
+        text = "; ".join(_host_case(c) for c in cases) or "no host-overhead section written"
     elif name == "syncs" and (d := _load(out / "syncs.json")):
         parts = [f"method: {d.get('method')}"]
         for key in ("convfuse eager step", "convfuse captured step"):

@@ -8,9 +8,10 @@
 #
 # The stages are planned from the tests collected now (scripts/acceptance_plan.py): every
 # tests/gpu file is in one pytest chunk, a chunk of N tests is guaranteed 15 + 0.1 N s, and
-# the chunks fill the stages in order of value, then the sync count, the benchmarks and the
-# sanitizer. A 15-minute lease runs two stages (today: 1 = smoke and most tests, 2 = the
-# other tests and the sync count); stage 3 (the benchmarks, the sanitizer) takes a second.
+# the chunks fill the stages in order of value, then the sync count, the host-overhead
+# benchmark, the other benchmarks and the sanitizer. A 15-minute lease runs two stages
+# (today: 1 = smoke and most tests, 2 = the other tests, the sync count and the host time
+# per call); stage 3 (the benchmarks, the sanitizer) takes a second.
 #
 # Each stage installs offline (the machine may be fresh), then plans: the interpreter is
 # $PYTHON if set, else the machine's python3 (a .venv in the checkout is never used unless
@@ -29,7 +30,8 @@
 #   tests.jsonl  one JSON line per test as it finishes (scripts/stream_results.py), and
 #                one `cut` line per chunk that ended before its last test
 #   junit.xml    the JUnit XML of every finished pytest chunk, merged
-#   bench.jsonl  one JSON line per benchmark section as it finishes
+#   bench.jsonl  one JSON line per benchmark section as it finishes (host-overhead's in
+#                stage 2, the others in stage 3)
 #   syncs.json   scripts/count_syncs.py
 # (compute-sanitizer, the last part, runs only if installed and time is left; its output
 # goes to log.txt.) Temporary files (.summary.md.tmp, junit.xml.tmp) are renamed over
@@ -39,7 +41,7 @@
 set -uo pipefail
 
 # The benchmark sections the run times (benchmarks/fused_vs_unfused.py --sections).
-BENCH_SECTIONS="forward,biasgrad,adam,train,host-overhead,compile"
+BENCH_SECTIONS="forward,biasgrad,adam,train,compile"
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"

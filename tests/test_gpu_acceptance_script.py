@@ -102,8 +102,7 @@ def test_the_benchmark_sections_are_one_variable_near_the_top():
     lines = SCRIPT.read_text().splitlines()
     found = [i for i, line in enumerate(lines) if line.startswith("BENCH_SECTIONS=")]
     assert len(found) == 1 and found[0] < 60
-    assert BENCH_SECTIONS.split(",") == ["forward", "biasgrad", "adam", "train", "host-overhead",
-                                       "compile"]
+    assert BENCH_SECTIONS.split(",") == ["forward", "biasgrad", "adam", "train", "compile"]
 
 
 def test_a_dry_run_without_pytest_fails_loudly(tmp_path):
@@ -288,12 +287,17 @@ def test_summary_reads_each_part(tmp_path):
         "convfuse captured step": {"syncs_per_step": 1.0, "d2h_copies_per_step": 0.0}}))
     (tmp_path / "bench.jsonl").write_text(json.dumps({
         "section": "forward", "counts": {"ok": 3, "error": 1},
-        "environment": {"gpu": {"name": "NVIDIA H100"}}}) + "\n")
+        "environment": {"gpu": {"name": "NVIDIA H100"}}}) + "\n" + json.dumps({
+        "section": "host-overhead", "counts": {"ok": 1, "skipped": 1},
+        "results": [{"case": "conv_forward_nograd", "status": "ok",
+                     "ratios": {"convfuse/pytorch": 1.234},
+                     "goal": {"target": 1.5, "met": True}},
+                    {"case": "resnet18_step_b8", "status": "skipped"}]}) + "\n")
     status = tmp_path / "status"
     status.write_text("install 0 40 \nsmoke 1 55\ngpu-core 124 60\ngpu-ops 0 20\nbench 0 90\n"
-                      "syncs 0 10\nsanitizer 127 0 compute-sanitizer not on PATH\n")
+                      "syncs 0 10\nhost 0 30\nsanitizer 127 0 compute-sanitizer not on PATH\n")
     text = acceptance_summary.write(tmp_path, status, "2", ["install", "smoke", "gpu-core",
-                                                          "gpu-ops", "bench", "syncs",
+                                                          "gpu-ops", "bench", "syncs", "host",
                                                           "sanitizer", "extra"],
                                     started=time.time() - 300)
     assert (tmp_path / "summary.md").read_text() == text
@@ -311,6 +315,9 @@ def test_summary_reads_each_part(tmp_path):
     assert "JUnit: tests=1" in rows[t("gpu-ops")] and "skipped=1" in rows[t("gpu-ops")]
     assert "NVIDIA H100" in rows[t("bench")] and "errors: 1" in rows[t("bench")]
     assert "FAIL (target is zero)" in rows[t("syncs")]
+    host = rows[t("host")]
+    assert "| PASS |" in host and "conv_forward_nograd: 1.23x (goal <= 1.5: met)" in host
+    assert "resnet18_step_b8: skipped" in host
     assert "SKIP (tool missing)" in rows[t("sanitizer")] and "not on PATH" in rows[t("sanitizer")]
     assert "| not reached |" in rows["extra"]
     assert "Failed parts: smoke, gpu-core." in text

@@ -78,6 +78,12 @@ def test_todays_counts_fill_stages_1_and_2_with_tests_and_stage_3_with_the_bench
     rest = next(p for p in result.stages[where["gpu-rest"]] if p.name == "gpu-rest")
     assert "tests/gpu/test_new_helper_gpu.py" in rest.files  # named by no chunk
     assert where["bench"] == 3 and where["sanitizer"] == 3 and where["syncs"] == 2
+    # issue 25's GPU figure in the first lease; the bench part never times it again
+    host = next(p for p in result.stages[2] if p.name == "host")
+    assert where["host"] == 2 and "--sections host-overhead " in host.command
+    assert '--stream "$OUT/bench.jsonl"' in host.command
+    assert "host-overhead" not in plan.pack(counts, _files(counts), ROOM,
+                                            "forward,host-overhead").stages[3][0].command
     bench = next(p for p in result.stages[3] if p.name == "bench")
     assert "--sections forward,adam " in bench.command
     assert plan.leases(result) == [[1, 2], [3]]
