@@ -107,18 +107,21 @@ def _normalised(x: np.ndarray, mean: np.ndarray, invstd: np.ndarray,
     return np.multiply(xhat, invstd.reshape(ax.shape), out=xhat)
 
 
-def _affine_act(xhat: np.ndarray, weight: Any, bias: Any, residual: Any, activation: str,
-                ax: _Axes, dtype: np.dtype) -> tuple[np.ndarray, Any]:
-    """(y, saved): y = act(xhat * weight + bias + residual), saved per activations.saves.
-    `xhat` is a fresh array this call owns (Note [batch norm's temporaries])."""
-    cd, shape = xhat.dtype, ax.shape
-    z = xhat
-    if weight is not None:
-        z = z * weight.astype(cd, copy=False).reshape(shape)
+def _affine_act(centred: np.ndarray, invstd: np.ndarray, weight: Any, bias: Any,
+                residual: Any, activation: str, ax: _Axes, dtype: np.dtype,
+                ) -> tuple[np.ndarray, Any]:
+    """(y, saved): y = act((x - mean) * (invstd * weight) + bias + residual), saved per
+    activations.saves. `centred` (x - mean, compute dtype) is a fresh array this call owns
+    and becomes z in place (Note [batch norm's temporaries]): the per-channel scale is
+    folded first, so the samples take one multiply and one add, as torch's CPU kernel
+    (alpha = invstd * weight, beta = bias - mean * alpha) does."""
+    cd, shape = centred.dtype, ax.shape
+    scale = invstd if weight is None else invstd * weight.astype(cd, copy=False)
+    z = np.multiply(centred, scale.reshape(shape), out=centred)
     if bias is not None:
-        z = z + bias.astype(cd, copy=False).reshape(shape)
+        z += bias.astype(cd, copy=False).reshape(shape)
     if residual is not None:
-        z = z + residual.astype(cd, copy=False)
+        z += residual.astype(cd, copy=False)
     # identity's y is z itself, a fresh C-contiguous array (the `astype` below copies
     # only to round to a half dtype)
     y = z if activation == "identity" else apply_activation(z, activation)
@@ -145,8 +148,7 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
     invstd = var + cd.type(eps)
     np.sqrt(invstd, out=invstd)
     np.true_divide(1.0, invstd, out=invstd)
-    y, saved = _affine_act(np.multiply(centred, invstd.reshape(ax.shape), out=centred),
-                           weight, bias, residual, activation, ax, x.dtype)
+    y, saved = _affine_act(centred, invstd, weight, bias, residual, activation, ax, x.dtype)
     if running_mean is not None:
         n = ax.values
         f = cd.type(factor)
@@ -167,8 +169,8 @@ def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_m
     ax = _axes(g)
     mean = running_mean.astype(cd, copy=True)
     invstd = (1.0 / np.sqrt(running_var.astype(cd) + cd.type(eps))).astype(cd)
-    y, saved = _affine_act(_normalised(x, mean, invstd, ax), weight, bias, residual, activation,
-                           ax, x.dtype)
+    centred = x.astype(cd, copy=False) - mean.reshape(ax.shape)
+    y, saved = _affine_act(centred, invstd, weight, bias, residual, activation, ax, x.dtype)
     return y, saved, mean, invstd
 
 
