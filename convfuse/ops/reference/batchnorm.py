@@ -9,20 +9,20 @@ derived BN descriptor requires. Inputs are never modified; the running statistic
 documented outputs and are updated in place.
 
 Note [batch norm's temporaries]
-At the sizes where a training step waits on the host (issue #25: a 2x1x4x4 batch norm),
-each NumPy call costs about a microsecond whatever its size, and a copy is a call. So the
-formulas write into temporaries the call made itself (`out=`, in-place operators), and `astype`
-takes copy=False wherever its result is only read or is already a fresh array: x in the
-compute dtype, the output before a half-precision rounding, identity's output, which is
+At the sizes where a training step waits on the host (issue #25: a 2x1x4x4 batch norm), each
+NumPy call costs about a microsecond whatever its size, and a copy is a call. So the
+formulas write into temporaries the call made itself (`out=`, in-place operators), and
+`astype` takes copy=False wherever its result is only read or is already a fresh array: x in
+the compute dtype, the output before a half-precision rounding, identity's output, which is
 the pre-activation itself. What a caller passed is never written, except the running
 statistics; a gradient that may be dy itself (identity's dz) is copied before it is
 returned. The forward folds invstd * weight per channel before the samples' pass (one
-multiply and one add per value, torch's CPU kernel's order), so its last bits differ
-from the unfolded (x - mean) * invstd * weight + bias; every consumer compares with a
-tolerance, and both torch bridge paths run this same engine. Per-geometry constants (reduce axes, broadcast shape, the mean's intp divisor)
-come from `_axes`, found by the geometry object before its value: the torch bridge's
-plans hand over the same object at every call, and the geometry's dataclass hash is
-Python.
+multiply and one add per value, torch's CPU kernel's order), so its last bits differ from
+the unfolded (x - mean) * invstd * weight + bias; every consumer compares with a tolerance,
+and both torch bridge paths run this same engine. Per-geometry constants (reduce axes,
+broadcast shape, the mean's intp divisor) come from `_axes`, found by the geometry object
+before its value: the torch bridge's plans hand over the same object at every call, and the
+geometry's dataclass hash is Python.
 """
 
 from __future__ import annotations
