@@ -63,7 +63,7 @@ from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
 from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
 from ._ops import aligned, context, device_type
-from ._signature import _ORIGINAL, Prepared, engine, op
+from ._signature import Prepared, op, validated_engine
 
 _TRAINING, _BACKWARD = "batchnorm_forward_training", "batchnorm_backward"
 
@@ -175,10 +175,10 @@ class BatchNormCall:
                 ma = None if m is None else to_array(m)
                 va = None if v is None else to_array(v)
                 apart = not written or _apart(written, (xp, rp, weight, bias))
-            if apart and _direct(prep, _TRAINING):
+            eng = validated_engine(prep, dev, _TRAINING) if apart else None
+            if eng is not None:
                 y, saved = validated.batchnorm_forward_training(
-                    engine(dev, "batchnorm"), xa, wa, ba, ma, va, prep.geom, self.eps,
-                    self.factor, self.act, ra)
+                    eng, xa, wa, ba, ma, va, prep.geom, self.eps, self.factor, self.act, ra)
             else:  # the first call of the signature, or outputs overlapping inputs
                 y, saved = op(prep, dev, _TRAINING, xa, wa, ba, ma, va, self.layout, self.eps,
                               self.factor, self.act, ra, aligned=False)
@@ -251,10 +251,11 @@ class BatchNormCall:
             if sa is None and saved is not None:  # released by an earlier backward
                 sa = to_array(physical(saved, cl))
             state = ops.BatchNormSaved(mean, invstd, sa, self.training)
-            if _direct(prep, _BACKWARD):
+            eng = validated_engine(prep, "cpu", _BACKWARD)
+            if eng is not None:
                 dx, dw, db, dres = validated.batchnorm_backward(
-                    engine("cpu", "batchnorm"), dya, xa, wa, ba, state, prep.geom, self.eps,
-                    self.act, need_dres, need_dx)
+                    eng, dya, xa, wa, ba, state, prep.geom, self.eps, self.act, need_dres,
+                    need_dx)
             else:
                 dx, dw, db, dres = op(prep, "cpu", _BACKWARD, dya, xa, wa, ba, state,
                                       self.layout, self.eps, self.act, need_dres, need_dx,
@@ -288,13 +289,6 @@ class BatchNormCall:
                     None if dw_t is None or weight is None else dw_t.to(weight.dtype),
                     None if db_t is None or weight is None else db_t.to(weight.dtype),
                     logical(to_tensor(dres), cl) if dres is not None else None)
-
-
-def _direct(prep: Prepared, name: str) -> bool:
-    """_signature.op's test: whether the signature's first call of convfuse.ops.<name>
-    validated it, so its convfuse.ops.validated entry may run directly, unless a test
-    replaced the op (then called through, as op does)."""
-    return name in prep.checked and getattr(ops, name) is _ORIGINAL[name]
 
 
 def _statistic(s: torch.Tensor | None, cd: torch.dtype, cumulative: bool) -> Any:

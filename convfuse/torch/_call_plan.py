@@ -56,7 +56,7 @@ from .. import activations, ops
 from ..ops import validated
 from . import _double, _eager
 from ._arrays import host_array, logical, to_tensor
-from ._ops import backward_parts, fused_forward
+from ._ops import activation_grads, backward_parts, fused_forward
 from ._signature import Prepared, engine, op, validated_engine
 
 # What a runner stands for (FusedCall._runnable): the functions as imported, before any
@@ -144,21 +144,12 @@ class FusedCall:
         if not x.is_cpu:
             return backward_parts(dy, x, weight, saved, self.prep, self.act, needs,
                                   self.names)
-        bias_grad, act_bias_grad, filter_grad, data_grad = self.names
+        _, _, filter_grad, data_grad = self.names
         need_dx, need_dw, need_db, need_dz = needs
-        cl, geom, act, run = self.prep.cl, self.prep.geom, self.act, self._run
-        dz = host_array(dy, cl)
-        db = None
-        if not self.identity:
-            assert saved is not None  # what every activation but identity saves
-            sa = host_array(saved, cl)
-        if self.identity:
-            if need_db:
-                db = run(bias_grad, dz, geom, None)
-        elif need_db:
-            dz, db = run(act_bias_grad, dz, sa, act, geom, None)
-        else:
-            dz = run("activation_backward", dz, sa, act)
+        cl, geom, run = self.prep.cl, self.prep.geom, self._run
+        sa = None if saved is None else host_array(saved, cl)  # saved but for identity
+        dz, db = activation_grads(run, host_array(dy, cl), sa, self.act, geom, need_db, None,
+                                  self.names)
         dw = run(filter_grad, host_array(x, cl), dz, geom, None) if need_dw else None
         dx = run(data_grad, dz, host_array(weight, cl), geom, None) if need_dx else None
         return (None if dx is None else logical(to_tensor(dx), cl),

@@ -24,6 +24,7 @@ back as empty tensors (never read), and the residual's gradient for an identity 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -180,7 +181,7 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     convfuse's fused activation-backward + bias-gradient kernel; `act` is a normalized
     activation name and `names` the convfuse.ops to call (bias gradient, activation
     backward + bias gradient, filter gradient, data gradient)."""
-    bias_grad, act_bias_grad, filter_grad, data_grad = names
+    _, _, filter_grad, data_grad = names
     need_dx, need_dw, need_db, need_dz = needs
     cl, geom, dev = prep.cl, prep.geom, device_type(x)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
@@ -189,17 +190,10 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with context(x):
-        dya = to_array(physical(dy, cl))
-        db_a = None if db_t is None else to_array(db_t)
-        if act == "identity":
-            dz = dya
-            if need_db:
-                op(prep, dev, bias_grad, dz, geom, db_a)
-        elif need_db:
-            dz, _ = op(prep, dev, act_bias_grad, dya, _array_or_none(saved, cl), act, geom,
-                       db_a)
-        else:
-            dz = op(prep, dev, "activation_backward", dya, _array_or_none(saved, cl), act)
+        dz, _ = activation_grads(
+            functools.partial(op, prep, dev), to_array(physical(dy, cl)),
+            _array_or_none(saved, cl), act, geom, need_db,
+            None if db_t is None else to_array(db_t), names)
         if dw_t is not None:  # need_dw
             op(prep, dev, filter_grad, to_array(physical(x, cl)), dz, geom,
                to_array(physical(dw_t, cl)))
@@ -208,6 +202,21 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                to_array(physical(dx_t, cl)))
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     return dx_t, dw_t, db_t, dz_t
+
+
+def activation_grads(run: Any, dy: Any, saved: Any, act: str, geom: Any, need_db: bool,
+                     db_out: Any, names: tuple[str, str, str, str]) -> tuple[Any, Any]:
+    """(dz, db) of a fused backward on arrays, through `run(name, *args)` (a convfuse.ops
+    call): dz is dy itself for identity, else the activation's gradient; db (into
+    `db_out` where given) only with `need_db`, from the fused activation-backward + bias
+    kernel, never a separate reduction of dz. `names` are the op's backward ops."""
+    bias_grad, act_bias_grad = names[:2]
+    if act == "identity":
+        return dy, (run(bias_grad, dy, geom, db_out) if need_db else None)
+    if need_db:
+        dz, db = run(act_bias_grad, dy, saved, act, geom, db_out)
+        return dz, db
+    return run("activation_backward", dy, saved, act), None
 
 
 @conv_bias_act_backward.register_fake

@@ -165,11 +165,10 @@ def validated_engine(prep: Prepared, device_type: str, name: str) -> ModuleType 
 def op(prep: Prepared, device_type: str, name: str, *args: Any, aligned: bool = True) -> Any:
     """convfuse.ops.<name>(*args) (positional, as _DIRECT spells them), validated the first
     time `prep`'s signature calls it and a direct engine call after that."""
-    fn = getattr(ops, name)
-    if name in prep.checked and aligned and fn is _ORIGINAL[name]:
-        kind, direct = _DIRECT[name]
-        return direct(engine(device_type, kind), prep, *args)
-    out = fn(*args)
+    eng = validated_engine(prep, device_type, name) if aligned else None
+    if eng is not None:
+        return _DIRECT[name][1](eng, prep, *args)
+    out = getattr(ops, name)(*args)
     if prep.direct:
         prep.checked.add(name)
     return out

@@ -118,15 +118,20 @@ class TinyConv:
         buf[...] = w4
         return buf.reshape(self.wm_shape)
 
+    def _product(self, x: np.ndarray, w4: np.ndarray, dead_nans: bool) -> np.ndarray:
+        """The convolution's GEMM of columns and weight, as an (N, K, *out) view in the
+        compute dtype (with the dead taps' NaN rule where `dead_nans`)."""
+        ym = self.matmul(self._matrix(w4), self.columns(x))
+        if dead_nans and self.dead_rules is not None:
+            self.dead_rules[0](ym, w4, self.geom)
+        return self._src(ym)
+
     def convolve(self, x: np.ndarray, w4: np.ndarray, dtype: np.dtype,
                  epilogue: Callable[[np.ndarray, np.ndarray, int, int], None] | None,
                  dead_nans: bool) -> np.ndarray:
         """conv._convolve of the tiny geometry: columns, GEMM, then `epilogue` into a new
         array in the geometry's layout and `dtype`."""
-        ym = self.matmul(self._matrix(w4), self.columns(x))
-        if dead_nans and self.dead_rules is not None:
-            self.dead_rules[0](ym, w4, self.geom)
-        src = self._src(ym)
+        src = self._product(x, w4, dead_nans)
         out = np.empty(self.out_shape, dtype)
         dst = self._cf(out)
         cd = self.cd
@@ -145,11 +150,7 @@ class TinyConv:
         """conv.conv_bias_act's y for x, w and b in the compute dtype, act identity or
         relu and no residual: the same GEMM and the same epilogue passes, without
         building the general epilogue."""
-        w4 = self.weight_taps(w)
-        ym = self.matmul(self._matrix(w4), self.columns(x))
-        if self.dead_rules is not None:
-            self.dead_rules[0](ym, w4, self.geom)
-        src = self._src(ym)
+        src = self._product(x, self.weight_taps(w), True)
         out = np.empty(self.out_shape, self.cd)
         dst = self._cf(out)
         if b is None:
