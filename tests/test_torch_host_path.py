@@ -106,6 +106,28 @@ def test_batchnorm_reductions_are_numpys_bit_for_bit(shape, layout, dtype):
     assert ax.values == g.count
 
 
+def test_batchnorm_mean_past_float32s_exact_counts_is_numpys_bit_for_bit():
+    """2**24 + 3 values per channel: float32 cannot hold the count, so the mean keeps
+    NumPy's own division (by the count as an intp, in float64) instead of dividing by a
+    float32 count (Note [batch norm's scalars])."""
+    n = 2 ** 24 + 3
+    g = BatchNormGeometry.create((1, 1, n), "NCHW")
+    ax = ref_bn._axes(g)
+    assert not ax.counts[np.dtype(np.float32)][1] and ax.counts[np.dtype(np.float64)][1]
+    a = (np.arange(n, dtype=np.float32) % 977) * np.float32(0.37)
+    a = a.reshape(1, 1, n)
+    assert np.array_equal(ref_bn._mean(a, ax), a.mean(axis=g.reduce_axes))
+
+
+def test_batchnorm_scalars_are_read_only_and_shared():
+    eps, f, keep = ref_bn._scalars(np.dtype(np.float32), 1e-5, 0.1)
+    assert (eps.dtype, f.dtype, keep.dtype) == (np.float32,) * 3
+    assert keep == np.float32(1) - np.float32(0.1)
+    assert ref_bn._scalars(np.dtype(np.float32), 1e-5, 0.1)[2] is keep
+    with pytest.raises(ValueError):
+        keep[...] = 0
+
+
 def test_tiny_convolution_leaves_its_weight_alone():
     g = ConvGeometry.create((1, 1, 4, 4), (2, 1, 3, 3), 1, 1, 1, 1)
     rng = np.random.default_rng(2)
