@@ -32,17 +32,19 @@ _signature.py).
 
 Note [the host path]
 On the CPU, data in a NumPy dtype (not bfloat16, Note [bfloat16 on the CPU] in _arrays.py)
-crosses as `numpy(force=True)` views and comes back through `torch.from_numpy` (the
-engine's results are C-contiguous): the checks `to_array`/`to_tensor` make per call are
-answered by the key (device, dtype, strides), and so are whether x, weight, bias and the
-running statistics go to the engine as they are (the statistics are then written in
-place, nothing copied back). The forward keeps for the backward the arrays it handed over
-(x's only where they are x's own memory, not a copy the backward would keep alive), and
-mean and invstd as the engine returned them: the backward's x, weight, bias and saved
-output come out of ctx.saved_tensors, whose version checks then passed, so those arrays
-still hold what the tensors hold. The engine returns dweight and dbias itself, where on
-CUDA they are written into tensors allocated first (cuDNN accumulates into given
-outputs), and CUDA keeps _bn_ops' conversions, bound to the stream current at each call.
+crosses as `numpy(force=True)` views (the parameters' and running statistics' are the
+layer's kept views where all four cross: Note [a layer's host arrays] in _host_arrays.py)
+and comes back through `torch.from_numpy` (the engine's results are C-contiguous): the
+checks `to_array`/`to_tensor` make per call are answered by the key (device, dtype,
+strides), and so are whether x, weight, bias and the running statistics go to the engine as
+they are (the statistics are then written in place, nothing copied back). The forward keeps
+for the backward the arrays it handed over (x's only where they are x's own memory, not a
+copy the backward would keep alive), and mean and invstd as the engine returned them: the
+backward's x, weight, bias and saved output come out of ctx.saved_tensors, whose version
+checks then passed, so those arrays still hold what the tensors hold. The engine returns
+dweight and dbias itself, where on CUDA they are written into tensors allocated first
+(cuDNN accumulates into given outputs), and CUDA keeps _bn_ops' conversions, bound to the
+stream current at each call.
 `apply` is the autograd Function's C apply: outside functorch transforms, which the eager
 path excludes, Function.apply's Python wrapper only unwraps dead functorch wrappers, which
 the eager path does not take either (_eager.takes_eager_path).
@@ -62,6 +64,7 @@ from ..plan.batchnorm import BatchNormGeometry
 from . import _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
 from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
+from ._host_arrays import HostArrays
 from ._ops import aligned, context, device_type
 from ._signature import Prepared, op, validated_engine
 
@@ -80,7 +83,7 @@ class BatchNormCall:
 
     __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "host",
                  "identity", "layout", "nbytes", "params", "prep", "reads", "saves",
-                 "stats_as_is", "training", "x_as_is")
+                 "stats_as_is", "training", "viewed", "x_as_is")
 
     def __init__(self, x: torch.Tensor, training: bool, eps: float, act: str,
                  factor: float, cumulative: bool, weight: torch.Tensor | None,
@@ -109,6 +112,9 @@ class BatchNormCall:
                             and running_mean is not None and running_var is not None
                             and _usable(running_mean, self.cd)
                             and _usable(running_var, self.cd))
+        # the parameters and statistics all cross as views: the layer's kept ones (Note [a
+        # layer's host arrays] in _host_arrays.py)
+        self.viewed = self.params and self.stats_as_is
         # the sizes _stats_apart compares (in the key: shapes and dtypes)
         self.nbytes = tuple(0 if t is None else t.numel() * t.element_size()
                             for t in (running_mean, running_var, x, residual, weight, bias))
@@ -117,17 +123,18 @@ class BatchNormCall:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, residual: torch.Tensor | None,
-                 stats: tuple[Any, Any, Any]) -> torch.Tensor:
+                 stats: tuple[Any, Any, Any], held: HostArrays | None = None) -> torch.Tensor:
         """y; `stats` is (running_mean, running_var, num_batches_tracked) as the op takes
-        them (the count already incremented by the layer)."""
+        them (the count already incremented by the layer), `held` the layer's views."""
         if _eager.needs_graph(x, weight, bias, residual):
-            out = _apply(x, weight, bias, residual, self, stats)
+            out = _apply(x, weight, bias, residual, self, stats, held)
             return out[0] if self.saves == "preactivation" else out
-        return self.forward(x, weight, bias, residual, stats)[0]
+        return self.forward(x, weight, bias, residual, stats, held)[0]
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, residual: torch.Tensor | None,
-                stats: tuple[Any, Any, Any]) -> tuple[torch.Tensor, torch.Tensor | None, Kept]:
+                stats: tuple[Any, Any, Any], held: HostArrays | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, Kept]:
         """(y, z, kept) as _bn_ops' forward bodies compute y and z (z, the pre-activation,
         only where the activation saves it); `kept` is what the backward reuses."""
         running_mean, running_var, nbt = stats
@@ -158,7 +165,11 @@ class BatchNormCall:
             else:
                 xa = to_array(xp)
                 ra = None if rp is None else to_array(rp)
-            if self.params:
+            views = held.views(self, (weight, bias, running_mean, running_var)) \
+                if self.viewed and held is not None else None
+            if views is not None:
+                wa, ba = views[0], views[1]
+            elif self.params:
                 wa = None if weight is None else weight.numpy(force=True)
                 ba = None if bias is None else bias.numpy(force=True)
             else:
@@ -169,7 +180,8 @@ class BatchNormCall:
                               self.layout, self.eps, self.act, ra)
                 return self._result(y, saved, x, xp, xa, wa, ba)
             if self.stats_as_is:
-                ma, va = running_mean.numpy(force=True), running_var.numpy(force=True)
+                ma, va = (views[2], views[3]) if views is not None else \
+                    (running_mean.numpy(force=True), running_var.numpy(force=True))
                 apart = self._stats_apart(running_mean, running_var, xp, rp, weight, bias)
             else:
                 ma = None if m is None else to_array(m)
@@ -334,8 +346,9 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, residual: torch.Tensor | None,
-                call: BatchNormCall, stats: tuple[Any, Any, Any]) -> Any:
-        y, z, kept = call.forward(x, weight, bias, residual, stats)
+                call: BatchNormCall, stats: tuple[Any, Any, Any],
+                held: HostArrays | None) -> Any:
+        y, z, kept = call.forward(x, weight, bias, residual, stats, held)
         kind = call.saves
         ctx.save_for_backward(x, weight, bias,
                               None if kind == "none" else y if kind == "output" else z)
@@ -350,20 +363,20 @@ class BatchNormFunction(torch.autograd.Function):
                  dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
         x, weight, bias, saved = ctx.saved_tensors
         call: BatchNormCall = ctx.call
-        need_dx, need_dw, need_db, need_dres, _, _ = ctx.needs_input_grad
-        none2 = (None, None)
+        need_dx, need_dw, need_db, need_dres, _, _, _ = ctx.needs_input_grad
+        none3 = (None, None, None)
         if _double.takes_recorded_path(dz_output):
             # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
             g = _double.preactivation_grad(dy, dz_output, saved, call.act)
             if g is None:
-                return (None,) * 4 + none2
+                return (None,) * 4 + none3
             mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
             dx, dw, db = _double.batchnorm_backward(
                 g, x, weight, mean, invstd, call.training, call.eps,
                 (need_dx, need_dw, need_db))
-            return (dx, dw, db, g if need_dres else None, *none2)
+            return (dx, dw, db, g if need_dres else None, *none3)
         if dy is None:
-            return (None,) * 4 + none2
+            return (None,) * 4 + none3
         identity = call.identity
         dx = dw = db = dres = None
         if need_dx or need_dw or need_db or (need_dres and not identity):
@@ -385,7 +398,7 @@ class BatchNormFunction(torch.autograd.Function):
         if need_dres and identity:
             dres = dy  # the gradient at the sum is dy itself: no copy, no op
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
-                dres if need_dres else None, *none2)
+                dres if need_dres else None, *none3)
 
 
 #: BatchNormFunction.apply less its Python wrapper (Note [the host path]).

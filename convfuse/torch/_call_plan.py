@@ -18,8 +18,10 @@ layer call now goes:
 3. with autograd recording, one node (`apply`, Note [applying the node]) whose backward
    goes straight to the plan's `backward`; else the forward alone.
 On the CPU the plan hands the engine NumPy views directly (`.numpy()` where the key says
-every tensor is contiguous, channels-first and not bfloat16), calls the op's validated
-entry once the op has validated the signature, and wraps the engine's own fresh results.
+every tensor is contiguous, channels-first and not bfloat16; the weight's and bias's are
+the layer's kept views, Note [a layer's host arrays] in _host_arrays.py), calls the op's
+validated entry once the op has validated the signature, and wraps the engine's own fresh
+results.
 Once validated, a tiny float32/float64 conv with relu or identity and no residual runs the
 engine's runner (convfuse.ops.validated.conv_bias_act_runner: TinyConv.bias_act with
 nothing decided per call), but only while convfuse.ops.conv_bias_act, its validated entry
@@ -56,6 +58,7 @@ from .. import activations, ops
 from ..ops import validated
 from . import _double, _eager
 from ._arrays import host_array, logical, to_tensor
+from ._host_arrays import HostArrays
 from ._ops import activation_grads, backward_parts, fused_forward
 from ._signature import Prepared, engine, op, validated_engine
 
@@ -105,29 +108,34 @@ class FusedCall:
         self.apply = _node_apply(_FUNCTIONS[name])
 
     def run(self, path: int, x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
-        """y for an eager call on `path` (_eager.call_path's GRAPH or BODY)."""
+            bias: torch.Tensor | None, residual: torch.Tensor | None,
+            held: HostArrays | None = None) -> torch.Tensor:
+        """y for an eager call on `path` (_eager.call_path's GRAPH or BODY); `held` is the
+        layer's views of its weight and bias (Note [a layer's host arrays])."""
         if path == _eager.BODY:
-            return self.forward(x, weight, bias, residual)[0]
-        out = self.apply(x, weight, bias, residual, self)
+            return self.forward(x, weight, bias, residual, held)[0]
+        out = self.apply(x, weight, bias, residual, self, held)
         return out[0] if self.saves == "preactivation" else out
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                residual: torch.Tensor | None, held: HostArrays | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y, z) as the forward custom op's body computes them (z None where the
         activation saves no pre-activation)."""
         if not x.is_cpu:  # CUDA (and a device convfuse refuses, which the op says)
             return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
         cl = self.prep.cl
         if self.plain:
+            if held is not None:
+                wa, ba = held.views(self, (weight, bias))
+            else:
+                wa = weight.numpy(force=True)
+                ba = None if bias is None else bias.numpy(force=True)
             runner = self.runner
             if runner and self._runnable():
-                return torch.from_numpy(runner(x.numpy(force=True), weight.numpy(force=True),
-                                               None if bias is None
-                                               else bias.numpy(force=True))), None
-            y, z = self._run(self.name, x.numpy(force=True), weight.numpy(force=True),
-                             None if bias is None else bias.numpy(force=True), self.prep.geom,
-                             self.act, None if residual is None else residual.numpy(force=True))
+                return torch.from_numpy(runner(x.numpy(force=True), wa, ba)), None
+            y, z = self._run(self.name, x.numpy(force=True), wa, ba, self.prep.geom, self.act,
+                             None if residual is None else residual.numpy(force=True))
             if runner is None:
                 self._arm(x, residual is not None)
             return to_tensor(y), None if z is None else to_tensor(z)
@@ -192,8 +200,8 @@ class _FusedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                residual: torch.Tensor | None, call: FusedCall) -> Any:
-        y, z = call.forward(x, weight, bias, residual)
+                residual: torch.Tensor | None, call: FusedCall, held: HostArrays | None) -> Any:
+        y, z = call.forward(x, weight, bias, residual, held)
         kind = call.saves
         ctx.save_for_backward(x, weight, None if kind == "none" else y if kind == "output"
                               else z)
@@ -209,16 +217,16 @@ class _FusedFunction(torch.autograd.Function):
         if _double.takes_recorded_path(dz_output):
             grads = getattr(_double, call.recorded)(ctx, dy, dz_output, x, weight, saved,
                                                     *call.hyper, call.act)
-            return (*grads[:4], None)
+            return (*grads[:4], None, None)
         if dy is None:  # y itself fed nothing that needs a gradient
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         need_db = bool(need_db and ctx.has_bias)
         identity = call.identity
         dx, dw, db, dz = call.backward(dy, x, weight, saved,
                                        (need_dx, need_dw, need_db,
                                         need_dres and not identity))
-        return (dx, dw, db, (dy if identity else dz) if need_dres else None, None)
+        return (dx, dw, db, (dy if identity else dz) if need_dres else None, None, None)
 
 
 class ConvBiasAct(_FusedFunction):

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from .. import activations
-from . import _bn_plan, _eager
+from . import _bn_plan, _eager, _host_arrays
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
+from ._module_state import PlainClasses
 from ._signature import SignatureCache, keyable
 from .conv import InputShapeError
 
@@ -46,8 +47,7 @@ _ZERO_EPS_IN_EVAL = _torch_allows_zero_eps_in_eval()
 #: [batch-norm call plans] in _bn_plan.py).
 CALLS = SignatureCache()
 GENERAL = "general"  # a checked call the layer's general path runs
-_STATE = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
-_PLAIN_CLASSES: dict[type, bool] = {}  # classes that define none of _STATE's names
+_PLAIN = PlainClasses("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
 class _BatchNormNd(nn.Module):
@@ -208,17 +208,18 @@ class _BatchNormNd(nn.Module):
         if call.count:
             nbt.add_(1)
         # Buffers are passed when they are updated (training and tracking) or read (eval).
-        return call(x, weight, bias, residual, (rm, rv, nbt) if call.reads else (None, None, nbt))
+        return call(x, weight, bias, residual, (rm, rv, nbt) if call.reads else (None, None, nbt),
+                    _host_arrays.of(self))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        _host_arrays.drop(self)  # the views hold the memory being replaced
+        return super()._apply(fn, recurse)
 
     def _state(self) -> tuple[Any, Any, Any, Any, Any]:
         """(weight, bias, running_mean, running_var, num_batches_tracked), read from
-        nn.Module's dicts where attribute access would return just that (a class that
-        defines none of these names: not a parametrized one), else by attribute access."""
-        cls = type(self)
-        plain = _PLAIN_CLASSES.get(cls)
-        if plain is None:
-            plain = _PLAIN_CLASSES[cls] = not any(hasattr(cls, n) for n in _STATE)
-        if plain:
+        nn.Module's dicts where attribute access would return just that (Note [reading a
+        layer's state] in _module_state.py), else by attribute access."""
+        if type(self) in _PLAIN:
             d = self.__dict__
             try:
                 p, b = d["_parameters"], d["_buffers"]

@@ -34,14 +34,16 @@ from torch import nn
 from .. import activations
 from ..errors import ConvfuseError
 from ..geometry import ConvGeometry, IntOrTuple, as_tuple, same_padding
-from . import _autocast, _eager, _ops  # _ops registers torch.ops.convfuse.*
+from . import _autocast, _eager, _host_arrays, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
 from ._call_plan import FusedCall
+from ._module_state import PlainClasses
 from ._signature import SignatureCache, lookup, tensor_key
 
 #: Signatures whose checks passed -> their FusedCall, or GENERAL (Note [call plans]).
 CALLS = SignatureCache()
 GENERAL = "general"  # a call the layer's general path runs
+_PLAIN = PlainClasses("weight", "bias")
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 _FUNCTIONAL = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -73,6 +75,21 @@ class _ConvLayer(nn.Module):
         return (self.in_channels, self.out_channels, self.kernel_size, self.stride,
                 self.padding, self.dilation, self.groups, self.padding_mode,
                 self.output_padding)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        _host_arrays.drop(self)  # the views hold the memory being replaced
+        return super()._apply(fn, recurse)
+
+    def _weight_bias(self) -> tuple[Any, Any]:
+        """(weight, bias), read from `_parameters` where attribute access would return just
+        that (Note [reading a layer's state] in _module_state.py)."""
+        if type(self) in _PLAIN:
+            try:
+                p = self.__dict__["_parameters"]
+                return p["weight"], p["bias"]
+            except KeyError:  # moved out of the dict
+                pass
+        return self.weight, self.bias
 
     def _call_key(self, x: Any, weight: torch.Tensor, bias: torch.Tensor | None,
                   residual: Any, *extra: Any) -> Any:
@@ -276,7 +293,8 @@ class _ConvNd(_ConvLayer):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for
         identity and relu on the GPU). x is (N, C, *spatial) or unbatched (C, *spatial)."""
-        return self._conv_forward(x, self.weight, self.bias, residual)
+        weight, bias = self._weight_bias()
+        return self._conv_forward(x, weight, bias, residual)
 
     def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,7 +310,7 @@ class _ConvNd(_ConvLayer):
                 self._check(x, residual)
                 call = CALLS.remember(key, self._plan(x, weight, bias, residual))
             if call is not GENERAL:
-                return call.run(path, x, weight, bias, residual)
+                return call.run(path, x, weight, bias, residual, _host_arrays.of(self))
         batched = x.dim() == self._rank + 2
         if not batched:  # torch.nn's rule: run it as a batch of one, drop that dim again
             x = x.unsqueeze(0)

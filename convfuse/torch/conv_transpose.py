@@ -21,7 +21,12 @@ import torch
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
 from ..transpose_geometry import ConvTransposeGeometry, output_padding_for
-from . import _autocast, _eager, _transpose_ops  # registers torch.ops.convfuse.conv_transpose_*
+from . import (
+    _autocast,
+    _eager,
+    _host_arrays,
+    _transpose_ops,  # registers torch.ops.convfuse.conv_transpose_*
+)
 from ._call_plan import FusedCall
 from ._signature import lookup, tensor_key
 from .conv import CALLS, _ConvLayer
@@ -90,8 +95,7 @@ class _ConvTransposeNd(_ConvLayer):
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
         it runs in the autocast dtype, a residual cast too (Note [autocast])."""
-        weight: torch.Tensor = self.weight
-        bias: torch.Tensor | None = self.bias
+        weight, bias = self._weight_bias()
         sizes = None if output_size is None else tuple(output_size)
         path = _eager.call_path(input, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
@@ -103,7 +107,8 @@ class _ConvTransposeNd(_ConvLayer):
                 opad = self._check(input, output_size, residual)
                 call = CALLS.remember(key, self._plan(input, weight, bias, residual, opad))
             if type(call) is FusedCall:
-                return call.run(path, input, weight, bias, residual)
+                return call.run(path, input, weight, bias, residual,
+                                _host_arrays.of(self))
         opad = call  # the general path's output_padding
         unbatched = input.dim() == self._rank + 1
         x = input.unsqueeze(0) if unbatched else input

@@ -1,0 +1,39 @@
+"""A layer's parameters and buffers read from nn.Module's dicts (Note [reading a layer's
+state]).
+
+Note [reading a layer's state]
+`self.weight` on an nn.Module is not a plain attribute read: Parameters and buffers live in
+`_parameters` and `_buffers`, and Python reaches them through nn.Module.__getattr__ only
+after the instance dict and the class have missed. That costs about a microsecond per name,
+and at the sizes where host time decides a step a whole torch.nn convolution call is about
+twenty. Where the class defines none of the names (no property or class attribute: not a
+torch.nn.utils.parametrize class, whose properties compute the weight) and keeps nn.Module's
+own attribute lookup (no __getattr__ or __getattribute__ of its own), attribute access
+returns exactly the dict's entry, so a layer reads the dict. A name missing from the dict
+(the old weight_norm hook moves `weight` out of `_parameters` into a plain attribute) takes
+attribute access, as does every name of any other class.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class PlainClasses:
+    """The classes whose instances reach each of `names` through nn.Module.__getattr__,
+    decided once per class (Note [reading a layer's state])."""
+
+    __slots__ = ("known", "names")
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        self.known: dict[type, bool] = {}
+
+    def __contains__(self, cls: type) -> bool:
+        hit = self.known.get(cls)
+        if hit is None:
+            hit = self.known[cls] = (
+                cls.__getattr__ is nn.Module.__getattr__  # type: ignore[attr-defined]
+                and cls.__getattribute__ is nn.Module.__getattribute__
+                and not any(hasattr(cls, n) for n in self.names))
+        return hit
