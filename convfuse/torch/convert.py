@@ -7,7 +7,9 @@ convolution or batch norm followed by an activation convfuse has (activation_of)
 one fused module: it takes the convolution's place and the activation becomes nn.Identity,
 so indices and state-dict keys stay the same. Outside nn.Sequential the forward order is
 unknown (ResNet's BasicBlock applies one ReLU twice, once after the residual add), so
-convolutions and batch norms are converted alone. Conv -> BatchNorm -> activation needs no
+convolutions and batch norms are converted alone, except in the few blocks whose forward
+convert knows (torchvision's ResNet blocks: Note [residual blocks] in _convert_blocks.py),
+whose batch norms take the ReLU and the residual. Conv -> BatchNorm -> activation needs no
 rule of its own: the conv sees a BatchNorm next (not an activation) and converts alone,
 then the BatchNorm folds the activation; the same fuses a pre-activation
 BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into the
@@ -23,6 +25,7 @@ import warnings
 
 from torch import nn
 
+from . import _convert_blocks
 from ._convert_kinds import Kind, activation_of, classify, known_kinds
 from .batchnorm import _BatchNormNd
 from .conv import _ConvNd
@@ -97,7 +100,8 @@ def convert(model: nn.Module) -> nn.Module:
     alone = _convert_one(model, None, kinds)
     if alone is not None:
         return alone[0]
-    _convert_children(model, kinds)
+    if not _fuse_block(model, kinds):
+        _convert_children(model, kinds)
     return model
 
 
@@ -128,7 +132,8 @@ def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
         follower = children[i + 1] if sequential and i + 1 < len(children) else None
         match = _convert_one(children[i], follower, kinds)
         if match is None:
-            _convert_children(children[i], kinds)
+            if not _fuse_block(children[i], kinds):
+                _convert_children(children[i], kinds)
             i += 1
             continue
         fused, used = match
@@ -136,3 +141,27 @@ def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
         for j in range(i + 1, i + used):
             parent._modules[names[j]] = nn.Identity()
         i += used
+
+
+def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
+    """Convert a residual block whose forward convert knows, its batch norms taking the
+    ReLU and the last one the identity (Note [residual blocks] in _convert_blocks.py);
+    False, with nothing changed, for any other module or where a batch norm would stay."""
+    names = _convert_blocks.residual_block(block)
+    if names is None:
+        return False
+    bns = [block._modules.get(n) for n in names]
+    for bn in bns:
+        if bn is None:
+            return False
+        _, kind, why = classify(bn, kinds)
+        if kind is None or kind.family != "batchnorm" or why is not None:
+            return False  # converted alone below, with its warning
+    fused = [_fused(bn, "batchnorm", "relu") for bn in bns]
+    if any(f is None for f in fused):  # refused by convfuse's constructor, which warned
+        return False
+    for n, f in zip(names, fused):
+        block._modules[n] = f
+    _convert_children(block, kinds)
+    _convert_blocks.fuse(block)
+    return True

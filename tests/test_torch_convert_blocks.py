@@ -1,0 +1,180 @@
+"""convert() of torchvision's residual blocks (Note [residual blocks] in
+convfuse/torch/_convert_blocks.py): BasicBlock and Bottleneck become blocks whose batch norms
+take the ReLU and the last one the identity, with the same numbers as torch.nn in float64
+(outputs, gradients, running statistics, optimizer steps; train and eval), the same
+state-dict keys and Parameter objects, one ReLU node left in ResNet-18's graph instead of
+17; anything that could make the block compute something else keeps the block as it is."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+import convfuse.torch as ct  # noqa: E402
+from tests._zoo import import_torchvision  # noqa: E402
+
+F64 = torch.float64
+
+
+def _models(name):
+    tv = import_torchvision()
+    torch.manual_seed(0)
+    theirs = getattr(tv.models, name)().to(F64)
+    return tv, theirs, ct.convert(copy.deepcopy(theirs))
+
+
+def _nodes(y, name):
+    """How many autograd nodes of `y`'s graph have `name` in their type's name."""
+    seen, todo, count = set(), [y.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += name in type(node).__name__
+        todo += [n for n, _ in node.next_functions]
+    return count
+
+
+def _close(got, want, what):
+    scale = max(want.abs().max().item(), 1.0)
+    assert (got - want).abs().max().item() <= 1e-9 * scale, what
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_a_converted_resnet_trains_as_torch_nn_does(name):
+    tv, theirs, ours = _models(name)
+    block = tv.models.resnet.BasicBlock if name == "resnet18" else tv.models.resnet.Bottleneck
+    blocks = [m for m in ours.modules() if isinstance(m, block)]
+    assert blocks and all(type(m).__name__ == "Fused" + block.__name__ for m in blocks)
+    last = "bn2" if name == "resnet18" else "bn3"
+    for m in blocks:
+        assert getattr(m, last).activation == "relu" and m.bn1.activation == "relu"
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    opt_a = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for step in range(2):
+        x = torch.randn(2, 3, 64, 64, dtype=F64, generator=g)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = theirs(xa), ours(xb)
+        _close(yb, ya, f"output, step {step}")
+        if step == 0 and name == "resnet18":
+            assert _nodes(ya, "ReluBackward") == 17 and _nodes(yb, "ReluBackward") == 1
+            assert _nodes(yb, "AddBackward") == 0
+        dy = torch.randn(ya.shape, dtype=F64, generator=g)
+        ya.backward(dy)
+        yb.backward(dy)
+        _close(xb.grad, xa.grad, "input gradient")
+        for (n, pa), pb in zip(theirs.named_parameters(), ours.parameters()):
+            _close(pb.grad, pa.grad, n)
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    for (n, ba), bb in zip(theirs.named_buffers(), ours.buffers()):
+        _close(bb.to(F64), ba.to(F64), n)
+    theirs.eval()
+    ours.eval()
+    x = torch.randn(2, 3, 32, 32, dtype=F64, generator=g)
+    with torch.no_grad():
+        _close(ours(x), theirs(x), "eval output")
+
+
+def test_a_converted_block_keeps_its_parameters_and_copies_and_pickles():
+    tv, theirs, _ = _models("resnet18")
+    model = copy.deepcopy(theirs)
+    params = list(model.parameters())
+    ct.convert(model)
+    assert all(p is q for p, q in zip(params, model.parameters()))
+    model.load_state_dict(theirs.state_dict())
+    x = torch.randn(1, 3, 32, 32, dtype=F64)
+    with torch.no_grad():
+        want = model.eval()(x)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert type(loaded.layer1[0]).__name__ == "FusedBasicBlock"
+        for other in (copy.deepcopy(model), loaded):
+            torch.testing.assert_close(other.eval()(x), want, rtol=0, atol=0)
+        assert isinstance(model.layer2[0], tv.models.resnet.BasicBlock)
+
+
+def _block(tv, planes=4, downsample=True):
+    torch.manual_seed(0)
+    ds = nn.Sequential(nn.Conv2d(planes, planes, 1, bias=False), nn.BatchNorm2d(planes)) \
+        if downsample else None
+    return tv.models.resnet.BasicBlock(planes, planes, downsample=ds).to(F64)
+
+
+def _agree(theirs, ours):
+    x = torch.randn(2, 4, 6, 6, dtype=F64, generator=torch.Generator().manual_seed(3))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = theirs(xa), ours(xb)
+    torch.testing.assert_close(yb, ya, rtol=1e-12, atol=1e-12)
+    ya.sum().backward()
+    yb.sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("change", ["subclass", "subclass_forward", "instance_forward",
+                                    "hook", "relu_hook", "silu", "bn_hook"])
+def test_a_block_that_may_compute_something_else_is_kept(change):
+    tv = import_torchvision()
+    theirs = _block(tv)
+    fired = []
+    if change.startswith("subclass"):
+        body = {} if change == "subclass" else {
+            "forward": lambda self, x: tv.models.resnet.BasicBlock.forward(self, x) * 2}
+        theirs.__class__ = type("Mine", (tv.models.resnet.BasicBlock,), body)
+    elif change == "instance_forward":
+        theirs.forward = lambda x: tv.models.resnet.BasicBlock.forward(theirs, x) - 1
+    elif change == "hook":
+        theirs.register_forward_hook(lambda m, i, o: fired.append(1))
+    elif change == "relu_hook":
+        theirs.relu.register_forward_hook(lambda m, i, o: fired.append(1))
+    elif change == "silu":
+        theirs.relu = nn.SiLU()
+    else:
+        theirs.bn2.register_forward_hook(lambda m, i, o: fired.append(1))
+    ours = copy.deepcopy(theirs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ct.convert(ours)
+    assert type(ours) is type(theirs)
+    assert isinstance(ours.conv1, ct.Conv2d)
+    assert isinstance(ours.bn2, ct.BatchNorm2d) != (change == "bn_hook")
+    assert ours.bn1.activation == "identity"
+    assert len(caught) == (change == "bn_hook")  # the batch norm kept says why, once
+    fired.clear()
+    _agree(theirs, ours)
+    assert len(fired) == 2 * (change in ("hook", "bn_hook")) + 4 * (change == "relu_hook")
+
+
+@pytest.mark.parametrize("downsample", [True, False])
+def test_a_lone_block_converts_with_and_without_downsample(downsample):
+    tv = import_torchvision()
+    theirs = _block(tv, downsample=downsample)
+    ours = ct.convert(copy.deepcopy(theirs))
+    assert type(ours).__name__ == "FusedBasicBlock"
+    assert ours.bn2.activation == "relu"
+    _agree(theirs, ours)
+
+
+def test_an_identity_in_another_dtype_is_cast_as_the_in_place_add_keeps_it():
+    tv = import_torchvision()
+    theirs = _block(tv, downsample=False).float()
+    ours = ct.convert(copy.deepcopy(theirs))
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = theirs(x), ours(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
