@@ -18,15 +18,20 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import convfuse.torch as ct  # noqa: E402
-from tests._zoo import import_torchvision  # noqa: E402
+from tests._zoo import import_timm, import_torchvision  # noqa: E402
 
 F64 = torch.float64
 
 
-def _models(name):
+def _models(name, **kwargs):
+    """(torchvision, torch.nn model, its conversion); `name` "timm:..." is timm's model."""
     tv = import_torchvision()
     torch.manual_seed(0)
-    theirs = getattr(tv.models, name)().to(F64)
+    if name.startswith("timm:"):
+        theirs = import_timm().create_model(name[5:], pretrained=False, **kwargs)
+    else:
+        theirs = getattr(tv.models, name)(**kwargs)
+    theirs = theirs.to(F64)
     return tv, theirs, ct.convert(copy.deepcopy(theirs))
 
 
@@ -48,15 +53,24 @@ def _close(got, want, what):
     assert (got - want).abs().max().item() <= 1e-9 * scale, what
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+CASES = {  # model -> (its blocks' fused class, the activation the batch norms take)
+    "resnet18": ("FusedBasicBlock", "relu"), "resnet50": ("FusedBottleneck", "relu"),
+    "timm:resnet18": ("FusedTimmBasicBlock", "relu"),
+    "timm:resnet50d": ("FusedTimmBottleneck", "relu"),  # average-pool downsample
+    "timm:resnet26t": ("FusedTimmBottleneck", "relu"),  # deep stem
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_a_converted_resnet_trains_as_torch_nn_does(name):
-    tv, theirs, ours = _models(name)
-    block = tv.models.resnet.BasicBlock if name == "resnet18" else tv.models.resnet.Bottleneck
-    blocks = [m for m in ours.modules() if isinstance(m, block)]
-    assert blocks and all(type(m).__name__ == "Fused" + block.__name__ for m in blocks)
-    last = "bn2" if name == "resnet18" else "bn3"
+    _, theirs, ours = _models(name)
+    fused, act = CASES[name]
+    blocks = [m for m in ours.modules() if type(m).__name__.startswith("Fused")]
+    assert blocks and all(type(m).__name__ == fused for m in blocks)
+    assert len(blocks) == sum(type(m).__name__ in ("BasicBlock", "Bottleneck")
+                              for m in theirs.modules())
     for m in blocks:
-        assert getattr(m, last).activation == "relu" and m.bn1.activation == "relu"
+        assert all(getattr(m, bn).activation == act for _, bn in m._fused_pairs)
     assert list(ours.state_dict()) == list(theirs.state_dict())
     opt_a = torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9)
     opt_b = torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)
@@ -66,7 +80,7 @@ def test_a_converted_resnet_trains_as_torch_nn_does(name):
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         ya, yb = theirs(xa), ours(xb)
         _close(yb, ya, f"output, step {step}")
-        if step == 0 and name == "resnet18":
+        if step == 0 and name in ("resnet18", "timm:resnet18"):
             assert _nodes(ya, "ReluBackward") == 17 and _nodes(yb, "ReluBackward") == 1
             assert _nodes(yb, "AddBackward") == 0
         dy = torch.randn(ya.shape, dtype=F64, generator=g)
@@ -178,3 +192,33 @@ def test_an_identity_in_another_dtype_is_cast_as_the_in_place_add_keeps_it():
         want, got = theirs(x), ours(x)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def test_timm_blocks_take_their_own_activation():
+    _, theirs, ours = _models("timm:resnet18", act_layer="silu")
+    block = ours.layer1[0]
+    assert type(block).__name__ == "FusedTimmBasicBlock"
+    assert block.bn1.activation == block.bn2.activation == "silu"
+    x = torch.randn(2, 3, 64, 64, dtype=F64)
+    with torch.no_grad():
+        _close(ours(x), theirs(x), "output")
+
+
+@pytest.mark.parametrize("change", ["se", "drop_path", "version"])
+def test_timm_blocks_with_optional_parts_or_another_release_are_kept(change, monkeypatch):
+    timm = import_timm()
+    if change == "version":
+        monkeypatch.setattr(timm, "__version__", "1.1.0")
+    kwargs = {"drop_path_rate": 0.1} if change == "drop_path" else {}
+    _, theirs, ours = _models("timm:seresnet18" if change == "se" else "timm:resnet18",
+                               **kwargs)
+    block = ours.layer4[1]  # drop_path's rate grows with depth: 0 in the first block
+    assert change != "drop_path" or block.drop_path is not None
+    assert type(block) is timm.models.resnet.BasicBlock
+    assert isinstance(block.conv1, ct.Conv2d) and isinstance(block.bn2, ct.BatchNorm2d)
+    assert block.bn2.activation == "identity"
+    theirs.eval()
+    ours.eval()  # drop_path draws random numbers in training
+    x = torch.randn(2, 3, 64, 64, dtype=F64)
+    with torch.no_grad():
+        _close(ours(x), theirs(x), "output")

@@ -5,84 +5,112 @@ convert() sees module objects, not what a forward() does with them, so outside a
 nn.Sequential it cannot fold an activation or a residual add: torchvision's ResNet block
 ends in `out = self.bn2(out); out += identity; out = self.relu(out)`, three passes (and
 three autograd nodes) where convfuse's batch norm is one call. For the blocks whose forward
-it knows, torchvision's `BasicBlock` and `Bottleneck` (ResNet, ResNeXt, Wide ResNet), it
-does the rewrite itself. A block is taken only when nothing can differ from that forward:
-its class is exactly one of the two (a subclass may compute anything), it has no forward
-of its own on the instance, no hooks on it or its ReLU, its ReLU is an nn.ReLU, and every
-batch norm it fuses converts. Then each batch norm followed by the ReLU becomes a convfuse
-BatchNorm with `activation="relu"`, the last one also takes the identity as its residual,
-and the block's class becomes a subclass of its own (`FusedBasicBlock`, `FusedBottleneck`)
-whose forward makes those calls, as torch.nn.utils.parametrize swaps a module's class. The
-submodules, attributes and state-dict keys stay; the block's ReLU stays as a submodule,
-unused. The downsample runs before the main branch instead of after it: they share no
-state (each batch norm updates its own statistics) and draw no random numbers. `out +=
-identity` keeps `out`'s dtype, so an identity of another dtype (an input torch.autocast
-left in float32) is cast to the main branch's before the fused call, where torch.nn rounds
-the sum to that dtype instead. The classes are made on first use from the torchvision
-that is already imported (convert never imports it), and are attributes of this module by
-name, so a pickled converted model loads wherever torchvision is installed.
+it knows it does the rewrite itself: torchvision's `BasicBlock` and `Bottleneck` (ResNet,
+ResNeXt, Wide ResNet) and timm 1.0's `BasicBlock` and `Bottleneck` (timm's ResNets and
+their variants, where those blocks are plain). Each is a chain of conv -> batch norm ->
+activation with the last batch norm's output added to the identity (the block's input, or
+its downsample's output) before the last activation. A block is taken only when nothing can
+differ from that: its class is exactly one of these (a subclass may compute anything), it
+has no forward of its own on the instance, no hooks on it or its activations, each
+activation is one convfuse has (torchvision's: its one ReLU, an exact nn.ReLU), timm's
+optional parts are absent (`drop_block` and `aa` nn.Identity, no `se`, no `drop_path`), the
+timm release is a 1.0 one (the forward the tests check), and every batch norm converts.
+Then each batch norm becomes a convfuse BatchNorm with the activation after it, the last
+one also takes the identity as its residual, and the block's class becomes a subclass of
+its own (`FusedBasicBlock`, `FusedTimmBottleneck`, ...) whose forward makes those calls,
+as torch.nn.utils.parametrize swaps a module's class. The submodules, attributes and
+state-dict keys stay; the activation modules stay as submodules, unused. The downsample
+runs before the main branch instead of after it: they share no state (each batch norm
+updates its own statistics) and draw no random numbers. `out += identity` keeps `out`'s
+dtype, so an identity of another dtype (an input torch.autocast left in float32) is cast to
+the main branch's before the fused call, where torch.nn rounds the sum to that dtype
+instead. The classes are made on first use from the library already imported (convert
+never imports torchvision or timm), and are attributes of this module by name, so a pickled
+converted model loads wherever that library is installed.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-_TORCHVISION = "torchvision.models.resnet"
-#: block class name -> the batch norms its fused forward calls, in order
-BATCH_NORMS = {"BasicBlock": ("bn1", "bn2"), "Bottleneck": ("bn1", "bn2", "bn3")}
+from ._convert_kinds import activation_of
 
 
-def _basic_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """torchvision's BasicBlock.forward with bn1 and bn2 taking the ReLU and bn2 the
+class Block(NamedTuple):
+    """A block class convert knows: where it lives, its conv -> batch norm pairs in order,
+    the activation after each batch norm, the parts that must be nn.Identity and those
+    that must be None (Note [residual blocks])."""
+
+    module: str
+    name: str
+    pairs: tuple[tuple[str, str], ...]
+    acts: tuple[str, ...]
+    relu_only: bool  # the activations must be exactly nn.ReLU (a forward that calls relu)
+    identities: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
+    version: str = ""  # the release the library's __version__ must start with
+
+
+_TWO = (("conv1", "bn1"), ("conv2", "bn2"))
+_THREE = (*_TWO, ("conv3", "bn3"))
+_TV, _TIMM = "torchvision.models.resnet", "timm.models.resnet"
+_TIMM_PARTS = (("drop_block", "aa"), ("se", "drop_path"), "1.0.")
+#: fused class name -> the block it fuses
+BLOCKS = {
+    "FusedBasicBlock": Block(_TV, "BasicBlock", _TWO, ("relu",) * 2, True),
+    "FusedBottleneck": Block(_TV, "Bottleneck", _THREE, ("relu",) * 3, True),
+    "FusedTimmBasicBlock": Block(_TIMM, "BasicBlock", _TWO, ("act1", "act2"), False,
+                                 *_TIMM_PARTS),
+    "FusedTimmBottleneck": Block(_TIMM, "Bottleneck", _THREE, ("act1", "act2", "act3"),
+                                 False, *_TIMM_PARTS),
+}
+
+
+def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The block's forward with each batch norm taking its activation and the last one the
     identity (Note [residual blocks])."""
     identity = x if self.downsample is None else self.downsample(x)
-    out = self.bn1(self.conv1(x))
-    out = self.conv2(out)
-    return self.bn2(out, residual=_as(identity, out))
+    *pairs, (conv, bn) = type(self)._fused_pairs
+    out = x
+    for c, b in pairs:
+        out = getattr(self, b)(getattr(self, c)(out))
+    out = getattr(self, conv)(out)
+    if identity.dtype != out.dtype:  # `out += identity` keeps out's dtype
+        identity = identity.to(out.dtype)
+    return getattr(self, bn)(out, residual=identity)
 
 
-def _bottleneck_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-    """torchvision's Bottleneck.forward with bn1, bn2 and bn3 taking the ReLU and bn3 the
-    identity (Note [residual blocks])."""
-    identity = x if self.downsample is None else self.downsample(x)
-    out = self.bn1(self.conv1(x))
-    out = self.bn2(self.conv2(out))
-    out = self.conv3(out)
-    return self.bn3(out, residual=_as(identity, out))
-
-
-def _as(identity: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The identity in the dtype `out += identity` keeps (Note [residual blocks])."""
-    return identity if identity.dtype == out.dtype else identity.to(out.dtype)
-
-
-_FORWARDS = {"BasicBlock": _basic_forward, "Bottleneck": _bottleneck_forward}
-
-
-def _fused_class(name: str) -> type[nn.Module]:
-    """FusedBasicBlock or FusedBottleneck: torchvision's class with the fused forward."""
-    made = globals().get("Fused" + name)
+def _fused_class(fused: str) -> type[nn.Module]:
+    """The class `fused` names: its block's class with the fused forward."""
+    made = globals().get(fused)
     if made is None:
-        base = getattr(sys.modules[_TORCHVISION], name)
-        made = type("Fused" + name, (base,), {
-            "forward": _FORWARDS[name], "__module__": __name__,
-            "__doc__": f"torchvision's {name} after convfuse.torch.convert: its batch norms "
-                       "take the ReLU and the last one the identity (Note [residual blocks] "
-                       "in convfuse/torch/_convert_blocks.py)."})
-        globals()["Fused" + name] = made
+        block = BLOCKS[fused]
+        base = getattr(sys.modules[block.module], block.name)
+        made = type(fused, (base,), {
+            "forward": _fused_forward, "_fused_pairs": block.pairs, "__module__": __name__,
+            "__doc__": f"{block.module}.{block.name} after convfuse.torch.convert: its batch "
+                       "norms take their activations and the last one the identity (Note "
+                       "[residual blocks] in convfuse/torch/_convert_blocks.py)."})
+        globals()[fused] = made
     return made
 
 
 def __getattr__(name: str) -> Any:
-    """The fused classes by name, for unpickling (made from torchvision, imported here)."""
-    if name.startswith("Fused") and name[5:] in _FORWARDS:
-        __import__(_TORCHVISION)
-        return _fused_class(name[5:])
+    """The fused classes by name, for unpickling (made from their library, imported here)."""
+    if name in BLOCKS:
+        __import__(BLOCKS[name].module)
+        return _fused_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _imported(block: Block) -> type | None:
+    """The block's class where its library is imported (convert never imports it)."""
+    lib = sys.modules.get(block.module)
+    return None if lib is None else getattr(lib, block.name, None)
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -90,23 +118,36 @@ def _hooked(module: nn.Module) -> bool:
         "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
-def residual_block(module: nn.Module) -> tuple[str, ...] | None:
-    """The names of the batch norms convert may fuse in `module` when it is a block this
-    rule takes (Note [residual blocks]), else None."""
-    tv = sys.modules.get(_TORCHVISION)
-    if tv is None:
+def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | None:
+    """(the fused class's name, [(batch norm, its activation)]) where `module` is a block
+    this rule takes (Note [residual blocks]), else None."""
+    fused = next((f for f, b in BLOCKS.items() if type(module) is _imported(b)), None)
+    if fused is None:
         return None
-    name = type(module).__name__
-    if name not in BATCH_NORMS or type(module) is not getattr(tv, name, None):
+    block = BLOCKS[fused]
+    top = sys.modules.get(block.module.split(".")[0])
+    if not str(getattr(top, "__version__", "")).startswith(block.version):
         return None
-    relu = module._modules.get("relu")
-    if "forward" in module.__dict__ or _hooked(module) or type(relu) is not nn.ReLU \
-            or _hooked(relu):
+    if "forward" in module.__dict__ or _hooked(module):
         return None
-    return BATCH_NORMS[name]
+    mods = module._modules
+    if any(type(mods.get(n)) is not nn.Identity for n in block.identities) \
+            or any(getattr(module, n, None) is not None for n in block.absent):
+        return None
+    found = []
+    for (_, bn), name in zip(block.pairs, block.acts):
+        act = mods.get(name)
+        if act is None or _hooked(act):
+            return None
+        kind = ("relu" if type(act) is nn.ReLU else None) if block.relu_only \
+            else activation_of(act)
+        if kind is None:
+            return None
+        found.append((bn, kind))
+    return fused, found
 
 
-def fuse(module: nn.Module) -> None:
-    """Give a block `residual_block` took, its batch norms already converted with the ReLU,
-    the fused forward (Note [residual blocks])."""
-    module.__class__ = _fused_class(type(module).__name__)
+def fuse(module: nn.Module, fused: str) -> None:
+    """Give a block `residual_block` took, its batch norms already converted with their
+    activations, the fused forward (Note [residual blocks])."""
+    module.__class__ = _fused_class(fused)

@@ -8,15 +8,15 @@ one fused module: it takes the convolution's place and the activation becomes nn
 so indices and state-dict keys stay the same. Outside nn.Sequential the forward order is
 unknown (ResNet's BasicBlock applies one ReLU twice, once after the residual add), so
 convolutions and batch norms are converted alone, except in the few blocks whose forward
-convert knows (torchvision's ResNet blocks: Note [residual blocks] in _convert_blocks.py),
-whose batch norms take the ReLU and the residual. Conv -> BatchNorm -> activation needs no
-rule of its own: the conv sees a BatchNorm next (not an activation) and converts alone,
-then the BatchNorm folds the activation; the same fuses a pre-activation
-BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into the
-convolution's weights: in training the statistics are the batch's, so they cannot be.
-Which modules count as a convolution or a batch norm, subclasses and the model zoos' own
-classes included, is _convert_kinds.py's (Note [which subclasses convert]); every one that
-is left gets one warning with the reason.
+convert knows (torchvision's and timm's ResNet blocks: Note [residual blocks] in
+_convert_blocks.py), whose batch norms take their activations and the residual. Conv ->
+BatchNorm -> activation needs no rule of its own: the conv sees a BatchNorm next (not an
+activation) and converts alone, then the BatchNorm folds the activation; the same fuses a
+pre-activation BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into the
+convolution's weights: in training the statistics are the batch's, so they cannot be. Which
+modules count as a convolution or a batch norm, subclasses and the model zoos' own classes
+included, is _convert_kinds.py's (Note [which subclasses convert]); every one that is left
+gets one warning with the reason.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def fused_batchnorm(bn: nn.Module, activation: str | None = None) -> _BatchNormN
 def convert(model: nn.Module) -> nn.Module:
     """Replace, in place, every convolution and batch norm convfuse has a layer for by that
     layer with the same Parameters and buffers, folding an activation that immediately
-    follows it in an nn.Sequential (Note [conversion rules]); returns the model (or the new
-    layer, if `model` is a conv or a batch norm).
+    follows it in an nn.Sequential (Note [conversion rules]), and in torchvision's and timm's
+    ResNet blocks handing each batch norm its activation and the last one the residual (Note
+    [residual blocks]); returns the model (or the new layer, if `model` is a conv or a batch
+    norm).
 
     Taken: nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and their
     subclasses that keep torch.nn's forward (torchvision's Conv3DSimple); timm's
@@ -144,24 +146,26 @@ def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
 
 
 def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
-    """Convert a residual block whose forward convert knows, its batch norms taking the
-    ReLU and the last one the identity (Note [residual blocks] in _convert_blocks.py);
-    False, with nothing changed, for any other module or where a batch norm would stay."""
-    names = _convert_blocks.residual_block(block)
-    if names is None:
+    """Convert a residual block whose forward convert knows, its batch norms taking their
+    activations and the last one the identity (Note [residual blocks] in
+    _convert_blocks.py); False, with nothing changed, for any other module or where a batch
+    norm would stay."""
+    taken = _convert_blocks.residual_block(block)
+    if taken is None:
         return False
-    bns = [block._modules.get(n) for n in names]
-    for bn in bns:
+    fused_name, bns = taken
+    for name, _ in bns:
+        bn = block._modules.get(name)
         if bn is None:
             return False
         _, kind, why = classify(bn, kinds)
         if kind is None or kind.family != "batchnorm" or why is not None:
             return False  # converted alone below, with its warning
-    fused = [_fused(bn, "batchnorm", "relu") for bn in bns]
+    fused = [_fused(block._modules[name], "batchnorm", act) for name, act in bns]
     if any(f is None for f in fused):  # refused by convfuse's constructor, which warned
         return False
-    for n, f in zip(names, fused):
-        block._modules[n] = f
+    for (name, _), f in zip(bns, fused):
+        block._modules[name] = f
     _convert_children(block, kinds)
-    _convert_blocks.fuse(block)
+    _convert_blocks.fuse(block, fused_name)
     return True
