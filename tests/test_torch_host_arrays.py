@@ -232,3 +232,15 @@ def test_old_weight_norm_hooks_move_the_weight_out_of_the_dict():
     _agree(theirs, ours, "conv")
     _both(theirs, ours, lambda m: m.weight_g.mul_(0.5))
     _agree(theirs, ours, "conv", seed=2)
+
+
+def test_a_tensor_computed_by_autograd_is_not_kept():
+    held = HostArrays()
+    plan = object()
+    w = torch.randn(3, dtype=F64, requires_grad=True)
+    kept = held.views(plan, (w, None))
+    assert held.entry is not None
+    computed = w * 2  # a standardised weight: new at every call, with a graph
+    arrays = held.views(plan, (computed, None))
+    assert held.entry is None
+    np.testing.assert_array_equal(arrays[0], 2 * kept[0])

@@ -3,14 +3,16 @@ host arrays]).
 
 Note [a layer's host arrays]
 On the CPU a layer hands its parameters (and a batch norm its running statistics) to the
-NumPy engine as views, `Tensor.numpy(force=True)`, which cost about a microsecond each: at
-the sizes where host time decides a step, a tenth of torch.nn's whole batch-norm call. They
-rarely change between calls, so a layer keeps the views its last call made, with the
-tensors and their addresses, and reuses them while the call's plan is the same object (so
-every shape, stride, dtype and device is the key's) and each tensor is the same object at
-the same address. Anything else makes them afresh: another plan, a Parameter reassigned or
-swapped for the call (torch.func.functional_call), `.data` or `set_` giving it other
-memory. A view reads the memory when the engine reads it, so in-place updates (an optimizer
+NumPy engine as views, `Tensor.numpy(force=True)`, which cost about a microsecond each: a
+batch norm's four are some 5% of torch.nn's whole training step at the sizes where host
+time decides it. They rarely change between calls, so a layer keeps the views its last call
+made, with the tensors and their addresses, and reuses them while the call's plan is the
+same object (so every shape, stride, dtype and device is the key's) and each tensor is the
+same object at the same address. Anything else makes them afresh: another plan, a Parameter
+reassigned or swapped for the call (torch.func.functional_call), `.data` or `set_` giving
+it other memory. A tensor computed by autograd (timm's standardised weights, made at each
+call) is never kept: it would be new at the next call anyway, and keeping it would keep its
+graph. A view reads the memory when the engine reads it, so in-place updates (an optimizer
 step, load_state_dict) need nothing. A view holds the memory it was made of, so a layer
 drops its views when it is moved or cast (`nn.Module._apply`: .to, .cuda, .half, ...) and
 at worst keeps one stale copy of its own tensors until its next CPU call. A copy or a
@@ -47,6 +49,9 @@ class HostArrays:
             else:
                 return entry[3]
         arrays = tuple(None if t is None else t.numpy(force=True) for t in tensors)
+        if any(t is not None and t.grad_fn is not None for t in tensors):
+            self.entry = None  # computed per call (a standardised weight): nothing to keep,
+            return arrays  # and its graph must not outlive the step
         self.entry = (plan, tensors, tuple(0 if t is None else t.data_ptr() for t in tensors),
                       arrays)
         return arrays
