@@ -222,3 +222,22 @@ def test_timm_blocks_with_optional_parts_or_another_release_are_kept(change, mon
     x = torch.randn(2, 3, 64, 64, dtype=F64)
     with torch.no_grad():
         _close(ours(x), theirs(x), "output")
+
+
+def test_converting_twice_changes_nothing_and_compiles_in_one_graph():
+    _, theirs, ours = _models("resnet18", num_classes=10)
+    before = [type(m) for m in ours.modules()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ct.convert(ours) is ours
+    assert not caught and [type(m) for m in ours.modules()] == before
+    x = torch.randn(2, 3, 64, 64, dtype=F64)
+    want = theirs(x)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        got = compiled(x)  # the fused blocks' forward traces without a graph break
+        got.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    _close(got, want, "compiled output")
