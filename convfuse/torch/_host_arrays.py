@@ -66,6 +66,10 @@ def of(module: torch.nn.Module) -> HostArrays:
     return held
 
 
-def drop(module: torch.nn.Module) -> None:
-    """Forget `module`'s views (it is being moved or cast)."""
-    module.__dict__.pop("_host_arrays", None)
+class HoldsViews(torch.nn.Module):
+    """A layer that keeps HostArrays: it drops them when nn.Module._apply moves or casts
+    it (.to, .cuda, .half, ...), as the views hold the memory being replaced."""
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        self.__dict__.pop("_host_arrays", None)
+        return super()._apply(fn, recurse)

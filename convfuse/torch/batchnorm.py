@@ -50,7 +50,7 @@ GENERAL = "general"  # a checked call the layer's general path runs
 _PLAIN = PlainClasses("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
-class _BatchNormNd(nn.Module):
+class _BatchNormNd(_host_arrays.HoldsViews):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
 
     _version = 2  # torch.nn's: version 2 added num_batches_tracked
@@ -210,10 +210,6 @@ class _BatchNormNd(nn.Module):
         # Buffers are passed when they are updated (training and tracking) or read (eval).
         return call(x, weight, bias, residual, (rm, rv, nbt) if call.reads else (None, None, nbt),
                     _host_arrays.of(self))
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        _host_arrays.drop(self)  # the views hold the memory being replaced
-        return super()._apply(fn, recurse)
 
     def _state(self) -> tuple[Any, Any, Any, Any, Any]:
         """(weight, bias, running_mean, running_var, num_batches_tracked), read from

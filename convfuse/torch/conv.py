@@ -64,7 +64,7 @@ class InputShapeError(ConvfuseError, ValueError, RuntimeError):
     convfuse's convention is ValueError: this is both)."""
 
 
-class _ConvLayer(nn.Module):
+class _ConvLayer(_host_arrays.HoldsViews):
     """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
     the dtype, their parameters and initialisation, and the checks of an input."""
 
@@ -75,10 +75,6 @@ class _ConvLayer(nn.Module):
         return (self.in_channels, self.out_channels, self.kernel_size, self.stride,
                 self.padding, self.dilation, self.groups, self.padding_mode,
                 self.output_padding)
-
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        _host_arrays.drop(self)  # the views hold the memory being replaced
-        return super()._apply(fn, recurse)
 
     def _weight_bias(self) -> tuple[Any, Any]:
         """(weight, bias), read from `_parameters` where attribute access would return just

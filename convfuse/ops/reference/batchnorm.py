@@ -140,11 +140,6 @@ def _constant(cd: np.dtype, value: Any) -> np.ndarray:
 _reduce = np.add.reduce
 
 
-def _per_channel(a: np.ndarray, ax: _Axes) -> np.ndarray:
-    """A (C,) array shaped to broadcast against x."""
-    return a.reshape(ax.shape)
-
-
 def _sum(a: np.ndarray, ax: _Axes) -> np.ndarray:
     """a.sum over the reduce axes (what ndarray.sum runs, without its Python wrapper)."""
     return _reduce(a, ax.reduce)
@@ -252,8 +247,8 @@ def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, m
     # identity's backward is dy itself: no pass over the samples (dz is only read below)
     dz = _in(dy, cd) if activation == "identity" else _backward_cd(dy, saved, activation)[0]
     xhat = _normalised(x, mean, invstd, ax)
-    dbias = _reduce(dz, ax.reduce)
-    dweight = _reduce(dz * xhat, ax.reduce)
+    dbias = _sum(dz, ax)
+    dweight = _sum(dz * xhat, ax)
     dx = None
     if need_dx:
         # weight None is weight 1: 1 * invstd is invstd
