@@ -164,6 +164,52 @@ def test_lru_eviction_and_stats():
     assert built == [1, 2, 3, 2]
 
 
+def test_found_plans_follow_the_cache():
+    """Note [finding a plan per call]: a getter's arguments are keyed once per flags
+    object, and a remembered plan is served only while the cache holds it."""
+    built, made = [], []
+    cache = PlanCache(lambda k: built.append(k) or [f"plan{k}"], maxsize=2)
+
+    def make_key(flags, n):
+        made.append((flags, n))
+        return ("key", n)
+
+    f1, f2 = object(), object()
+    p1 = cache.find((1,), f1, make_key)
+    assert cache.find((1,), f1, make_key) is p1 and made == [(f1, 1)]
+    assert cache.info() == (1, 1, 1)
+    assert cache.find((1,), f2, make_key) is p1  # other flags: keyed again, same key
+    assert made == [(f1, 1), (f2, 1)] and built == [("key", 1)]
+    cache.find((2,), f2, make_key)
+    cache.find((1,), f2, make_key)  # found: its recency is refreshed, as get's is
+    cache.find((3,), f2, make_key)  # so 2 is evicted, not 1
+    assert cache.find((1,), f2, make_key) is p1
+    p2 = cache.find((2,), f2, make_key)
+    assert built == [("key", 1), ("key", 2), ("key", 3), ("key", 2)]
+    assert p2 is not None and p2 is cache.get(("key", 2))
+    cache.clear()
+    assert cache.find((1,), f2, make_key) is not p1  # rebuilt, never the dropped plan
+    made.clear()
+    unhashable = ([1],)
+    with pytest.raises(TypeError):
+        hash(unhashable)
+    cache.find(unhashable, f2, lambda flags, n: made.append(n) or ("key", 9))
+    cache.find(unhashable, f2, lambda flags, n: made.append(n) or ("key", 9))
+    assert made == [[1], [1]]  # keyed every time
+
+
+def test_get_plan_follows_flags_and_clearing():
+    geom = make_geom(2, False, 1)
+    p = get_plan(geom, "float32", "relu")
+    with config.flags(deterministic=True):
+        q = get_plan(geom, "float32", "relu")
+        assert q is not p and q.key.deterministic and get_plan(geom, "float32", "relu") is q
+    assert get_plan(geom, "float32", "relu") is p
+    clear_plan_cache()
+    r = get_plan(geom, "float32", "relu")
+    assert r is not p and r.key == p.key and plan_cache_info() == (0, 1, 1)
+
+
 def test_descriptors_are_destroyed_with_their_plans():
     gc.collect()
     before = lib.liveDescriptorCount()

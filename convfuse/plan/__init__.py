@@ -20,7 +20,14 @@ from .algorithms import (
 )
 from .batchnorm import batchnorm_plan_cache_info, clear_batchnorm_plan_cache
 from .cache import CacheInfo, PlanCache
-from .conv import BiasGradFallbackWarning, ConvPlan, ForwardPath, FusedFallbackWarning, PlanKey
+from .conv import (
+    BiasGradFallbackWarning,
+    ConvPlan,
+    ForwardPath,
+    FusedFallbackWarning,
+    PlanKey,
+    current_device,
+)
 from .conv_transpose import transpose_plan_key
 from .pool import PoolPlan, PoolPlanKey
 
@@ -30,18 +37,33 @@ _pool_plans = PlanCache(PoolPlan)
 
 def get_plan(geom: Any, dtype: Any, activation: str | None = "identity",
              residual: bool = False) -> ConvPlan:
-    """The cached plan for this convolution under the current flags."""
-    return _conv_plans.get(PlanKey.create(geom, dtype, activation, residual, get_flags()))
+    """The cached plan for this convolution under the current flags (Note [finding a
+    plan per call] in cache.py)."""
+    return _conv_plans.find((geom, dtype, activation, residual, current_device()),
+                            get_flags(), _conv_key)
 
 
 def get_transpose_plan(tgeom: Any, dtype: Any) -> ConvPlan:
     """The cached plan of a transposed convolution: its forward convolution's plan, with
     the roles of x and y swapped (plan/conv_transpose.py)."""
-    return _conv_plans.get(transpose_plan_key(tgeom, dtype, get_flags()))
+    return _conv_plans.find((tgeom, dtype, current_device()), get_flags(), _transpose_key)
 
 
 def get_pool_plan(pgeom: Any, dtype: Any) -> PoolPlan:
-    return _pool_plans.get(PoolPlanKey.create(pgeom, dtype, get_flags()))
+    return _pool_plans.find((pgeom, dtype, current_device()), get_flags(), _pool_key)
+
+
+def _conv_key(flags: Any, geom: Any, dtype: Any, activation: str | None, residual: bool,
+              device: int) -> PlanKey:
+    return PlanKey.create(geom, dtype, activation, residual, flags, device)
+
+
+def _transpose_key(flags: Any, tgeom: Any, dtype: Any, device: int) -> PlanKey:
+    return transpose_plan_key(tgeom, dtype, flags, device)
+
+
+def _pool_key(flags: Any, pgeom: Any, dtype: Any, device: int) -> PoolPlanKey:
+    return PoolPlanKey.create(pgeom, dtype, flags, device)
 
 
 def forward_paths() -> list[tuple[str, ForwardPath]]:

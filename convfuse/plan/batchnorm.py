@@ -232,7 +232,14 @@ _plans = PlanCache(BatchNormPlan)
 
 def get_batchnorm_plan(geom: BatchNormGeometry, dtype: Any, activation: str | None = "identity",
                        residual: bool = False) -> BatchNormPlan:
-    return _plans.get(BatchNormPlanKey.create(geom, dtype, activation, residual))
+    """The cached plan (Note [finding a plan per call] in cache.py)."""
+    return _plans.find((geom, dtype, activation, residual, current_device()), None,
+                       _batchnorm_key)
+
+
+def _batchnorm_key(_flags: Any, geom: BatchNormGeometry, dtype: Any, activation: str | None,
+                   residual: bool, device: int) -> BatchNormPlanKey:
+    return BatchNormPlanKey.create(geom, dtype, activation, residual, device)
 
 
 def batchnorm_plan_cache_info() -> CacheInfo:

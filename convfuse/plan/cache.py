@@ -1,4 +1,17 @@
-"""Process-wide plan caches: bounded, least-recently-used eviction, guarded by a lock."""
+"""Process-wide plan caches: bounded, least-recently-used eviction, guarded by a lock.
+
+Note [finding a plan per call]
+Every engine call asks for its plan, and building the key (a frozen dataclass: the flags
+read, the dtype and activation canonicalised, the device asked) costs several
+microseconds of host time, four times per training step of a convolution layer. So
+`PlanCache.find` remembers, per tuple of the getter's own arguments, the key they made and
+its plan: a call that recurs hashes that tuple (its geometry caches its hash) and takes
+the lock once. The answer is only reused while the flags object in force is the one it
+was made under (`config.set_flags` makes a new one; anything else a key reads is an
+argument) and while the cache still holds that very plan under that key, so eviction,
+clear_plan_cache and a rebuilt plan are seen; a hit refreshes the plan's recency as `get`
+does. Arguments that cannot be hashed go to `get` and its key's checks every time.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +41,9 @@ class PlanCache:
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
+        # Note [finding a plan per call]: getter arguments -> (key, plan), under _flags
+        self._found: dict[Any, tuple[Hashable, Any]] = {}
+        self._flags: Any = None
 
     def get(self, key: Hashable) -> Any:
         with self._lock:
@@ -41,7 +57,34 @@ class PlanCache:
             self._plans[key] = plan
             if len(self._plans) > self._maxsize:
                 self._plans.popitem(last=False)
+                self._found = {}  # it may hold the evicted plan: let its descriptors go
             return plan
+
+    def find(self, args: tuple[Any, ...], flags: Any,
+             make_key: Callable[..., Hashable]) -> Any:
+        """get(make_key(flags, *args)) for the flags object `flags` in force, remembered
+        per `args` (Note [finding a plan per call])."""
+        found = self._found
+        if flags is not self._flags:
+            self._found = found = {}
+            self._flags = flags
+        try:
+            entry = found.get(args)
+        except TypeError:  # an unhashable argument: the key's checks say what is wrong
+            return self.get(make_key(flags, *args))
+        if entry is not None:
+            key, plan = entry
+            with self._lock:
+                if self._plans.get(key) is plan:
+                    self._hits += 1
+                    self._plans.move_to_end(key)
+                    return plan
+        key = make_key(flags, *args)
+        plan = self.get(key)
+        if len(found) >= 4 * self._maxsize:  # equal arguments spelled many ways
+            found.clear()
+        found[args] = (key, plan)
+        return plan
 
     def values(self) -> list[Any]:
         """The cached plans, least recently used first (a snapshot)."""
@@ -56,4 +99,5 @@ class PlanCache:
         """Drop every plan (their descriptors are destroyed once unreferenced) and the counts."""
         with self._lock:
             self._plans.clear()
+            self._found = {}
             self._hits = self._misses = 0

@@ -25,9 +25,9 @@ TRANSPOSE_DIRECTIONS = {"forward": "bwd_data", "backward_data": "fwd",
 
 
 def transpose_plan_key(tgeom: ConvTransposeGeometry, dtype: Any,
-                       flags: Flags | None = None) -> PlanKey:
+                       flags: Flags | None = None, device: int | None = None) -> PlanKey:
     """The key of G's plain (unfused) plan; TypeError for anything but a
     ConvTransposeGeometry."""
     if not isinstance(tgeom, ConvTransposeGeometry):
         raise TypeError(f"tgeom must be a ConvTransposeGeometry, got {type(tgeom).__name__}")
-    return PlanKey.create(tgeom.conv, dtype, "identity", False, flags)
+    return PlanKey.create(tgeom.conv, dtype, "identity", False, flags, device)
