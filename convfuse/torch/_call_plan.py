@@ -26,7 +26,7 @@ Once validated, a tiny float32/float64 conv with relu or identity and no residua
 engine's runner (convfuse.ops.validated.conv_bias_act_runner: TinyConv.bias_act with
 nothing decided per call), but only while convfuse.ops.conv_bias_act, its validated entry
 and the engine's function are the ones imported: a replaced one (a test's spy) is called,
-as every call reaches it. CUDA calls keep the bodies (`_ops.fused_forward`,
+as every call reaches it. CUDA calls keep the bodies (`_ops.forward_parts`,
 `_ops.backward_parts`), whose pointer path never ran on a GPU here.
 The numbers are bit for bit those of the custom ops, whose bodies run the same
 convfuse.ops through the same Prepared. Where a call needs what a plan does not hold (an
@@ -59,7 +59,7 @@ from ..ops import validated
 from . import _double, _eager
 from ._arrays import host_array, logical, to_tensor
 from ._host_arrays import HostArrays
-from ._ops import activation_grads, backward_parts, fused_forward
+from ._ops import activation_grads, backward_parts, forward_parts
 from ._signature import Prepared, engine, op, validated_engine
 
 # What a runner stands for (FusedCall._runnable): the functions as imported, before any
@@ -123,7 +123,7 @@ class FusedCall:
         """(y, z) as the forward custom op's body computes them (z None where the
         activation saves no pre-activation)."""
         if not x.is_cpu:  # CUDA (and a device convfuse refuses, which the op says)
-            return fused_forward(self.name, self.prep, x, weight, bias, residual, self.act)
+            return forward_parts(self.name, self.prep, x, weight, bias, residual, self.act)
         cl = self.prep.cl
         if self.plain:
             if held is not None:

@@ -97,16 +97,24 @@ def fused_forward(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
                   bias: torch.Tensor | None, residual: torch.Tensor | None,
                   activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The body of a fused forward op (conv_bias_act's or conv_transpose_bias_act's): (y, z)
-    from convfuse.ops.<name>, in the layout `prep` decided."""
+    from convfuse.ops.<name>, in the layout `prep` decided; z empty where the activation
+    saves no pre-activation (a custom op returns no None)."""
+    yt, zt = forward_parts(name, prep, x, weight, bias, residual, activation)
+    return yt, zt if zt is not None else x.new_empty(0)
+
+
+def forward_parts(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None, residual: torch.Tensor | None,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fused_forward`'s (y, z) with z None where there is none: the eager path's, which
+    makes no placeholder tensor per call."""
     cl = prep.cl
     xp, wp = physical(x, cl), physical(weight, cl)
     with context(x):
         y, z = op(prep, device_type(x), name, to_array(xp), to_array(wp),
                   None if bias is None else to_array(bias), prep.geom, activation,
                   _array_or_none(residual, cl), aligned=aligned(bias))
-        yt = logical(to_tensor(y), cl)
-        zt = logical(to_tensor(z), cl) if z is not None else x.new_empty(0)
-    return yt, zt
+        return logical(to_tensor(y), cl), None if z is None else logical(to_tensor(z), cl)
 
 
 def _conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
