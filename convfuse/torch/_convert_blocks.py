@@ -27,6 +27,23 @@ the main branch's before the fused call, where torch.nn rounds the sum to that d
 instead. The classes are made on first use from the library already imported (convert
 never imports torchvision or timm), and are attributes of this module by name, so a pickled
 converted model loads wherever that library is installed.
+
+Note [inverted residual blocks]
+MobileNet's blocks end the other way round: torchvision's MobileNetV2 `InvertedResidual`
+returns `x + self.conv(x)` and MobileNetV3's `result = self.block(input); result += input`
+(when `use_res_connect`), the branch an nn.Sequential whose last module is the projection's
+batch norm (V3: the last child of its last child, a Conv2dNormActivation with no
+activation). No activation follows the add, so the fusion is batch norm + add: the last
+batch norm takes the block's input as its residual, one pass instead of two. The rule's
+conditions are those of Note [residual blocks], for the block and for the Sequentials the
+fused forward walks through instead of calling (exactly nn.Sequential's forward, no hooks):
+the block's class exactly torchvision's, `use_res_connect` set, and the last batch norm
+converted with no activation of its own. The fused forward runs the branch's modules in
+order and hands the last batch norm the residual; a block whose `use_res_connect` is false
+runs its branch as before. The adds round as torch's do: V3's in-place add keeps the
+branch's dtype (the input is cast to it, as for ResNet's), and V2's `x + branch` promotes,
+so where the dtypes differ (an input autocast left in float32) V2's block adds after the
+batch norm as torch.nn does.
 """
 
 from __future__ import annotations
@@ -70,6 +87,55 @@ BLOCKS = {
 }
 
 
+class Inverted(NamedTuple):
+    """An inverted residual block convert knows (Note [inverted residual blocks]): where it
+    lives, the attribute holding its branch, whether the last batch norm is the last child
+    of the branch's last child, and whether the add keeps the branch's dtype (in place) or
+    promotes (`x + branch(x)`)."""
+
+    module: str
+    name: str
+    branch: str
+    nested: bool
+    in_place: bool
+
+
+_MOBILENET = "torchvision.models.mobilenetv"
+#: fused class name -> the inverted residual block it fuses
+INVERTED = {
+    "FusedInvertedResidual": Inverted(_MOBILENET + "2", "InvertedResidual", "conv", False,
+                                      False),
+    "FusedInvertedResidualV3": Inverted(_MOBILENET + "3", "InvertedResidual", "block", True,
+                                        True),
+}
+
+
+def _chain(branch: nn.Module, nested: bool) -> list[nn.Module]:
+    """The modules an inverted block's branch runs, in order, the last batch norm last."""
+    mods: list[Any] = [m for m in branch._modules.values() if m is not None]
+    if nested and mods:
+        mods += [m for m in mods.pop()._modules.values() if m is not None]
+    return mods
+
+
+def _inverted_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    """The block's forward with its last batch norm adding the input (Note [inverted
+    residual blocks])."""
+    spec: Inverted = type(self)._inverted
+    branch = getattr(self, spec.branch)
+    if not self.use_res_connect:
+        return branch(x)
+    *head, bn = _chain(branch, spec.nested)
+    out = x
+    for m in head:
+        out = m(out)
+    if x.dtype != out.dtype:
+        if not spec.in_place:  # `x + branch(x)` promotes: add after, as torch.nn does
+            return x + bn(out)
+        return bn(out, residual=x.to(out.dtype))
+    return bn(out, residual=x)
+
+
 def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """The block's forward with each batch norm taking its activation and the last one the
     identity (Note [residual blocks])."""
@@ -88,26 +154,35 @@ def _fused_class(fused: str) -> type[nn.Module]:
     """The class `fused` names: its block's class with the fused forward."""
     made = globals().get(fused)
     if made is None:
-        block = BLOCKS[fused]
-        base = getattr(sys.modules[block.module], block.name)
-        made = type(fused, (base,), {
-            "forward": _fused_forward, "_fused_pairs": block.pairs, "__module__": __name__,
-            "__doc__": f"{block.module}.{block.name} after convfuse.torch.convert: its batch "
-                       "norms take their activations and the last one the identity (Note "
-                       "[residual blocks] in convfuse/torch/_convert_blocks.py)."})
+        block = BLOCKS.get(fused)
+        spec = block if block is not None else INVERTED[fused]
+        base = getattr(sys.modules[spec.module], spec.name)
+        body: dict[str, Any] = {"__module__": __name__}
+        if block is not None:
+            body.update(forward=_fused_forward, _fused_pairs=block.pairs, __doc__=(
+                f"{spec.module}.{spec.name} after convfuse.torch.convert: its batch norms "
+                "take their activations and the last one the identity (Note [residual "
+                "blocks] in convfuse/torch/_convert_blocks.py)."))
+        else:
+            body.update(forward=_inverted_forward, _inverted=spec, __doc__=(
+                f"{spec.module}.{spec.name} after convfuse.torch.convert: its last batch "
+                "norm adds the block's input (Note [inverted residual blocks] in "
+                "convfuse/torch/_convert_blocks.py)."))
+        made = type(fused, (base,), body)
         globals()[fused] = made
     return made
 
 
 def __getattr__(name: str) -> Any:
     """The fused classes by name, for unpickling (made from their library, imported here)."""
-    if name in BLOCKS:
-        __import__(BLOCKS[name].module)
+    spec = BLOCKS.get(name) or INVERTED.get(name)
+    if spec is not None:
+        __import__(spec.module)
         return _fused_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _imported(block: Block) -> type | None:
+def _imported(block: Block | Inverted) -> type | None:
     """The block's class where its library is imported (convert never imports it)."""
     lib = sys.modules.get(block.module)
     return None if lib is None else getattr(lib, block.name, None)
@@ -128,7 +203,7 @@ def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | Non
     top = sys.modules.get(block.module.split(".")[0])
     if not str(getattr(top, "__version__", "")).startswith(block.version):
         return None
-    if "forward" in module.__dict__ or _hooked(module):
+    if not _plain(module):
         return None
     mods = module._modules
     if any(type(mods.get(n)) is not nn.Identity for n in block.identities) \
@@ -145,6 +220,40 @@ def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | Non
             return None
         found.append((bn, kind))
     return fused, found
+
+
+def _plain(module: nn.Module) -> bool:
+    """No forward on the instance and no hooks: calling it is calling its class's forward."""
+    return "forward" not in module.__dict__ and not _hooked(module)
+
+
+def _plain_sequential(module: Any) -> bool:
+    return (isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+            and _plain(module))
+
+
+def inverted_block(module: nn.Module) -> str | None:
+    """The fused class's name where `module` is an inverted residual block whose branch this
+    rule may walk (Note [inverted residual blocks]), before conversion; else None."""
+    fused = next((f for f, b in INVERTED.items() if type(module) is _imported(b)), None)
+    if fused is None or not _plain(module) or getattr(module, "use_res_connect", None) is not True:
+        return None
+    spec = INVERTED[fused]
+    branch: Any = module._modules.get(spec.branch)
+    if not _plain_sequential(branch) or not branch._modules:
+        return None
+    if spec.nested and not _plain_sequential(list(branch._modules.values())[-1]):
+        return None
+    return fused
+
+
+def inverted_batchnorm(module: nn.Module, fused: str) -> nn.Module | None:
+    """The module that would take the residual in a block `inverted_block` took: the last
+    of its branch's chain (a batch norm, converted or not), or None for an empty chain."""
+    spec = INVERTED[fused]
+    branch: Any = module._modules[spec.branch]
+    chain = _chain(branch, spec.nested)
+    return chain[-1] if chain else None
 
 
 def fuse(module: nn.Module, fused: str) -> None:

@@ -9,14 +9,15 @@ so indices and state-dict keys stay the same. Outside nn.Sequential the forward 
 unknown (ResNet's BasicBlock applies one ReLU twice, once after the residual add), so
 convolutions and batch norms are converted alone, except in the few blocks whose forward
 convert knows (torchvision's and timm's ResNet blocks: Note [residual blocks] in
-_convert_blocks.py), whose batch norms take their activations and the residual. Conv ->
-BatchNorm -> activation needs no rule of its own: the conv sees a BatchNorm next (not an
-activation) and converts alone, then the BatchNorm folds the activation; the same fuses a
-pre-activation BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into the
-convolution's weights: in training the statistics are the batch's, so they cannot be. Which
-modules count as a convolution or a batch norm, subclasses and the model zoos' own classes
-included, is _convert_kinds.py's (Note [which subclasses convert]); every one that is left
-gets one warning with the reason.
+_convert_blocks.py), whose batch norms take their activations and the residual, and
+torchvision's MobileNet blocks (Note [inverted residual blocks]), whose last batch norm
+takes the block's input. Conv -> BatchNorm -> activation needs no rule of its own: the conv
+sees a BatchNorm next (not an activation) and converts alone, then the BatchNorm folds the
+activation; the same fuses a pre-activation BatchNorm -> ReLU -> Conv. convfuse does not
+fold BatchNorm into the convolution's weights: in training the statistics are the batch's,
+so they cannot be. Which modules count as a convolution or a batch norm, subclasses and the
+model zoos' own classes included, is _convert_kinds.py's (Note [which subclasses convert]);
+every one that is left gets one warning with the reason.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def convert(model: nn.Module) -> nn.Module:
     layer with the same Parameters and buffers, folding an activation that immediately
     follows it in an nn.Sequential (Note [conversion rules]), and in torchvision's and timm's
     ResNet blocks handing each batch norm its activation and the last one the residual (Note
-    [residual blocks]); returns the model (or the new layer, if `model` is a conv or a batch
-    norm).
+    [residual blocks]), in MobileNet's the last batch norm the block's input (Note
+    [inverted residual blocks]); returns the model (or the new layer, if `model` is a conv
+    or a batch norm).
 
     Taken: nn.Conv1d/2d/3d, nn.ConvTranspose1d/2d/3d, nn.BatchNorm1d/2d/3d and their
     subclasses that keep torch.nn's forward (torchvision's Conv3DSimple); timm's
@@ -148,8 +150,16 @@ def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
 def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
     """Convert a residual block whose forward convert knows, its batch norms taking their
     activations and the last one the identity (Note [residual blocks] in
-    _convert_blocks.py); False, with nothing changed, for any other module or where a batch
-    norm would stay."""
+    _convert_blocks.py), or an inverted residual block whose last batch norm takes the
+    input (Note [inverted residual blocks]); False, with nothing changed, for any other
+    module or where a batch norm would stay."""
+    inverted = _convert_blocks.inverted_block(block)
+    if inverted is not None:
+        _convert_children(block, kinds)
+        bn = _convert_blocks.inverted_batchnorm(block, inverted)
+        if isinstance(bn, _BatchNormNd) and bn.activation == "identity":
+            _convert_blocks.fuse(block, inverted)
+        return True
     taken = _convert_blocks.residual_block(block)
     if taken is None:
         return False

@@ -1,8 +1,9 @@
-"""convert() of torchvision's ResNet-18 on a GPU (Note [residual blocks] in
-convfuse/torch/_convert_blocks.py): the 8 block tails run as cuDNN batch norms that take the
-identity and the ReLU, and a training step in float32 agrees with the float64 reference
-(torch.nn on the CPU). The caching allocator is poisoned with NaN first. Written without a
-GPU: it has not run yet."""
+"""convert() of torchvision's ResNet-18 and MobileNetV2 on a GPU (Notes [residual blocks] and
+[inverted residual blocks] in convfuse/torch/_convert_blocks.py): ResNet's 8 block tails
+run as cuDNN batch norms that take the identity and the ReLU, MobileNetV2's 10 skips as
+batch norms that take the block's input, and a training step in float32 agrees with the
+float64 reference (torch.nn on the CPU). The caching allocator is poisoned with NaN first.
+Written without a GPU: it has not run yet."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ from tests._zoo import import_torchvision  # noqa: E402
 from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 
-def test_converted_resnet18_fuses_its_block_tails_on_cuda(monkeypatch):
+def _fused_step(monkeypatch, name, residual_calls, calls_in_all):
+    """One training step of torchvision's `name` converted, in float32 on the GPU, against
+    torch.nn's in float64 on the CPU; the cuDNN batch norms that ran, by (activation,
+    residual given), are checked against `residual_calls` and their count."""
     import convfuse.ops.cudnn.batchnorm as cudnn_bn
     import convfuse.torch as ct
 
     with exact_cuda():
         tv = import_torchvision()
         torch.manual_seed(0)
-        ref = tv.models.resnet18(num_classes=10).double()
+        kwargs = {"dropout": 0.0} if name.startswith("mobilenet") else {}
+        ref = getattr(tv.models, name)(num_classes=10, **kwargs).double()
         model = ct.convert(copy.deepcopy(ref).float()).cuda()
         calls: list = []
         real = cudnn_bn.batchnorm_forward_training
@@ -41,8 +46,10 @@ def test_converted_resnet18_fuses_its_block_tails_on_cuda(monkeypatch):
         y = model(xm)
         y.square().sum().backward()
         torch.cuda.synchronize()
-        assert sorted(calls).count(("relu", True)) == 8  # every block's tail, one call
-        assert len(calls) == 20  # every batch norm of the net ran cuDNN's
+        for call, count in residual_calls.items():
+            assert calls.count(call) == count, call  # every fused tail, one call each
+        assert sum(residual for _, residual in calls) == sum(residual_calls.values())
+        assert len(calls) == calls_in_all  # every batch norm of the net ran cuDNN's
         xr = x.clone().requires_grad_()
         yr = ref(xr)
         yr.square().sum().backward()
@@ -50,9 +57,17 @@ def test_converted_resnet18_fuses_its_block_tails_on_cuda(monkeypatch):
         assert (y.double().cpu() - yr).abs().max().item() <= 1e-3 * scale
         gscale = xr.grad.abs().max().item()
         assert (xm.grad.double().cpu() - xr.grad).abs().max().item() <= 1e-2 * gscale
-        for (name, pr), pm in zip(ref.named_parameters(), model.parameters()):
+        for (pname, pr), pm in zip(ref.named_parameters(), model.parameters()):
             gs = max(pr.grad.abs().max().item(), 1e-6)
-            assert (pm.grad.double().cpu() - pr.grad).abs().max().item() <= 1e-2 * gs, name
-        for (name, br), bm in zip(ref.named_buffers(), model.buffers()):
+            assert (pm.grad.double().cpu() - pr.grad).abs().max().item() <= 1e-2 * gs, pname
+        for (bname, br), bm in zip(ref.named_buffers(), model.buffers()):
             if br.is_floating_point():
-                assert torch.allclose(bm.double().cpu(), br, rtol=1e-3, atol=1e-4), name
+                assert torch.allclose(bm.double().cpu(), br, rtol=1e-3, atol=1e-4), bname
+
+
+def test_converted_resnet18_fuses_its_block_tails_on_cuda(monkeypatch):
+    _fused_step(monkeypatch, "resnet18", {("relu", True): 8}, 20)
+
+
+def test_converted_mobilenet_v2_fuses_its_skips_on_cuda(monkeypatch):
+    _fused_step(monkeypatch, "mobilenet_v2", {("identity", True): 10}, 52)
