@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import convfuse.torch as ct  # noqa: E402
+from convfuse.torch import _convert_blocks  # noqa: E402
 from tests._zoo import import_timm, import_torchvision  # noqa: E402
 
 F64 = torch.float64
@@ -258,21 +259,32 @@ def test_converting_twice_changes_nothing_and_compiles_in_one_graph():
 
 # ---- Note [inverted residual blocks] ----------------------------------------------------
 
-MOBILENETS = {"mobilenet_v2": "FusedInvertedResidual",
-              "mobilenet_v3_small": "FusedInvertedResidualV3",
-              "mobilenet_v3_large": "FusedInvertedResidualV3"}
+MOBILENETS = {  # model -> its blocks' fused classes
+    "mobilenet_v2": {"FusedInvertedResidual"},
+    "mobilenet_v3_small": {"FusedInvertedResidualV3"},
+    "mobilenet_v3_large": {"FusedInvertedResidualV3"},
+    "timm:efficientnet_b0": {"FusedTimmInvertedResidual"},
+    "timm:mobilenetv3_large_100": {"FusedTimmInvertedResidual",
+                                   "FusedTimmDepthwiseSeparableConv"},
+    "timm:efficientnet_es": {"FusedTimmInvertedResidual", "FusedTimmEdgeResidual"},
+}
+
+
+def _skips(model):
+    """The blocks that add their input: torchvision's `use_res_connect`, timm's `has_skip`."""
+    return [m for m in model.modules() if getattr(m, "use_res_connect", None) is True
+            or getattr(m, "has_skip", None) is True]
 
 
 @pytest.mark.parametrize("name", sorted(MOBILENETS))
 def test_a_converted_mobilenet_trains_as_torch_nn_does(name):
-    _, theirs, ours = _models(name, dropout=0.0)
+    _, theirs, ours = _models(name, **({} if name.startswith("timm:") else {"dropout": 0.0}))
     fused = [m for m in ours.modules() if type(m).__name__.startswith("Fused")]
-    skips = [m for m in theirs.modules()
-             if type(m).__name__ == "InvertedResidual" and m.use_res_connect]
+    skips = _skips(theirs)
     assert skips and len(fused) == len(skips)
-    assert all(type(m).__name__ == MOBILENETS[name] for m in fused)
+    assert {type(m).__name__ for m in fused} == MOBILENETS[name]
     for m in fused:
-        bn = list(m.modules())[-1]
+        bn = _convert_blocks.inverted_batchnorm(m, type(m).__name__)
         assert isinstance(bn, ct.BatchNorm2d) and bn.activation == "identity"
     assert list(ours.state_dict()) == list(theirs.state_dict())
 
@@ -373,3 +385,50 @@ def test_an_inverted_blocks_add_rounds_as_torchs_when_autocast_leaves_the_input(
         want, got = theirs(x), ours(x)
     assert got.dtype == want.dtype == (torch.float32 if version == 2 else torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def _timm_block(kind, **kwargs):
+    """A lone block of timm's EfficientNet family (float64), with a skip."""
+    blocks = import_timm().models._efficientnet_blocks
+    torch.manual_seed(0)
+    if kind == "InvertedResidual":
+        block = blocks.InvertedResidual(C, C, exp_ratio=3.0, **kwargs)
+    elif kind == "DepthwiseSeparableConv":
+        block = blocks.DepthwiseSeparableConv(C, C, **kwargs)
+    else:
+        block = blocks.EdgeResidual(C, C, exp_ratio=2.0, **kwargs)
+    return block.to(F64)
+
+
+@pytest.mark.parametrize("kind", ["InvertedResidual", "DepthwiseSeparableConv",
+                                  "EdgeResidual"])
+def test_a_lone_timm_block_converts_and_runs_its_branch_alone_without_the_skip(kind):
+    theirs = _timm_block(kind)
+    ours = ct.convert(copy.deepcopy(theirs))
+    assert type(ours).__name__ == f"FusedTimm{kind}"
+    last = ours.bn3 if kind == "InvertedResidual" else ours.bn2
+    assert isinstance(last, ct.BatchNorm2d) and last.activation == "identity"
+    _agree(theirs, ours, C)
+    theirs.has_skip = ours.has_skip = False
+    _agree(theirs, ours, C)
+
+
+@pytest.mark.parametrize("change", ["drop_path", "pw_act", "version"])
+def test_a_timm_block_whose_add_is_not_the_last_batch_norms_is_kept(change, monkeypatch):
+    """drop_path scales the branch before the add; pw_act puts an activation between the
+    batch norm and the add; another timm release may write another forward."""
+    timm = import_timm()
+    if change == "version":
+        monkeypatch.setattr(timm, "__version__", "1.1.0")
+    kind = "DepthwiseSeparableConv" if change == "pw_act" else "InvertedResidual"
+    kwargs = {"drop_path_rate": 0.1} if change == "drop_path" else \
+        {"pw_act": True} if change == "pw_act" else {}
+    theirs = _timm_block(kind, **kwargs)
+    ours = ct.convert(copy.deepcopy(theirs))
+    assert type(ours) is type(theirs)
+    last = ours.bn3 if kind == "InvertedResidual" else ours.bn2
+    assert isinstance(last, ct.BatchNorm2d)
+    assert last.activation == ("relu" if change == "pw_act" else "identity")
+    theirs.eval()
+    ours.eval()  # drop_path draws random numbers in training
+    _agree(theirs, ours, C)

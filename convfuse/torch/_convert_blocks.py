@@ -29,21 +29,27 @@ never imports torchvision or timm), and are attributes of this module by name, s
 converted model loads wherever that library is installed.
 
 Note [inverted residual blocks]
-MobileNet's blocks end the other way round: torchvision's MobileNetV2 `InvertedResidual`
-returns `x + self.conv(x)` and MobileNetV3's `result = self.block(input); result += input`
-(when `use_res_connect`), the branch an nn.Sequential whose last module is the projection's
-batch norm (V3: the last child of its last child, a Conv2dNormActivation with no
-activation). No activation follows the add, so the fusion is batch norm + add: the last
+MobileNet's and EfficientNet's blocks end the other way round: torchvision's MobileNetV2
+`InvertedResidual` returns `x + self.conv(x)` and MobileNetV3's `result = self.block(input);
+result += input` (when `use_res_connect`), the branch an nn.Sequential whose last module is
+the projection's batch norm (V3: the last child of its last child, a Conv2dNormActivation
+with no activation); timm 1.0's `InvertedResidual`, `DepthwiseSeparableConv` and
+`EdgeResidual` (EfficientNet, MobileNetV3, MixNet, MnasNet, FBNet, ...) run named
+submodules in a fixed order and end in `x = self.drop_path(x) + shortcut` (when
+`has_skip`). No activation follows the add, so the fusion is batch norm + add: the last
 batch norm takes the block's input as its residual, one pass instead of two. The rule's
 conditions are those of Note [residual blocks], for the block and for the Sequentials the
 fused forward walks through instead of calling (exactly nn.Sequential's forward, no hooks):
-the block's class exactly torchvision's, `use_res_connect` set, and the last batch norm
-converted with no activation of its own. The fused forward runs the branch's modules in
-order and hands the last batch norm the residual; a block whose `use_res_connect` is false
-runs its branch as before. The adds round as torch's do: V3's in-place add keeps the
-branch's dtype (the input is cast to it, as for ResNet's), and V2's `x + branch` promotes,
-so where the dtypes differ (an input autocast left in float32) V2's block adds after the
-batch norm as torch.nn does.
+the block's class exactly the library's, its skip flag set, timm's `drop_path` an
+nn.Identity (a DropPath scales the branch before the add) and a timm 1.0 release, and the
+last batch norm converted with no activation of its own (timm's with `pw_act` has one
+before the add). The fused forward runs the branch's modules in order (timm's absent
+space-to-depth ones skipped, as timm's forward skips them) and hands the last batch norm the
+residual; a block whose skip flag is false runs its branch alone, as before. The adds round
+as torch's: V3's in-place add keeps the branch's dtype (the input is cast to it, as for
+ResNet's), while V2's `x + branch` and timm's `branch + shortcut` promote, so where the
+dtypes differ (an input autocast left in float32) those add after the batch norm as
+torch.nn does.
 """
 
 from __future__ import annotations
@@ -89,46 +95,74 @@ BLOCKS = {
 
 class Inverted(NamedTuple):
     """An inverted residual block convert knows (Note [inverted residual blocks]): where it
-    lives, the attribute holding its branch, whether the last batch norm is the last child
-    of the branch's last child, and whether the add keeps the branch's dtype (in place) or
-    promotes (`x + branch(x)`)."""
+    lives, the attribute saying whether it adds its input, whether that add keeps the
+    branch's dtype (in place) or promotes (`x + branch(x)`), and its branch: torchvision's
+    an nn.Sequential attribute (`nested`: the last batch norm is the last child of its
+    last child), timm's the submodules `chain` names, in forward order (an absent or None
+    one skipped, as timm's forward skips it), then the batch norm `last`; `identities`
+    must be nn.Identity, and `version` starts the library's __version__."""
 
     module: str
     name: str
-    branch: str
-    nested: bool
+    skip: str
     in_place: bool
+    branch: str = ""
+    nested: bool = False
+    chain: tuple[str, ...] = ()
+    last: str = ""
+    identities: tuple[str, ...] = ()
+    version: str = ""
 
 
 _MOBILENET = "torchvision.models.mobilenetv"
+_EFFICIENT = "timm.models._efficientnet_blocks"
+_S2D = ("conv_s2d", "bn_s2d")
+
+
+def _timm(name: str, chain: tuple[str, ...], last: str) -> Inverted:
+    return Inverted(_EFFICIENT, name, "has_skip", False, chain=chain, last=last,
+                    identities=("drop_path",), version="1.0.")
+
+
 #: fused class name -> the inverted residual block it fuses
 INVERTED = {
-    "FusedInvertedResidual": Inverted(_MOBILENET + "2", "InvertedResidual", "conv", False,
-                                      False),
-    "FusedInvertedResidualV3": Inverted(_MOBILENET + "3", "InvertedResidual", "block", True,
-                                        True),
+    "FusedInvertedResidual": Inverted(_MOBILENET + "2", "InvertedResidual", "use_res_connect",
+                                      False, "conv"),
+    "FusedInvertedResidualV3": Inverted(_MOBILENET + "3", "InvertedResidual",
+                                        "use_res_connect", True, "block", nested=True),
+    "FusedTimmInvertedResidual": _timm("InvertedResidual", (
+        *_S2D, "conv_pw", "bn1", "conv_dw", "bn2", "aa", "se", "conv_pwl"), "bn3"),
+    "FusedTimmDepthwiseSeparableConv": _timm("DepthwiseSeparableConv", (
+        *_S2D, "conv_dw", "bn1", "aa", "se", "conv_pw"), "bn2"),
+    "FusedTimmEdgeResidual": _timm("EdgeResidual", (
+        "conv_exp", "bn1", "aa", "se", "conv_pwl"), "bn2"),
 }
 
 
-def _chain(branch: nn.Module, nested: bool) -> list[nn.Module]:
+def _chain(block: nn.Module, spec: Inverted) -> list[nn.Module]:
     """The modules an inverted block's branch runs, in order, the last batch norm last."""
-    mods: list[Any] = [m for m in branch._modules.values() if m is not None]
-    if nested and mods:
-        mods += [m for m in mods.pop()._modules.values() if m is not None]
-    return mods
+    mods: list[Any]
+    if spec.branch:
+        mods = [m for m in block._modules[spec.branch]._modules.values()  # type: ignore
+                if m is not None]
+        if spec.nested and mods:
+            mods += [m for m in mods.pop()._modules.values() if m is not None]
+        return mods
+    own: dict[str, Any] = block._modules
+    last = own.get(spec.last)
+    return [] if last is None else [*(own[n] for n in spec.chain if own.get(n) is not None), last]
 
 
 def _inverted_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """The block's forward with its last batch norm adding the input (Note [inverted
     residual blocks])."""
     spec: Inverted = type(self)._inverted
-    branch = getattr(self, spec.branch)
-    if not self.use_res_connect:
-        return branch(x)
-    *head, bn = _chain(branch, spec.nested)
+    *head, bn = _chain(self, spec)
     out = x
     for m in head:
         out = m(out)
+    if not getattr(self, spec.skip):
+        return bn(out)
     if x.dtype != out.dtype:
         if not spec.in_place:  # `x + branch(x)` promotes: add after, as torch.nn does
             return x + bn(out)
@@ -236,24 +270,27 @@ def inverted_block(module: nn.Module) -> str | None:
     """The fused class's name where `module` is an inverted residual block whose branch this
     rule may walk (Note [inverted residual blocks]), before conversion; else None."""
     fused = next((f for f, b in INVERTED.items() if type(module) is _imported(b)), None)
-    if fused is None or not _plain(module) or getattr(module, "use_res_connect", None) is not True:
+    if fused is None or not _plain(module):
         return None
     spec = INVERTED[fused]
-    branch: Any = module._modules.get(spec.branch)
-    if not _plain_sequential(branch) or not branch._modules:
+    top = sys.modules.get(spec.module.split(".")[0])
+    if not str(getattr(top, "__version__", "")).startswith(spec.version) \
+            or getattr(module, spec.skip, None) is not True \
+            or any(type(module._modules.get(n)) is not nn.Identity for n in spec.identities):
         return None
-    if spec.nested and not _plain_sequential(list(branch._modules.values())[-1]):
-        return None
-    return fused
+    if spec.branch:
+        branch: Any = module._modules.get(spec.branch)
+        if not _plain_sequential(branch) or not branch._modules:
+            return None
+        if spec.nested and not _plain_sequential(list(branch._modules.values())[-1]):
+            return None
+    return fused if _chain(module, spec) else None
 
 
-def inverted_batchnorm(module: nn.Module, fused: str) -> nn.Module | None:
-    """The module that would take the residual in a block `inverted_block` took: the last
-    of its branch's chain (a batch norm, converted or not), or None for an empty chain."""
-    spec = INVERTED[fused]
-    branch: Any = module._modules[spec.branch]
-    chain = _chain(branch, spec.nested)
-    return chain[-1] if chain else None
+def inverted_batchnorm(module: nn.Module, fused: str) -> nn.Module:
+    """The module that takes the residual in a block `inverted_block` took: the last of its
+    branch's chain (a batch norm, converted or not)."""
+    return _chain(module, INVERTED[fused])[-1]
 
 
 def fuse(module: nn.Module, fused: str) -> None:

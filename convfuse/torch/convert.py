@@ -9,15 +9,16 @@ so indices and state-dict keys stay the same. Outside nn.Sequential the forward 
 unknown (ResNet's BasicBlock applies one ReLU twice, once after the residual add), so
 convolutions and batch norms are converted alone, except in the few blocks whose forward
 convert knows (torchvision's and timm's ResNet blocks: Note [residual blocks] in
-_convert_blocks.py), whose batch norms take their activations and the residual, and
-torchvision's MobileNet blocks (Note [inverted residual blocks]), whose last batch norm
-takes the block's input. Conv -> BatchNorm -> activation needs no rule of its own: the conv
-sees a BatchNorm next (not an activation) and converts alone, then the BatchNorm folds the
-activation; the same fuses a pre-activation BatchNorm -> ReLU -> Conv. convfuse does not
-fold BatchNorm into the convolution's weights: in training the statistics are the batch's,
-so they cannot be. Which modules count as a convolution or a batch norm, subclasses and the
-model zoos' own classes included, is _convert_kinds.py's (Note [which subclasses convert]);
-every one that is left gets one warning with the reason.
+_convert_blocks.py), whose batch norms take their activations and the residual, and the
+MobileNet and EfficientNet blocks of torchvision and timm (Note [inverted residual
+blocks]), whose last batch norm takes the block's input. Conv -> BatchNorm -> activation
+needs no rule of its own: the conv sees a BatchNorm next (not an activation) and converts
+alone, then the BatchNorm folds the activation; the same fuses a pre-activation BatchNorm
+-> ReLU -> Conv. convfuse does not fold BatchNorm into the convolution's weights: in
+training the statistics are the batch's, so they cannot be. Which modules count as a
+convolution or a batch norm, subclasses and the model zoos' own classes included, is
+_convert_kinds.py's (Note [which subclasses convert]); every one that is left gets one
+warning with the reason.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
     if inverted is not None:
         _convert_children(block, kinds)
         bn = _convert_blocks.inverted_batchnorm(block, inverted)
-        if isinstance(bn, _BatchNormNd) and bn.activation == "identity":
+        if isinstance(bn, _BatchNormNd) and bn.activation == "identity" and all(
+                type(bn._modules.get(n, nn.Identity())) is nn.Identity for n in ("drop", "act")):
             _convert_blocks.fuse(block, inverted)
         return True
     taken = _convert_blocks.residual_block(block)
