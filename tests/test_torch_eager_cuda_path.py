@@ -1,15 +1,11 @@
 """The eager path's CUDA branch (Note [call plans] in convfuse/torch/_call_plan.py, Note [the
-torch pointer path] in _arrays.py), layer to binding, on the fake GPU of
-tests/test_ops_cudnn_wiring.py: plain tensors report themselves as CUDA tensors of device
-0, torch.empty for CUDA makes CPU tensors (recorded), and the binding records its calls.
-A layer call then takes the path it takes on a GPU (one autograd node, no custom op, no
+torch pointer path] in _arrays.py), layer to binding, on tests/_fake_cuda.py's fake device:
+a layer call takes the path it takes on a GPU (one autograd node, no custom op, no
 DLPack), so this checks without a device that cuDNN gets the tensors' own addresses and
 that the gradients autograd hands out are the very tensors cuDNN was told to write.
 tests/gpu/test_torch_pointer_path_gpu.py checks the numbers on a device."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import pytest
 
@@ -17,89 +13,15 @@ torch = pytest.importorskip("torch")
 cupy = pytest.importorskip("cupy")
 
 import convfuse.torch as cft  # noqa: E402
-from convfuse.ops import elementwise  # noqa: E402
-from convfuse.ops.cudnn import batchnorm as bn_engine  # noqa: E402
-from convfuse.ops.cudnn import fused  # noqa: E402
-from convfuse.ops.cudnn.device import DeviceArray  # noqa: E402
 from convfuse.plan.batchnorm import clear_batchnorm_plan_cache  # noqa: E402
-from convfuse.torch import _arrays, _bn_ops, _ops  # noqa: E402
-from convfuse.torch import batchnorm as torch_batchnorm  # noqa: E402
-from convfuse.torch import conv as torch_conv  # noqa: E402
-from tests.test_batchnorm_cudnn_wiring import BN_CALLS, SIZES  # noqa: E402
-from tests.test_ops_cudnn_wiring import FakeGpu  # noqa: E402
-
-WS = 512  # every ranked algorithm's workspace, so each convolution call allocates one
-
-
-class Launched(NamedTuple):
-    """A DeviceArray a kernel launch got, by address only."""
-
-    ptr: int
-
-
-class Cuda:
-    """The fake GPU, and the address of every tensor torch.empty made for device cuda:0
-    (addresses only, here and in the recorded launches: a kept reference would make
-    autograd copy a gradient it would otherwise take over)."""
-
-    def __init__(self, gpu: FakeGpu, made: list) -> None:
-        self.gpu, self.made = gpu, made
-
-    def names(self) -> list[str]:
-        return [name for name, _ in self.gpu.calls]
-
-    def call(self, name: str) -> tuple:
-        [args] = [a for n, a in self.gpu.calls if n == name]
-        return args
-
-
-def _forget_signatures() -> None:
-    """The bridge's per-signature decisions are keyed by the tensors' device, which is the
-    CPU's here: none may cross between this file's fake CUDA calls and other tests."""
-    for cache in (torch_conv.CALLS, torch_batchnorm.CALLS, _ops._PREPARED, _bn_ops._PREPARED):
-        cache.clear()
+from tests._fake_cuda import WS, Cuda, forget_signatures, install  # noqa: E402
 
 
 @pytest.fixture
 def cuda(monkeypatch):
-    _forget_signatures()
-    gpu = FakeGpu(monkeypatch)
-    lib = gpu.lib
-    gpu.perfs = [lib.AlgoPerf(a, 0, 1.0, WS, lib.CUDNN_DETERMINISTIC, lib.CUDNN_DEFAULT_MATH)
-                 for a in (6, 2)]
-    gpu.real_handles(monkeypatch)
-    gpu.forbid_cupy_arrays(monkeypatch)
-    monkeypatch.setattr(fused, "_zero_bias", {})
+    yield install(monkeypatch)
     clear_batchnorm_plan_cache()
-    monkeypatch.setattr(bn_engine, "_affine_defaults", {})
-    for name in BN_CALLS:
-        monkeypatch.setattr(lib, name, lambda *a, _n=name: gpu.record(_n, a))
-    for name, size in SIZES.items():
-        monkeypatch.setattr(lib, name, lambda *a, _s=size: _s)
-    for name in FakeGpu.LAUNCHERS:  # recorded without the arrays, which keep tensors alive
-        monkeypatch.setattr(elementwise, name, lambda *a, _n=name: gpu.calls.append(
-            (_n, tuple(Launched(v.ptr) if isinstance(v, DeviceArray) else v for v in a))))
-    made = []
-    real_empty = torch.empty
-
-    def empty(*shape, dtype=None, device=None, **kw):
-        t = real_empty(*shape, dtype=dtype, **kw)
-        if device is not None and torch.device(device).type == "cuda":
-            made.append(t.data_ptr())
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(_arrays, "_current_raw_stream", lambda index: 0xA000 + index)
-    monkeypatch.setattr(_arrays, "_current_device", lambda: 0)
-    monkeypatch.setattr(_arrays, "CUDA_PATH", "pointer")
-    monkeypatch.setattr(_arrays, "_torch_contexts", {})
-    # Every plain tensor says it is a CUDA tensor: what the bridge branches on.
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
-    monkeypatch.setattr(torch.Tensor, "is_cpu", property(lambda self: False), raising=False)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0, raising=False)
-    yield Cuda(gpu, made)
-    clear_batchnorm_plan_cache()
-    _forget_signatures()
+    forget_signatures()
 
 
 def _made(cuda: Cuda, t: torch.Tensor) -> bool:
