@@ -124,7 +124,7 @@ def test_fused_forward_and_activations_on_pointers(gpu):
     assert (a[3], a[5], a[8], a[9], a[10], a[12], a[14], a[17]) == (
         x.ptr, w.ptr, ws_ptr, WS, 0.5, res.ptr, b.ptr, y.ptr)
     gpu.calls.clear()
-    y2, z2 = ops.conv_bias_act(x, w, None, geom, "gelu")  # keeps its pre-activation
+    y2, z2 = ops.conv_bias_act(x, w, None, geom, "gelu", res)  # keeps its pre-activation
     (fused, fa), (launch, la) = gpu.calls
     [zero] = gpu.zeros  # the cached zero bias: CuPy's default pool, filled once
     assert (fused, launch) == (FUSED, "activation_forward")
@@ -134,6 +134,11 @@ def test_fused_forward_and_activations_on_pointers(gpu):
     assert ("wait", gpu.stream_ops[0][1], 0xA000, 0) in gpu.stream_ops
     assert not any(op[0] == "wait" and op[2] == gpu.stream.ptr for op in gpu.stream_ops)
     assert constants.EVENT_WAIT_EXTERNAL  # (the capture branch: test_ops_cudnn_wiring)
+    gpu.calls.clear()
+    y3, z3 = ops.conv_bias_act(x, w, None, geom, "gelu")  # Note [nothing to fuse]
+    (conv, ca), (launch, la) = gpu.calls
+    assert (conv, launch) == ("convolutionForward", "activation_forward")
+    assert (ca[3], ca[5], ca[12]) == (x.ptr, w.ptr, z3.ptr) and la == (z3, "gelu", y3)
     gpu.calls.clear()
     dy, saved = arrays(gpu, ctx, "float32", geom.output_shape, geom.output_shape)
     dz, db = ops.activation_backward_bias(dy, saved, "relu", geom)

@@ -140,9 +140,9 @@ def test_benchmark_keeps_the_faster_forward(make_gpu, rng, monkeypatch,  # noqa:
 def test_heuristics_keep_the_fused_call_and_say_so(make_gpu, rng):  # noqa: F811
     geom = GEOMS[0]
     gpu = make_gpu(geom)
-    _, dev = _put(gpu, rng, geom.input_shape, geom.weight_shape)
+    _, dev = _put(gpu, rng, geom.input_shape, geom.weight_shape, geom.bias_shape)
     for act in ("identity", "relu"):
-        ops.conv_bias_act(dev[0], dev[1], None, geom, act)
+        ops.conv_bias_act(dev[0], dev[1], dev[2], geom, act)
         assert get_plan(geom, "float64", act).forward_path == plan_conv.ForwardPath(
             "fused", "heuristics")
 

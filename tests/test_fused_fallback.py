@@ -54,7 +54,7 @@ def unfused_calls(gpu, geom, x, w, b, res, scale, act, y, z):
 
 CASES = [  # activation, bias, residual, refusal statuses (one per algorithm tried)
     ("identity", True, True, [3000]),
-    ("identity", False, False, [3004]),
+    ("identity", True, False, [3004]),  # (no bias, no residual: Note [nothing to fuse])
     ("relu", True, True, [3000, 3000, 3004]),  # walks cuDNN's ranking 6, 2, 0 first
     ("relu", False, True, [3004, 3000, 3000]),
     ("relu", False, False, [3000, 3000, 3000]),
@@ -104,9 +104,10 @@ def test_refused_fused_call_falls_back_and_warns_once(gpu, act, has_bias, has_re
 def test_refusal_is_remembered_per_plan(gpu):
     lib, geom = gpu.lib, GEOMS[1]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    b = gpu.array(geom.bias_shape, "float32")
     gpu.fail[FUSED] = [refusal(lib, 3000)]
     with pytest.warns(FusedFallbackWarning, match=r"activation=identity"):
-        ops.conv_bias_act(x, w, None, geom)
+        ops.conv_bias_act(x, w, b, geom)
     # A relu plan of the same geometry has its own record: it tries the fused call.
     gpu.calls.clear()
     with warnings.catch_warnings():
@@ -117,7 +118,7 @@ def test_refusal_is_remembered_per_plan(gpu):
     clear_plan_cache()
     gpu.fail[FUSED] = [refusal(lib, 3004)]
     with pytest.warns(FusedFallbackWarning, match=r"NOT_SUPPORTED_LAYOUT \(3004\)"):
-        ops.conv_bias_act(x, w, None, geom)
+        ops.conv_bias_act(x, w, b, geom)
 
 
 def test_a_refusal_another_thread_recorded_first_is_not_warned_again(gpu, monkeypatch):
@@ -133,12 +134,14 @@ def test_a_refusal_another_thread_recorded_first_is_not_warned_again(gpu, monkey
         raise refusal(lib, 3000)
 
     monkeypatch.setattr(lib, FUSED, refused_while_another_thread_records)
+    res = gpu.array(geom.output_shape, "float32")
+    plan = get_plan(geom, "float32", "identity", True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        y, _ = ops.conv_bias_act(x, w, None, geom)
+        y, _ = ops.conv_bias_act(x, w, None, geom, "identity", res)
     assert plan.fused_refusal is other
-    assert [name for name, _ in gpu.calls] == [FUSED, FWD]
-    assert gpu.calls[-1][1][-1] == ptr(y)
+    assert [name for name, _ in gpu.calls] == [FUSED, FWD, "bias_act_forward"]
+    assert gpu.calls[-2][1][-1] == ptr(y)
 
 
 def test_other_errors_still_raise_with_context(gpu):

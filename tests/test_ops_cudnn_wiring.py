@@ -243,23 +243,57 @@ def test_engine_fused_relu_with_bias_and_residual(gpu, geom):
     assert args[6].getMathType() == gpu.lib.CUDNN_TENSOR_OP_MATH  # the record's math type
 
 
-def test_engine_identity_without_bias_or_residual(gpu):
+def test_engine_identity_with_bias_is_the_fused_call_on_its_forced_algorithm(gpu):
     from convfuse.plan import get_plan
 
     geom = GEOMS[0]
     x, w = gpu.array(geom.input_shape, "float16"), gpu.array(geom.weight_shape, "float16")
-    y1, _ = ops.conv_bias_act(x, w, None, geom)
-    y2, _ = ops.conv_bias_act(x, w, None, geom, "linear")
+    b = gpu.array(geom.bias_shape, "float16")
+    y1, _ = ops.conv_bias_act(x, w, b, geom)
+    y2, _ = ops.conv_bias_act(x, w, b, geom, "linear")
     plan = get_plan(geom, "float16")
-    [zero] = gpu.zeros  # one cached zero bias per (device, dtype, K)
-    assert zero.shape == (geom.out_channels,) and zero.dtype == np.float16
+    assert gpu.zeros == []  # a bias was given: no zero bias is made
     for (name, a), y in zip(gpu.calls, (y1, y2), strict=True):
         assert name == FUSED
         # Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]; z = y with alpha2 = 0.
         assert a[7] == gpu.lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
         assert (a[10], a[11], a[12]) == (0.0, plan.y_desc, ptr(y))
-        assert (a[13], a[14], a[15]) == (plan.bias_desc, ptr(zero), plan.act_desc)
+        assert (a[13], a[14], a[15]) == (plan.bias_desc, ptr(b), plan.act_desc)
         assert a[15].get()[0] == gpu.lib.CUDNN_ACTIVATION_IDENTITY
+
+
+def test_engine_identity_with_a_residual_and_no_bias_reads_the_zero_bias(gpu):
+    geom = GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float16"), gpu.array(geom.weight_shape, "float16")
+    res = gpu.array(geom.output_shape, "float16")
+    y, _ = ops.conv_bias_act(x, w, None, geom, "identity", res, 0.5)
+    [zero] = gpu.zeros  # one cached zero bias per (device, dtype, K)
+    assert zero.shape == (geom.out_channels,) and zero.dtype == np.float16
+    [(name, a)] = gpu.calls
+    assert name == FUSED and (a[10], a[12], a[14]) == (0.5, ptr(res), ptr(zero))
+    assert a[17] == ptr(y)
+    assert a[7] == gpu.lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
+
+
+@pytest.mark.parametrize("act", ["identity", "linear", "silu", "tanh"])
+def test_engine_with_nothing_to_fuse_runs_convolution_forward(gpu, act):
+    """Note [nothing to fuse]: no bias, no residual, no activation cuDNN applies: one
+    convolutionForward with the plan's best-ranked algorithm, no zero bias, no forward path
+    recorded; another activation then runs in its kernel."""
+    from convfuse.plan import get_plan
+
+    geom = GEOMS[1]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    y, z = ops.conv_bias_act(x, w, None, geom, act)
+    (name, a), *rest = gpu.calls
+    plan = get_plan(geom, "float32")
+    assert name == "convolutionForward" and a[7] == 6  # the ranking's first, not forced
+    out = ptr(z) if z is not None else ptr(y)
+    assert (a[2], a[3], a[4], a[5], a[11], a[12]) == (plan.x_desc, ptr(x), plan.w_desc,
+                                                      ptr(w), plan.y_desc, out)
+    assert gpu.zeros == [] and plan.forward_path is None
+    assert [n for n, _ in rest] == ([] if act in ("identity", "linear")
+                                    else ["activation_forward"])
 
 
 @pytest.mark.parametrize(("act", "in_place"), [("silu", False), ("gelu", False),
@@ -267,7 +301,8 @@ def test_engine_identity_without_bias_or_residual(gpu):
 def test_engine_other_activations_run_identity_then_one_kernel(gpu, act, in_place):
     geom = GEOMS[1]
     x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
-    y, z = ops.conv_bias_act(x, w, None, geom, act)
+    b = gpu.array(geom.bias_shape, "float32")
+    y, z = ops.conv_bias_act(x, w, b, geom, act)
     (fused, fa), (launch, la) = gpu.calls
     assert (fused, launch) == (FUSED, "activation_forward")
     assert fa[15].get()[0] == gpu.lib.CUDNN_ACTIVATION_IDENTITY
@@ -442,9 +477,10 @@ def test_engine_fused_call_falls_back_when_refused(gpu):
 
     gpu.fail[FUSED] = [refusal]
     gpu.calls.clear()
+    b = gpu.array(geom.bias_shape, "float32")
     with pytest.warns(FusedFallbackWarning, match=r"\(3000\) for every algorithm"):
-        ops.conv_bias_act(x, w, None, geom, "identity")
-    assert [name for name, _ in gpu.calls] == [FUSED, "convolutionForward"]
+        ops.conv_bias_act(x, w, b, geom, "identity")
+    assert [name for name, _ in gpu.calls] == [FUSED, "convolutionForward", "bias_act_forward"]
     assert gpu.calls[0][1][7] == lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
     # Other errors are never retried.
     gpu.fail[FUSED] = [CudnnError(lib.CUDNN_STATUS_BAD_PARAM, "cudnnX")]

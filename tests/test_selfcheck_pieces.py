@@ -257,3 +257,18 @@ def test_batchnorm_case_checks_which_path_ran():
                     "backed off")
     finally:
         clear_plan_cache()
+
+
+def test_binding_checks_count_descriptors_from_empty_plan_caches():
+    """Plans cached before the selfcheck (a live session's) are freed by its plan check:
+    that must not read as a negative leak."""
+    from convfuse._binding import cudnn
+    from convfuse.geometry import ConvGeometry
+    from convfuse.plan import get_plan
+    from convfuse.selfcheck import cpu_checks
+
+    lib = cudnn()
+    get_plan(ConvGeometry.create((1, 2, 5, 5), (3, 2, 3, 3), 1, 1, 1, 1, "NCHW"), "float32")
+    checks = dict(cpu_checks.binding_checks(lib, gpu=False))
+    checks["plans build and cache"]()
+    assert "back to" in checks["no descriptor leak"]().detail

@@ -217,24 +217,30 @@ def test_fused_activations_make_exactly_one_cudnn_call(monkeypatch, rng, activat
     assert_close(y, y_ref, "float32")
 
 
-def test_other_activations_add_exactly_one_kernel(monkeypatch, rng):
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_other_activations_add_exactly_one_kernel(monkeypatch, rng, with_bias):
+    """With a bias: the fused call (IDENTITY) then the activation's kernel; without one,
+    nothing to fuse (Note [nothing to fuse]): convolutionForward then the kernel."""
     geom = GEOMS[2]
     lib = cudnn()
     x, w = Data(rng, geom.input_shape, "float32"), Data(rng, geom.weight_shape, "float32")
+    b = Data(rng, geom.bias_shape, "float32") if with_bias else None
     from convfuse.ops import elementwise
 
     for act in ("silu", "gelu", "elu", "sigmoid", "leaky_relu", "relu6"):
         calls = []
         with monkeypatch.context() as m:
-            real_fused = lib.convolutionBiasActivationForward
-            m.setattr(lib, "convolutionBiasActivationForward",
-                      lambda *a, _r=real_fused, _c=calls: _c.append("fused") or _r(*a))
+            for name, tag in (("convolutionBiasActivationForward", "fused"),
+                              ("convolutionForward", "plain")):
+                real = getattr(lib, name)
+                m.setattr(lib, name,
+                          lambda *a, _r=real, _c=calls, _t=tag: _c.append(_t) or _r(*a))
             real_act = elementwise.activation_forward
             m.setattr(elementwise, "activation_forward",
                       lambda *a, _r=real_act, _c=calls: _c.append("act") or _r(*a))
-            y, z = ops.conv_bias_act(x.dev, w.dev, None, geom, act)
-        assert calls == ["fused", "act"], act
-        y_ref, z_ref = ops.conv_bias_act(x.ref, w.ref, None, geom, act)
+            y, z = ops.conv_bias_act(x.dev, w.dev, b and b.dev, geom, act)
+        assert calls == ["fused" if with_bias else "plain", "act"], act
+        y_ref, z_ref = ops.conv_bias_act(x.ref, w.ref, b and b.ref, geom, act)
         assert_close(y, y_ref, "float32", act)
         if z_ref is not None:
             assert_close(z, z_ref, "float32", act)
@@ -462,10 +468,11 @@ def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng, g
     # IDENTITY's algorithm is forced: one refusal sends the plan to the unfused fallback
     # (Note [unfused fallback]), which still computes the right numbers.
     refused.clear()
+    b = Data(rng, geom.bias_shape, "float32")  # (without one, nothing to fuse)
     with pytest.warns(FusedFallbackWarning, match=r"\(3000\) for every algorithm"):
-        y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "identity")
+        y, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "identity")
     assert refused[0][0] == lib.CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM
-    assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "identity")[0], "float32")
+    assert_close(y, ops.conv_bias_act(x.ref, w.ref, b.ref, geom, "identity")[0], "float32")
 
 
 def test_cudnn_errors_carry_the_call_context(monkeypatch, rng):
@@ -553,8 +560,9 @@ def test_float64_channels_last_runs_channels_first(monkeypatch, rng, geom):
 def test_cached_zero_bias_is_ordered_before_a_reader_on_another_stream(monkeypatch, rng):
     """Note [cached constants across streams], on a device: the zero bias is made on
     stream A behind a ~0.5 s kernel, over a pool block that held NaN, and read at once by
-    an IDENTITY fused call on stream B. B must wait for the fill (a read before it adds
-    NaN, which IDENTITY passes through), so y is the reference's, and the wait is B's."""
+    an IDENTITY fused call with a residual on stream B. B must wait for the fill (a read
+    before it adds NaN, which IDENTITY passes through), so y is the reference's, and the
+    wait is B's."""
     from convfuse.ops.cudnn import fused
 
     monkeypatch.setattr(fused, "_zero_bias", {})
@@ -571,7 +579,8 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - start < cycles) {}
 }""", "spin")
     b_data = Data(rng, geom.bias_shape, "float32")
-    ops.conv_bias_act(x.dev, w.dev, b_data.dev, geom, "identity")  # handle, plan, algorithm
+    res = Data(rng, geom.output_shape, "float32")  # without one, nothing to fuse
+    ops.conv_bias_act(x.dev, w.dev, b_data.dev, geom, "identity", res.dev)  # plan, algorithm
     cp.cuda.Device().synchronize()  # all that is on the device before the streams start
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     with a:
@@ -582,12 +591,13 @@ extern "C" __global__ void spin(long long cycles) {
         spin((1,), (1,), (np.int64(1_000_000_000),))  # about 0.5 s
         bias = fused.zero_bias(cp, "float32", k)  # its fill queues behind the spin
     with b:
-        y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "identity")
+        y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "identity", res.dev)
     b.synchronize()
     a.synchronize()
     assert (b.ptr, 0) in waits  # B waited for the fill, on the device
     assert not bool(cp.isnan(bias).any())
-    assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "identity")[0], "float32")
+    assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "identity", res.ref)[0],
+                 "float32")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])

@@ -36,6 +36,7 @@ from tests.gpu.test_cudnn_ops import (  # noqa: F401  (the autouse fixture is us
     Data,
     assert_close,
     full_precision_fresh_plans,
+    host,
     poison_outputs,
 )
 
@@ -162,6 +163,26 @@ def test_undocumented_configurations_are_fused_or_fall_back(monkeypatch, rng, sp
     else:
         assert spied["fused"] and spied["plain"] == []
         assert plan.forward_path == ForwardPath("fused", "heuristics")
+
+
+@pytest.mark.parametrize("geom", GEOMS[:2], ids=lambda g: g.layout)
+@pytest.mark.parametrize(("activation", "dtype"), [("identity", "float32"),
+                                                   ("identity", "float16"),
+                                                   ("tanh", "float32")])
+def test_nothing_to_fuse_runs_one_convolution_forward(monkeypatch, rng, spied, geom, activation,
+                                                      dtype):
+    """Note [nothing to fuse] in ops/cudnn/conv.py: no bias, no residual, no activation
+    cuDNN applies: one convolutionForward with the plan's own choice, never the fused call
+    (whose IDENTITY algorithm is forced), the right numbers on poisoned outputs."""
+    x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
+    y_ref, _ = ops.conv_bias_act(x.ref, w.ref, None, geom, activation)
+    with warnings.catch_warnings(), poison_outputs(monkeypatch):
+        warnings.simplefilter("error", FusedFallbackWarning)
+        y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, activation)
+    assert_close(y, y_ref, dtype, "y")
+    assert (host(y) < 0).any()  # no ReLU slipped in
+    assert spied["fused"] == [] and len(spied["plain"]) == 1
+    assert get_plan(geom, dtype, activation).forward_path is None
 
 
 @pytest.mark.parametrize("geom", GEOMS[:4], ids=lambda g: g.layout)

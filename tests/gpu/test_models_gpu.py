@@ -93,7 +93,8 @@ def test_tiny_resnet_training_step_matches_reference(monkeypatch, dtype, layout)
                                "batchNormalizationForwardTrainingEx"])
     with poison_outputs(monkeypatch):
         logits = gpu(x)
-    # 6 convolutions + fc, each one fused call (or the unfused fallback's convolutionForward);
+    # 6 convolutions + fc, each one fused call or one convolutionForward (a bias-free conv:
+    # Note [nothing to fuse]; or the unfused fallback);
     # 6 BatchNorms, each one cuDNN training call.
     assert counts["convolutionBiasActivationForward"] + counts["convolutionForward"] == 7
     assert counts["batchNormalizationForwardTraining"] \

@@ -9,6 +9,17 @@ The fused forward and its fallbacks live in fused.py (Note [unfused fallback], N
 [forced algorithm versus speed]); running a plan's ranked algorithms in ranked.py; float64
 channels-last convolutions run channels-first (Note [float64 runs channels-first] in
 layout.py).
+
+Note [nothing to fuse]
+A conv_bias_act with no bias, no residual and an activation cuDNN does not apply (identity,
+or one convfuse's kernel applies after: silu, gelu, ...) has nothing for the fused call to
+fuse: it would be convolutionBiasActivationForward in IDENTITY mode, whose algorithm is
+forced (Note [IDENTITY needs IMPLICIT_PRECOMP_GEMM]) and which reads a cached zero bias, to
+compute what convolutionForward computes with the best-ranked algorithm. That is the
+bias-free convolution before a batch norm, most convolutions of a ResNet or a MobileNet.
+So it runs convolutionForward, one cuDNN call as before, with the plan's "fwd" choice (no
+timing, no zero bias, no forward path recorded: the plan's fused question does not arise).
+A bias, a residual or ReLU keeps the fused call.
 """
 
 from __future__ import annotations
@@ -33,7 +44,8 @@ __all__ = ["conv_backward_bias", "conv_backward_data", "conv_backward_filter", "
 def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity",
                   residual: Any = None,
                   residual_scale: float = 1.0) -> tuple[Any, Any]:  # pragma: gpu
-    """y = act(conv(x, w) + b + residual_scale * residual) in one fused cuDNN call, plus one
+    """y = act(conv(x, w) + b + residual_scale * residual) in one fused cuDNN call (one
+    convolutionForward when there is nothing to fuse: Note [nothing to fuse]), plus one
     activation kernel when cuDNN cannot apply the activation itself (or the unfused path
     of Note [unfused fallback] when cuDNN refuses the fused call)."""
     if layout.runs_channels_first(geom, x.dtype):  # Note [float64 runs channels-first]
@@ -57,7 +69,11 @@ def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual:
     handle = get_handle(ctx)
     plan = get_plan(geom, x.dtype, act, residual is not None)
     conv_out = ctx.empty(geom.output_shape, x.dtype)
-    fused.fused_forward(plan, handle, ctx, x, w, b, residual, float(residual_scale), conv_out)
+    if b is None and residual is None and plan.key.activation == "identity":
+        forward_into(plan, handle, ctx, x, w, conv_out, "conv_bias_act")  # Note [nothing to fuse]
+    else:
+        fused.fused_forward(plan, handle, ctx, x, w, b, residual, float(residual_scale),
+                            conv_out)
     if act in activations.FUSED_IN_CUDNN:
         return conv_out, None
     if activations.saves(act) == "preactivation":
