@@ -263,3 +263,44 @@ def test_affine_defaults_are_ordered_before_other_streams(gpu):
     ones, zeros = item.arrays
     assert all((a[9], a[10]) == (ptr(ones), ptr(zeros)) for _, a in gpu.calls
                if _ == FWD)
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", "tanh", "silu"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_eval_backward_is_the_reference_engines_with_numpy_standing_in(monkeypatch, act,
+                                                                       layout):
+    """The evaluation-mode backward's arithmetic (CuPy's on a GPU) is array-generic: run
+    with NumPy arrays and the reference activation kernel, it gives the reference engine's
+    gradients, and the activation's backward gets the forward's saved tensor (y or z), not
+    the statistics record."""
+    from convfuse.ops.reference import activation as ref_act
+    from convfuse.plan.batchnorm import BatchNormGeometry
+
+    rng = np.random.default_rng(0)
+    shape = (3, 4, 5, 2) if layout == "NCHW" else (3, 5, 2, 4)
+    x, dy, res = (rng.standard_normal(shape) for _ in range(3))
+    w, b, rm = (rng.standard_normal(4) for _ in range(3))
+    rv = rng.uniform(0.5, 2.0, 4)
+    y, saved = ops.batchnorm_forward_inference(x, w, b, rm, rv, layout, 1e-3, act, res)
+    want = ops.batchnorm_backward(dy, x, w, b, saved, layout, 1e-3, act, True)
+    got_saved = []
+
+    def act_backward(dy_, saved_, act_, out):
+        got_saved.append(saved_)
+        out[...] = ref_act.activation_backward(dy_, saved_, act_)
+
+    class Ctx:
+        @staticmethod
+        def empty(shape_, dtype):
+            return np.empty(shape_, dtype)
+
+    monkeypatch.setattr(engine.elementwise, "activation_backward", act_backward)
+    monkeypatch.setattr(engine, "context_of", lambda a: Ctx)
+    dw, db = np.full(4, np.nan), np.full(4, np.nan)  # beta 0: never read
+    dx, dres = engine._eval_backward(dy, x, w, saved, BatchNormGeometry.create(shape, layout),
+                                     act, True, True, dw, db, 0.0)
+    for got, ref, what in ((dx, want[0], "dx"), (dw, want[1], "dweight"),
+                           (db, want[2], "dbias"), (dres, want[3], "dresidual")):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=what)
+    assert got_saved == ([] if act == "identity" else [saved.saved])
+    assert act == "identity" or got_saved[0] is not None

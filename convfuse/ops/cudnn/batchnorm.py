@@ -314,7 +314,7 @@ def _eval_backward(dy: Any, x: Any, weight: Any, saved: Any, g: BatchNormGeometr
                    pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
     """Frozen statistics: dx = dz * weight * invstd; dweight = sum(dz * xhat); dbias = sum(dz)."""
     cd = compute_dtype(x.dtype)
-    dz = _activation_backward(context_of(dy), dy, saved, act)
+    dz = _activation_backward(context_of(dy), dy, saved.saved, act)
     shape = [1] * g.ndim
     shape[g.channel_axis] = g.channels
     invstd = saved.invstd.reshape(shape)
