@@ -281,7 +281,7 @@ def test_eval_backward_is_the_reference_engines_with_numpy_standing_in(monkeypat
     x, dy, res = (rng.standard_normal(shape) for _ in range(3))
     w, b, rm = (rng.standard_normal(4) for _ in range(3))
     rv = rng.uniform(0.5, 2.0, 4)
-    y, saved = ops.batchnorm_forward_inference(x, w, b, rm, rv, layout, 1e-3, act, res)
+    _, saved = ops.batchnorm_forward_inference(x, w, b, rm, rv, layout, 1e-3, act, res)
     want = ops.batchnorm_backward(dy, x, w, b, saved, layout, 1e-3, act, True)
     got_saved = []
 

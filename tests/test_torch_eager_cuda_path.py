@@ -124,3 +124,22 @@ def test_conv_transpose_forward_and_backward_reach_cudnn_with_the_tensors_addres
     assert (f[3], f[5], f[12]) == (dz.ptr, x.data_ptr(), layer.weight.grad.data_ptr())
     d = cuda.call("convolutionForward")
     assert (d[3], d[5], d[12]) == (dz.ptr, layer.weight.data_ptr(), x.grad.data_ptr())
+
+
+def test_a_bias_at_an_odd_address_is_copied_once_not_refused(cuda):
+    """A bias that is a view into a larger buffer at an offset the GPU ops refuse (a
+    flattened parameter buffer) crosses as an aligned copy, as x and the weight would."""
+    from convfuse.ops._checks import ALIGNMENT
+
+    conv = cft.Conv2d(2, 3, 1, activation="relu")
+    flat = torch.randn(8)
+    with torch.no_grad():
+        conv.bias = torch.nn.Parameter(flat[1:4])
+    assert conv.bias.data_ptr() % ALIGNMENT != 0
+    before = conv.bias.detach().clone()
+    y = conv(torch.randn(1, 2, 3, 3))
+    a = cuda.call("convolutionBiasActivationForward")
+    assert a[14] % ALIGNMENT == 0 and a[14] != conv.bias.data_ptr()
+    assert torch.equal(conv.bias.detach(), before)
+    y.backward(torch.randn(1, 3, 3, 3))
+    assert conv.bias.grad.shape == (3,)

@@ -110,10 +110,12 @@ def forward_parts(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
     makes no placeholder tensor per call."""
     cl = prep.cl
     xp, wp = physical(x, cl), physical(weight, cl)
+    # the bias too: a view at an odd offset (a flattened parameter buffer) is copied once,
+    # as x and the weight are, where convfuse's GPU ops would refuse it
     with context(x):
         y, z = op(prep, device_type(x), name, to_array(xp), to_array(wp),
-                  None if bias is None else to_array(bias), prep.geom, activation,
-                  _array_or_none(residual, cl), aligned=aligned(bias))
+                  _array_or_none(bias, False), prep.geom, activation,
+                  _array_or_none(residual, cl))
         return logical(to_tensor(y), cl), None if z is None else logical(to_tensor(z), cl)
 
 
