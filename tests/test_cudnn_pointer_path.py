@@ -416,3 +416,47 @@ def test_float64_channels_last_transposed_conv_falls_back_to_cupy(monkeypatch, g
     assert names == ["to_channels_first", "to_channels_first", "convolutionBackwardData",
                      "to_channels_last"]
     assert type(y) is DeviceArray and y.ctx is ctx and tuple(y.shape) == tgeom.output_shape
+
+
+def test_capture_is_asked_of_the_callers_stream(gpu, monkeypatch):
+    """Note [no plan work inside a capture] on the pointer path: the stream whose capture
+    forbids choosing an algorithm, timing the forward paths or asking batch norm's sizes is
+    the caller's (PyTorch's), not CuPy's current one, which is not capturing then."""
+    from convfuse import config
+    from convfuse.errors import CaptureError
+    from convfuse.plan import capture
+
+    asked = []
+
+    def capturing(stream_ptr=None):
+        asked.append(stream_ptr)
+        return stream_ptr == 0xA000
+
+    monkeypatch.setattr(capture, "stream_is_capturing", capturing)
+    geom = GEOMS[1]
+    ctx = gpu.pointer_context(0xA000)
+    x, w, b = arrays(gpu, ctx, "float32", geom.input_shape, geom.weight_shape,
+                     geom.bias_shape)
+    with pytest.raises(CaptureError, match=r"choosing the fwd algorithm"):
+        ops.conv_forward(x, w, geom)
+    with config.flags(benchmark=True), pytest.raises(CaptureError, match=r"timing the fused"):
+        ops.conv_bias_act(x, w, b, geom, "identity")
+    assert set(asked) == {0xA000} and not gpu.calls
+    other = gpu.pointer_context(0xB000)  # another stream, not capturing: the choice is made
+    x2, w2 = arrays(gpu, other, "float32", geom.input_shape, geom.weight_shape)
+    ops.conv_forward(x2, w2, geom)
+    assert [n for n, _ in gpu.calls] == ["convolutionForward"]
+
+
+def test_batchnorm_sizes_are_refused_in_the_callers_capture(bn_gpu, monkeypatch):
+    from convfuse.errors import CaptureError
+    from convfuse.plan import capture
+
+    monkeypatch.setattr(capture, "stream_is_capturing",
+                        lambda stream_ptr=None: stream_ptr == 0xA000)
+    ctx = bn_gpu.pointer_context(0xA000)
+    shape = (2, 3, 3, 8)
+    x, res = arrays(bn_gpu, ctx, "float16", shape, shape)
+    w, b, rm, rv = arrays(bn_gpu, ctx, "float32", *[(8,)] * 4)
+    with pytest.raises(CaptureError, match=r"fused batch-normalization sizes"):
+        ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-3, 0.25, "relu", res)

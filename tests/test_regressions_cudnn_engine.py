@@ -67,7 +67,7 @@ class StandInPlan:
     def workspace_allocated(self, direction, fused=False):
         pass
 
-    def choice(self, direction, handle, inputs=(0, 0), fused=False, allocate=None):
+    def choice(self, direction, handle, inputs=(0, 0), fused=False, allocate=None, stream=None):
         return self.cands[0]
 
     def reject(self, direction, cand, fused=False, out_of_memory=False, allocate=None):

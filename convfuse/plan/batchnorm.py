@@ -208,12 +208,14 @@ class BatchNormPlan(FusedFallbackState):
             return True
         return self._backing_off()
 
-    def sizes(self, handle: Any) -> BatchNormSizes:  # pragma: gpu
+    def sizes(self, handle: Any, stream: int | None = None) -> BatchNormSizes:  # pragma: gpu
         """Workspace and reserve-space bytes of the fused calls, asked once (needs a handle;
-        a NULL handle gets BAD_PARAM), never first inside a CUDA graph capture."""
+        a NULL handle gets BAD_PARAM), never first inside a CUDA graph capture of `stream`
+        (the call's ExecContext.capture_stream; None: CuPy's current one)."""
         with self._lock:
             if self._sizes is None:
-                refuse_in_capture(f"the fused batch-normalization sizes of {self.describe()}")
+                refuse_in_capture(f"the fused batch-normalization sizes of {self.describe()}",
+                                  stream)
                 lib, x, bn, act = self.lib, self.x_desc, self.bn_desc_training, self.act_desc
                 mode, ops = self.training_mode, self.fused_ops
                 z = x if ops == lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION else None

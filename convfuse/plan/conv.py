@@ -165,8 +165,8 @@ class ConvPlan(FusedFallbackState):
         return desc
 
     def choice(self, direction: str, handle: Any, inputs: tuple[int, int] = (0, 0),
-               fused: bool = False,
-               allocate: Callable[[int], Any] | None = None) -> algos.Candidate:
+               fused: bool = False, allocate: Callable[[int], Any] | None = None,
+               stream: int | None = None) -> algos.Candidate:
         """The algorithm for `direction` ("fwd", "bwd_data", "bwd_filter"), chosen once.
 
         `fused=True` asks for the forward of convolutionBiasActivationForward; `inputs`
@@ -174,7 +174,9 @@ class ConvPlan(FusedFallbackState):
         demoted for lack of memory returns to its best candidate now and then
         (Note [transient out-of-memory]). `allocate` gives the trial and Find*Ex memory
         (default `pool_alloc`, CuPy's current allocator): the caller's, on the pointer path
-        (Note [the pointer path] in ops/cudnn/device.py).
+        (Note [the pointer path] in ops/cudnn/device.py), and `stream` the stream whose
+        capture forbids choosing (the call's ExecContext.capture_stream; None: CuPy's
+        current one).
         """
         if direction not in algos.DIRECTIONS:
             raise ValueError(f"direction must be one of {algos.DIRECTIONS}, got {direction!r}")
@@ -182,7 +184,8 @@ class ConvPlan(FusedFallbackState):
         with self._lock:
             chosen = self._chosen.get(slot)
             if chosen is None:
-                refuse_in_capture(f"choosing the {slot} algorithm for {self.describe()}")
+                refuse_in_capture(f"choosing the {slot} algorithm for {self.describe()}",
+                                  stream)
                 chosen = self._choose(direction, slot, handle, inputs,
                                       allocate if allocate is not None else pool_alloc)
                 self._chosen[slot] = chosen

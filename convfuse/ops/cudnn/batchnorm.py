@@ -187,7 +187,7 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, s
     lib = plan.lib
     stage = "getBatchNormalization*Size"
     try:
-        sizes = plan.sizes(handle)
+        sizes = plan.sizes(handle, ctx.capture_stream)
         got = _allocate(plan, [("forward workspace", sizes.forward_workspace),
                                ("reserve space", sizes.reserve)], ctx)
         if got is None:
@@ -272,8 +272,8 @@ def _training_backward(ctx: ExecContext, dy: Any, x: Any, weight: Any, bias: Any
         dres = ctx.empty(g.shape, x.dtype) if residual else None
         stage = "getBatchNormalizationBackwardExWorkspaceSize"
         try:
-            got = _allocate(plan, [("backward workspace",
-                                    plan.sizes(handle).backward_workspace)], ctx)
+            size = plan.sizes(handle, ctx.capture_stream).backward_workspace
+            got = _allocate(plan, [("backward workspace", size)], ctx)
             if got is not None:
                 ws, = got
                 stage = "batchNormalizationBackwardEx"

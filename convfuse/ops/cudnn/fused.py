@@ -170,7 +170,8 @@ def _time_forward_paths(plan: ConvPlan, handle: Any, ctx: ExecContext, x: Any, w
     on this call's arrays and keep the faster; y holds the result either way."""
     import cupy as cp
 
-    refuse_in_capture(f"timing the fused and unfused forward of {plan.describe()}")
+    refuse_in_capture(f"timing the fused and unfused forward of {plan.describe()}",
+                      ctx.capture_stream)
     args = (plan, handle, ctx, x, w, b, residual, residual_scale, y)
 
     def elapsed(run: Any) -> float | None:

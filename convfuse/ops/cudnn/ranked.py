@@ -46,7 +46,7 @@ def algorithm_and_workspace(plan: ConvPlan, direction: str, handle: Any,
     skipped: list[Candidate] = []
     while True:
         cand = plan.choice(direction, handle, inputs, fused=fused,
-                           allocate=ctx.choice_allocator)
+                           allocate=ctx.choice_allocator, stream=ctx.capture_stream)
         try:
             ws = Workspace(cand.workspace, ctx)
         except cupy.cuda.memory.OutOfMemoryError as err:
