@@ -179,3 +179,25 @@ def test_bridge_and_engine_on_pointers(monkeypatch, torch_gpu):
     assert tuple(y_t.shape) == geom.output_shape and y_t.dtype == torch.float32
     [handle] = handles
     assert args[0] is handle and handle.streams == [0xA000]
+
+
+def test_adopt_views_the_caching_allocator_block_a_cupy_result_lives_in(monkeypatch, torch_gpu):
+    """Note [the torch pointer path]: a CuPy result made in a block of PyTorch's cache comes
+    back as a view of that block (so record_stream reaches the allocation), no DLPack."""
+    import numpy as np
+
+    from convfuse.dtypes import bfloat16
+
+    ctx = _arrays.torch_context(0)
+    block = torch.zeros(256, dtype=torch.uint8)  # what _torch_allocator wraps
+    mem = cupy.cuda.UnownedMemory(block.data_ptr(), 256, block, 0)
+    for dtype, tdtype, offset in ((np.float32, torch.float32, 0), (np.float16, torch.float16, 64),
+                                  (bfloat16, torch.bfloat16, 128)):
+        a = cupy.ndarray((2, 3), dtype, memptr=cupy.cuda.MemoryPointer(mem, offset))
+        got = ctx.adopt(a)
+        t = _arrays.to_tensor(got)
+        assert t.dtype == tdtype and tuple(t.shape) == (2, 3) and t.is_contiguous()
+        assert t.data_ptr() == a.data.ptr == got.ptr
+        assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+        t.fill_(1)  # the same bytes as the block's
+        assert block[offset:offset + t.nbytes].ne(0).any()

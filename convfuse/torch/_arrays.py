@@ -315,11 +315,22 @@ class TorchContext(ExecContext):
     def cupy_scope(self) -> contextlib.AbstractContextManager[Any]:  # pragma: gpu
         return _cupy_engine_context(self.torch_device)
 
-    def adopt(self, a: Any) -> DeviceArray:  # pragma: gpu
-        """A CuPy result as a tensor, inside `cupy_scope` (CuPy's stream is PyTorch's, so
-        the exchange records no event: none on the legacy stream under a capture)."""
-        t = torch.from_dlpack(a)
-        return DeviceArray(t.data_ptr(), tuple(t.shape), canonical(a.dtype), self, t)
+    def adopt(self, a: Any) -> DeviceArray:
+        """A CuPy result as a tensor, inside `cupy_scope`: a view of the caching-allocator
+        block it was made in (`_torch_allocator`), so that PyTorch's `record_stream` (which
+        autograd calls when a gradient crosses streams) reaches the block, as it does not
+        through a DLPack tensor of memory PyTorch did not allocate; DLPack for anything
+        else (CuPy's stream is PyTorch's, so the exchange records no event: none on the
+        legacy stream under a capture)."""
+        dtype = canonical(a.dtype)
+        block = getattr(a.data.mem, "_owner", None)
+        if (type(block) is torch.Tensor and block.dtype == torch.uint8 and a.size
+                and a.flags.c_contiguous):
+            start = a.data.ptr - block.data_ptr()
+            t = block[start:start + a.nbytes].view(_TORCH_DTYPES[dtype]).view(tuple(a.shape))
+        else:  # pragma: gpu
+            t = torch.from_dlpack(a)
+        return DeviceArray(t.data_ptr(), tuple(t.shape), dtype, self, t)
 
 
 _torch_contexts: dict[tuple[int, int], TorchContext] = {}
