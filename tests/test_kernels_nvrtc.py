@@ -702,3 +702,27 @@ def test_what_flush_to_zero_still_changes(act, tmp_path_factory):
         assert dz[0] == 0.0 and np.signbit(dz[0])
         want = ref.activation_backward(np.array([1e10]), np.array([-95.0]), "silu")[0]
         assert want == pytest.approx(-5.19e-30, rel=1e-2) and abs(want) > 1e8 * TINY
+
+
+def test_a_kernel_is_looked_up_once_per_device(monkeypatch):
+    """kernels.function: one CuPy Function per (source, kernel, device), not a new one per
+    launch (the loss and the optimizers launch through it at every step)."""
+    cupy = pytest.importorskip("cupy")
+    looked = []
+
+    class Module:
+        def get_function(self, name):
+            looked.append(name)
+            return object()
+
+    device = {"id": 0}
+    monkeypatch.setattr(kernels, "_module", lambda name, device_id: Module())
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: type("D", (), {"id": device["id"]})())
+    kernels._function.cache_clear()
+    try:
+        first = kernels.function("loss", "xent_mean_f32")
+        assert kernels.function("loss", "xent_mean_f32") is first and looked == ["xent_mean_f32"]
+        device["id"] = 1  # another device: its own lookup
+        assert kernels.function("loss", "xent_mean_f32") is not first and len(looked) == 2
+    finally:
+        kernels._function.cache_clear()
