@@ -304,3 +304,34 @@ def test_eval_backward_is_the_reference_engines_with_numpy_standing_in(monkeypat
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=what)
     assert got_saved == ([] if act == "identity" else [saved.saved])
     assert act == "identity" or got_saved[0] is not None
+
+
+@pytest.mark.parametrize(("shape", "layout"), [((10, 3), "NCHW"), ((10, 2, 5, 3), "NHWC"),
+                                               ((10, 3, 7), "NCHW")])
+def test_inference_runs_a_batch_above_cudnns_bound_in_parts(gpu, monkeypatch, shape, layout):
+    """Note [cuDNN's inference batch], with the bound lowered to 4: 10 samples are three
+    calls (4, 4, 2) on offsets into x and y, each with the descriptors of its own shape;
+    the statistics and parameters are the same arrays in every call."""
+    monkeypatch.setattr(engine, "INFERENCE_BATCH", 4)
+    x, y = gpu.array(shape, "float16"), gpu.array(shape, "float16")
+    c = shape[-1] if layout == "NHWC" else shape[1]
+    scale, shift, rm, rv = (gpu.array((c,), "float32") for _ in range(4))
+    geom = BatchNormGeometry.create(shape, layout)
+    plan = get_batchnorm_plan(geom, "float16")
+    engine._inference_calls(plan, "H", x, y, scale, shift, rm, rv, 1e-3)
+    calls = [a for n, a in gpu.calls if n == "batchNormalizationForwardInference"]
+    sample = int(np.prod(shape[1:])) * 2  # bytes of one float16 sample
+    assert [a[5] - ptr(x) for a in calls] == [0, 4 * sample, 8 * sample]
+    assert [a[7] - ptr(y) for a in calls] == [0, 4 * sample, 8 * sample]
+    parts = [get_batchnorm_plan(BatchNormGeometry.create((n, *shape[1:]), layout), "float16")
+             for n in (4, 4, 2)]
+    assert [(a[4], a[6], a[8]) for a in calls] == [
+        (p.x_desc, p.x_desc, p.bn_desc_inference) for p in parts]
+    assert all(a[9:13] == (ptr(scale), ptr(shift), ptr(rm), ptr(rv)) and a[13] == 1e-3
+               for a in calls)
+    gpu.calls.clear()
+    monkeypatch.setattr(engine, "INFERENCE_BATCH", 10)  # at the bound: one call, the plan's
+    engine._inference_calls(plan, "H", x, y, scale, shift, rm, rv, 1e-3)
+    [(name, a)] = gpu.calls
+    assert name == "batchNormalizationForwardInference"
+    assert (a[4], a[5], a[7]) == (plan.x_desc, ptr(x), ptr(y))

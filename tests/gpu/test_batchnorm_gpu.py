@@ -191,6 +191,23 @@ def test_inference_and_eval_backward_match_reference(monkeypatch, rng, spy, dtyp
                      None if what in ("dx", "dres") else GRAD_RTOL[dtype])
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_inference_of_a_batch_above_65535_matches_reference(monkeypatch, rng, spy, layout):
+    """Note [cuDNN's inference batch]: 65,543 rows of features (BatchNorm1d's (N, C)) or
+    images run as two cuDNN inference calls on offsets, with the reference's numbers."""
+    shape = (65543, 4) if layout == "NCHW" else (65543, 1, 2, 4)
+    x = rng.standard_normal(shape).astype(np.float32)
+    w, b, rm = (rng.standard_normal(4).astype(np.float32) for _ in range(3))
+    rv = rng.uniform(0.5, 2.0, 4).astype(np.float32)
+    want, _ = ops.batchnorm_forward_inference(*(a.astype(np.float64) for a in (x, w, b, rm, rv)),
+                                              layout, 1e-5, "relu")
+    with poison_outputs(monkeypatch):
+        y, _ = ops.batchnorm_forward_inference(*(cp.asarray(a) for a in (x, w, b, rm, rv)),
+                                               layout, 1e-5, "relu")
+    assert spy == ["batchNormalizationForwardInference"] * 2
+    assert_close(y, want, "float32", "y")
+
+
 def test_size_queries_answer_with_a_handle():
     plan = get_batchnorm_plan(BatchNormGeometry.create((4, 5, 6, 8), "NHWC"), "float16", "relu",
                               True)

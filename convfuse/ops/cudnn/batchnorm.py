@@ -28,10 +28,22 @@ fused calls again (Note [transient out-of-memory]); the plan's one warning cover
 
 Evaluation-mode backward (rare: frozen statistics) is computed with CuPy arithmetic,
 since cuDNN has no backward for inference; it is correct but not a tuned path.
+
+Note [cuDNN's inference batch]
+cuDNN's legacy batch-norm inference has refused batches above 65,535 samples (PyTorch
+sends those to its own kernel: `_select_batch_norm_backend`'s "spatial, eval" bound;
+OneFlow #3147 saw cudnnBatchNormalizationForwardInference fail at 65,536), a size a
+BatchNorm1d over rows of features reaches in one evaluation batch. Inference uses the
+running statistics, so its samples are independent and N is the outermost dimension in
+both layouts: a larger batch runs as consecutive calls of at most INFERENCE_BATCH samples
+on offsets into x and y, each with the plan of its own shape (two plans at most). Training
+normalises with the batch's own statistics and cannot be split so; PyTorch's bound there
+(880,801) is left to cuDNN, whose refusal is raised with the plan's shapes.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -224,15 +236,36 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
     cd = compute_dtype(x.dtype)
     scale, shift = _scale_shift(weight, bias, g, cd, ctx)
     y = ctx.empty(g.shape, x.dtype)
-    with context(lambda: _where(plan, "batchNormalizationForwardInference")):
-        plan.lib.batchNormalizationForwardInference(
-            handle, plan.inference_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
-            y.data.ptr, plan.bn_desc_inference, scale.data.ptr, shift.data.ptr,
-            running_mean.data.ptr, running_var.data.ptr, eps)
+    _inference_calls(plan, handle, x, y, scale, shift, running_mean, running_var, eps)
     y, saved = _finish_forward(plan, handle, ctx, y, residual, act)
     mean = running_mean.copy()
     invstd = 1.0 / cp.sqrt(running_var + cd.type(eps))
     return y, saved, mean, invstd.astype(cd, copy=False)
+
+
+#: The largest batch one cuDNN inference call gets (Note [cuDNN's inference batch]).
+INFERENCE_BATCH = 65535
+
+
+def _inference_calls(plan: BatchNormPlan, handle: Any, x: Any, y: Any, scale: Any, shift: Any,
+                     running_mean: Any, running_var: Any, eps: float) -> None:  # pragma: gpu
+    """y = batchnorm(x) with the running statistics, in cuDNN inference calls of at most
+    INFERENCE_BATCH samples (Note [cuDNN's inference batch])."""
+    g: BatchNormGeometry = plan.key.geometry
+    n = g.shape[0]
+    sample = x.size // n * x.dtype.itemsize  # bytes per sample, the same in y
+    part = plan
+    for start in range(0, n, INFERENCE_BATCH):
+        count = min(INFERENCE_BATCH, n - start)
+        if count != part.key.geometry.shape[0]:
+            part = get_batchnorm_plan(BatchNormGeometry.create((count, *g.shape[1:]), g.layout),
+                                      plan.key.dtype, plan.key.activation, plan.key.residual)
+        offset = start * sample
+        with context(functools.partial(_where, part, "batchNormalizationForwardInference")):
+            part.lib.batchNormalizationForwardInference(
+                handle, part.inference_mode, 1.0, 0.0, part.x_desc, x.data.ptr + offset,
+                part.x_desc, y.data.ptr + offset, part.bn_desc_inference, scale.data.ptr,
+                shift.data.ptr, running_mean.data.ptr, running_var.data.ptr, eps)
 
 
 def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: Any,
