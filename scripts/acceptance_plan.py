@@ -65,6 +65,12 @@ CHUNKS: list[tuple[str, list[str]]] = [
 # past the 45 s other tests get, and pytest-timeout's thread method would end the chunk. Its
 # command-line test reruns all of it in a subprocess; the CPU suite covers the command line.
 SELFCHECK = "test_selfcheck_gpu.py"
+# Files with tests that compile with Inductor or dynamo on a cold cache (tens of seconds
+# each; those tests carry a timeout marker of their own): last in their chunk, so that a
+# compile that still outruns its timeout (pytest-timeout's thread method ends the chunk)
+# cuts nothing after it.
+COMPILE_LAST = ("test_torch_conv_transpose_gpu.py", "test_torch_backend_gpu.py",
+                "test_torch_graphs_gpu.py")
 SELFCHECK_DESELECT = "test_command_line_exits_zero_and_writes_json"
 
 
@@ -179,6 +185,7 @@ def chunks(counts: Counter, files: list[str]) -> list[Part]:
         paths = [f"{GPU_TESTS}/{f}" for f in fs if f"{GPU_TESTS}/{f}" in files]
         if i == len(CHUNKS) - 1:
             paths += sorted(f for f in files if f not in named)
+        paths.sort(key=lambda p: Path(p).name in COMPILE_LAST)  # stable: the rest in order
         if paths:
             out.append(_chunk(name, paths, counts))
     selfcheck = f"{GPU_TESTS}/{SELFCHECK}"

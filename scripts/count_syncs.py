@@ -16,6 +16,7 @@ call from any thread; passing proves zero syncs, though it cannot count them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -151,8 +152,13 @@ def capture_probe(cp, step, x, y) -> str:  # pragma: gpu
             stream.begin_capture(runtime.streamCaptureModeGlobal)
             try:
                 step(x, y)
-            finally:
-                stream.end_capture()
+            except BaseException:
+                # the step's own error names the call that synchronised; ending an
+                # invalidated capture raises too, and must not replace it
+                with contextlib.suppress(Exception):
+                    stream.end_capture()
+                raise
+            stream.end_capture()
     except Exception as exc:  # the step synchronised or copied to the host
         return f"fail: {type(exc).__name__}: {exc}"[:500]
     return "pass"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 import traceback
@@ -62,26 +63,36 @@ class Result:
     traceback: str = field(default="", repr=False)
 
 
-def run_items(items: list[Item], gpu_reason: str | None) -> list[Result]:
+def run_items(items: list[Item], gpu_reason: str | None,
+              done: Callable[[list[Result]], None] | None = None) -> list[Result]:
     """Run every item in order, whatever happened before; a GPU item without a GPU is a
-    SKIP naming the reason."""
-    results = []
+    SKIP naming the reason. `done(results so far)` runs after each item, so a stage's time
+    cap (SIGINT, then SIGKILL) leaves every finished item's result written; the item the
+    SIGINT interrupts is recorded as cut, and the rest are not started."""
+    results: list[Result] = []
     for item in items:
         if item.needs_gpu and gpu_reason:
             results.append(Result(item.name, "SKIP", 0.0, f"no usable GPU: {gpu_reason}",
                                   item.needs_gpu))
             continue
         t0 = time.perf_counter()
+        cut = False
         try:
             detail, status, tb = item.run(), "PASS", ""
         except Skip as exc:
             detail, status, tb = str(exc), "SKIP", ""
+        except KeyboardInterrupt:  # the stage's time cap
+            detail, status, tb, cut = "cut by the time cap", "FAIL", "", True
         except Exception as exc:  # the table reports it; the next item still runs
             detail, status = f"{type(exc).__name__}: {exc}", "FAIL"
             tb = traceback.format_exc(limit=8)
         results.append(Result(item.name, status, time.perf_counter() - t0,
                               " ".join(detail.split())[:600], item.needs_gpu, tb))
         print(f"  {status:4s} {item.name}", flush=True)
+        if done is not None:
+            done(results)
+        if cut:
+            break
     return results
 
 
@@ -412,14 +423,18 @@ def main(argv: list[str] | None = None) -> int:
     reason = gpu_unavailable()
     print(f"gpu_smoke: seed {seed}; " + (f"no usable GPU ({reason}): GPU items skipped"
                                          if reason else "GPU available"), flush=True)
-    results = run_items(items(seed, reason is None), reason)
+    def write(results: list[Result]) -> None:
+        if args.json:  # replaced whole (a kill mid-write leaves the previous file)
+            tmp = args.json.with_name(args.json.name + ".tmp")
+            tmp.write_text(json.dumps({"seed": seed, "gpu_unavailable_reason": reason,
+                                       "exit_status": exit_status(results),
+                                       "items": [asdict(r) for r in results]}, indent=1))
+            os.replace(tmp, args.json)
+
+    results = run_items(items(seed, reason is None), reason, write)
     print(table(results))
-    status = exit_status(results)
-    if args.json:
-        args.json.write_text(json.dumps({"seed": seed, "gpu_unavailable_reason": reason,
-                                         "exit_status": status,
-                                         "items": [asdict(r) for r in results]}, indent=1))
-    return status
+    write(results)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,19 @@ def test_a_pytest_chunk_streams_its_tests_and_merges_its_junit(tmp_path):
                                                      "tests.jsonl"]
 
 
+def test_a_file_that_fails_to_import_costs_its_own_tests_not_the_chunks(tmp_path):
+    good = tmp_path / "test_good.py"
+    good.write_text("def test_ok():\n    pass\n")
+    broken = tmp_path / "test_broken.py"
+    broken.write_text("import no_such_module_here\n")
+    out = tmp_path / "out"
+    parts = _parts_file(tmp_path, [f"gpu-a|30|no|chunk gpu-a 2 {broken} {good}"])
+    proc = _run(["--stage", "1", str(out)], env=_env(tmp_path, parts), timeout=300)
+    assert proc.returncode == 1  # the broken file is an error
+    counts, _, _ = acceptance_summary.chunk_results(out, "gpu-a")
+    assert counts.get("passed") == 1, counts  # the good file still ran
+
+
 def test_sigkill_leaves_a_summary_naming_the_part_that_was_cut(tmp_path):
     out = tmp_path / "out"
     parts = _parts_file(tmp_path, ["install|20|no|true", "hang|60|no|echo hang-began; sleep 50",

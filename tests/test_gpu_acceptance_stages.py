@@ -243,3 +243,17 @@ def test_a_sanitizer_with_too_little_time_left_is_skipped_before_it_starts(tmp_p
     assert "Failed parts: none." in text
     assert acceptance_summary.failed_parts(tmp_path, acceptance_summary.read_status(status)) \
         == []
+
+
+def test_files_that_compile_with_inductor_come_last_in_their_chunk():
+    """A cold compile that outruns its timeout ends the chunk: nothing may come after it."""
+    counts = _today()
+    for name in plan.COMPILE_LAST:
+        counts[f"tests/gpu/{name}"] = 3
+    counts["tests/gpu/test_zzz_after_them_gpu.py"] = 2  # sorted after them by name
+    result = plan.pack(counts, _files(counts), ROOM, "forward,adam")
+    assert result.errors == []
+    rest = next(p for parts in result.stages.values() for p in parts if p.name == "gpu-rest")
+    tail = [f.split("/")[-1] for f in rest.files[-len(plan.COMPILE_LAST):]]
+    assert sorted(tail) == sorted(plan.COMPILE_LAST)
+    assert "tests/gpu/test_zzz_after_them_gpu.py" in rest.files

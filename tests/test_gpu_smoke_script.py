@@ -43,6 +43,30 @@ def test_every_item_runs_after_a_failure_and_gpu_items_skip_without_a_gpu():
         ["FAIL", "PASS", "SKIP", "SKIP"]
 
 
+def test_each_finished_item_is_written_and_the_time_cap_cuts_the_running_one(tmp_path,
+                                                                            monkeypatch):
+    """The stage's time cap sends SIGINT: the item it interrupts is recorded as cut, the
+    rest do not start, and smoke.json holds every finished item (written after each)."""
+    def capped() -> str:
+        raise KeyboardInterrupt
+
+    seen = []
+    items = [gpu_smoke.Item("a", False, lambda: "fine"), gpu_smoke.Item("b", False, capped),
+             gpu_smoke.Item("c", False, lambda: seen.append("c") or "never")]
+    written = []
+    results = gpu_smoke.run_items(items, None, lambda r: written.append([x.name for x in r]))
+    assert [r.status for r in results] == ["PASS", "FAIL"] and seen == []
+    assert results[1].detail == "cut by the time cap"
+    assert written == [["a"], ["a", "b"]]
+    out = tmp_path / "smoke.json"
+    monkeypatch.setattr(gpu_smoke, "gpu_unavailable", lambda: None)
+    monkeypatch.setattr(gpu_smoke, "items", lambda seed, gpu: items)
+    assert gpu_smoke.main(["--json", str(out), "--seed", "1"]) == 1
+    data = json.loads(out.read_text())
+    assert [i["name"] for i in data["items"]] == ["a", "b"] and data["exit_status"] == 1
+    assert not (tmp_path / "smoke.json.tmp").exists()
+
+
 def test_with_a_gpu_the_gpu_items_run():
     results = gpu_smoke.run_items([gpu_smoke.Item("c", True, lambda: "ran")], None)
     assert results[0].status == "PASS" and results[0].detail == "ran"

@@ -45,6 +45,7 @@ def _convfuse_kernels(prof):
                                    "aten::convolution", "aten::native_batch_norm")}
 
 
+@pytest.mark.timeout(240)  # an Inductor compile on a cold cache: tens of seconds
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_resnet18_training_steps_match_float64_cpu(mode):
     model = _resnet().cuda()
@@ -82,6 +83,7 @@ def test_explain_on_the_gpu_fuses_every_tail():
     assert report.left == []
 
 
+@pytest.mark.timeout(240)  # an Inductor compile on a cold cache: tens of seconds
 def test_channels_last_and_autocast_with_inductor():
     model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
                                 torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1),

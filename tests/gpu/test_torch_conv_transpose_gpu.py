@@ -88,6 +88,7 @@ def test_double_backward_on_the_gpu():
                                         nondet_tol=1e-12)
 
 
+@pytest.mark.timeout(240)  # an Inductor compile on a cold cache: tens of seconds
 def test_compile_fullgraph_on_the_gpu():
     _, ours = _layers("relu")
     model = torch.nn.Sequential(ours, ct.ConvTranspose2d(6, 2, 2, 2, activation="silu")).cuda()

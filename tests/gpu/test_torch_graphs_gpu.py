@@ -169,6 +169,7 @@ def test_make_graphed_callables(dtype):
         _compare_models(model, eager, dtype)
 
 
+@pytest.mark.timeout(240)  # an Inductor compile on a cold cache: tens of seconds
 def test_compile_reduce_overhead():
     dtype = torch.float32
     torch.manual_seed(2)
