@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
+nn = torch.nn
 
 import convfuse.torch as ct  # noqa: E402
 import convfuse.torch._double as double  # noqa: E402
@@ -345,3 +346,27 @@ def test_opcheck_the_primitives():
                           test_utils=quick)
     torch.library.opcheck(ops.activation_grad.default, (dz, _rand(2, 4, 3, 3), "gelu"),
                           test_utils=quick)
+
+
+@pytest.mark.parametrize(("act", "module"), [("relu", nn.ReLU), ("relu6", nn.ReLU6),
+                                             ("leaky_relu", nn.LeakyReLU)])
+def test_a_penalty_reaches_every_parameter_as_torch_nn_does(act, module):
+    """A piecewise-linear activation's second derivative is zero; torch.nn's reports it as
+    zeros, so a gradient penalty differentiates every parameter (a batch norm's bias gets
+    zeros, not "unused"): convfuse's does the same, with torch.nn's numbers."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(ct.Conv2d(3, 8, 3, padding=1, activation=act, dtype=torch.float64),
+                         ct.BatchNorm2d(8, activation=act, dtype=torch.float64))
+    theirs = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, dtype=torch.float64), module(),
+                           nn.BatchNorm2d(8, dtype=torch.float64), module())
+    theirs[0].load_state_dict(ours[0].state_dict())
+    theirs[2].load_state_dict(ours[1].state_dict())
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    got = []
+    for m in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        gx, = torch.autograd.grad(m(xi).sum(), xi, create_graph=True)
+        got.append(torch.autograd.grad(gx.square().sum(), (xi, *m.parameters())))
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    assert torch.count_nonzero(got[0][-1]) == 0  # the batch norm's bias: zeros

@@ -267,7 +267,10 @@ def _activation_grad_backward(ctx, g):
     gsaved = None
     if need_saved and saved is not None:
         term = second_derivative_term(dy, saved, ctx.act)
-        gsaved = None if term is None else g * term
+        # Zero where the activation is piecewise linear, as a tensor, not None: torch.nn's
+        # ReLU backward (threshold_backward) reports its zero this way, so what `saved` came
+        # from still gets a gradient (a batch norm's bias: zeros, not "unused" in a penalty)
+        gsaved = torch.zeros_like(saved) if term is None else g * term
     return gdy, gsaved, None
 
 
