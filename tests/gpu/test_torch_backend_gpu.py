@@ -68,7 +68,10 @@ def test_resnet18_training_steps_match_float64_cpu(mode):
         for (name, b), c in zip(model.named_buffers(), ref.buffers()):
             torch.testing.assert_close(b.double().cpu(), c.double(), rtol=2e-3, atol=2e-3,
                                        msg=f"step {i}: {name}")
-        if i == 0 or mode is None:
+        # step 1: step 0 is where dynamo traces, and its fake-tensor trace shows up in the
+        # profiler as aten::convolution and batch norm; under reduce-overhead step 1 is the
+        # CUDA-graph recording (its ops run), step 2 a replay (none run)
+        if i == 1:
             ours, torchs = _convfuse_kernels(prof)
             assert {"convfuse::conv_bias_act", "convfuse::batchnorm_training",
                     "convfuse::conv_bias_act_backward",
