@@ -71,7 +71,7 @@ PY=${PYTHON:-python3}
 
 STAGE_CAP=295      # seconds per stage, all included; the visit allows 300 per command
 RESERVE=5          # kept for the last summary
-PART_LOG_BYTES=$((3 * 1024 * 1024))
+PART_LOG_BYTES=$((2 * 1024 * 1024))  # six parts stay under the 16 MiB a file may bring back
 MAX_BYTES=$((16 * 1024 * 1024))
 TEST_TIMEOUT=${ACCEPT_TEST_TIMEOUT:-45}   # per test (pytest-timeout), where installed
 SANITIZER_MIN=${ACCEPT_SANITIZER_MIN:-30} # below this the sanitizer is skipped unstarted
@@ -146,13 +146,22 @@ summary() {  # summary [running-part since]; never fails the run
   }
 }
 
-capped() {  # pass lines on as they come (head -c buffers), and drop those past the cap
-  local n=0 line
+capped() {  # pass lines on as they come (head -c buffers) up to 3/4 of the cap, then keep
+  # only the last quarter's worth, printed at the end: pytest's summary is at the end
+  local n=0 line kept=0 start=0 next=0 dropped=0
+  local head=$((PART_LOG_BYTES * 3 / 4)) keep=$((PART_LOG_BYTES / 4))
+  local -a tail=()
   while IFS= read -r line || [ -n "$line" ]; do
     n=$((n + ${#line} + 1))
-    [ "$n" -le "$PART_LOG_BYTES" ] && printf '%s\n' "$line"
+    if [ "$n" -le "$head" ]; then printf '%s\n' "$line"; continue; fi
+    tail[next]=$line; next=$((next + 1)); kept=$((kept + ${#line} + 1))
+    while [ "$kept" -gt "$keep" ] && [ $((next - start)) -gt 1 ]; do
+      kept=$((kept - ${#tail[start]} - 1)); unset "tail[$start]"
+      start=$((start + 1)); dropped=$((dropped + 1))
+    done
   done
-  [ "$n" -gt "$PART_LOG_BYTES" ] && echo "(output past $PART_LOG_BYTES bytes dropped)"
+  [ "$dropped" -gt 0 ] && echo "($dropped lines dropped after the first $head bytes; the last lines follow)"
+  [ "$next" -gt "$start" ] && printf '%s\n' "${tail[@]}"
   return 0
 }
 
