@@ -56,6 +56,45 @@ def test_dropout_train_eval_and_mask_reuse(rng):
         cf.Dropout("half")
 
 
+def test_dropout_on_the_device_draws_from_its_own_seeded_generator(monkeypatch):
+    """The GPU branch, with NumPy standing in for CuPy: the mask comes from the layer's own
+    Generator (made once per device, seeded from `seed`), never from the module-level
+    `random` functions (on CuPy, cuRAND's host API, which a stream capture refuses)."""
+    from types import SimpleNamespace
+
+    from convfuse.nn import simple
+
+    made = []
+    device = {"id": 0}
+
+    def default_rng(seed):
+        made.append(seed)
+        return np.random.default_rng(seed)
+
+    fake_cp = SimpleNamespace(
+        float32=np.float32, zeros=np.zeros,
+        random=SimpleNamespace(default_rng=default_rng),  # no module-level random()
+        cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: device["id"])))
+    monkeypatch.setattr(simple, "array_module", lambda a: fake_cp)
+    x = np.ones((64, 32))
+    masks = {}
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        drop = cf.Dropout(0.5, seed=seed)
+        masks[name] = [drop(x) != 0 for _ in range(2)]
+    assert len(made) == 3  # one generator per layer and device, reused by its later calls
+    assert np.array_equal(masks["a"][0], masks["b"][0])  # the same seed, the same masks
+    assert np.array_equal(masks["a"][1], masks["b"][1])
+    assert not np.array_equal(masks["a"][0], masks["a"][1])  # the state advances
+    assert not np.array_equal(masks["a"][0], masks["c"][0])
+    device["id"] = 1
+    drop = cf.Dropout(0.5, seed=7)
+    drop(x)
+    drop(x)
+    assert len(made) == 4
+    y = drop(x)
+    np.testing.assert_allclose(y[y != 0], 2.0)
+
+
 def test_small_layers_follow_their_input_and_refuse_non_arrays():
     for layer in (cf.Identity(), cf.ReLU(), cf.Dropout()):
         with pytest.raises(TypeError, match="must be a NumPy or CuPy array, got list"):

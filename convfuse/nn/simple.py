@@ -4,6 +4,7 @@ that layer: it is fused there and costs nothing; a standalone ReLU is one more p
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -95,10 +96,17 @@ class ReLU(Activation):
         return ""
 
 
+_device_rngs: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+
 class Dropout(_Stateless):
     """Zeroes each element with probability p in training mode and scales the rest by
     1/(1-p); the identity in eval mode. PyTorch's `Dropout(p=0.5)`. The mask is drawn on the
-    input's device (CuPy's generator on the GPU: no host round trip)."""
+    input's device: on the GPU by the layer's own CuPy Generator (`_device_rng`), seeded
+    from `seed`, whose state lives on the device and whose draws are CuPy kernels, so a
+    training step with dropout can be captured as a CUDA graph (CuPy's global
+    `cupy.random` goes through cuRAND's host API, which refuses a stream capture, and would
+    ignore `seed`); each replay advances the state and draws a new mask."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False, seed: int | None = None) -> None:
         super().__init__()
@@ -134,12 +142,25 @@ class Dropout(_Stateless):
             keep = self._rng.random(x.shape, dtype=np.float32) >= self.p
             scale = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - self.p))
         else:  # pragma: gpu
-            keep = xp.random.random(x.shape, dtype=xp.float32) >= self.p
+            keep = self._device_rng(xp).random(x.shape, dtype=xp.float32) >= self.p
             scale = keep.astype(x.dtype) * x.dtype.type(1.0 / (1.0 - self.p))
         self._ctx = (scale, x)
         return x * scale
 
     forward = __call__
+
+    def _device_rng(self, cp: Any) -> Any:
+        """This layer's Generator on the current device, made at its first training call
+        there (the warm-up a capture needs: its state is seeded by a kernel), seeded from
+        the layer's NumPy generator. Kept beside the layer, not in it: copies and pickles
+        of the layer carry the NumPy generator's state and make their own."""
+        per_device = _device_rngs.setdefault(self, {})
+        device = int(cp.cuda.runtime.getDevice())
+        rng = per_device.get(device)
+        if rng is None:
+            rng = per_device[device] = cp.random.default_rng(
+                int(self._rng.integers(0, 2**63 - 1)))
+        return rng
 
     def backward(self, dy: Any) -> Any:
         return self._backward_with(dy, self._backward)

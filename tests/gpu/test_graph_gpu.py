@@ -141,3 +141,29 @@ def test_replay_equals_eager_in_every_layout_and_dtype(layout, dtype):
         assert np.isfinite(gg).all()
         np.testing.assert_allclose(gg, ge, rtol=rtol, atol=rtol)
     np.testing.assert_allclose(graph_mean.compute(), eager_mean.compute(), rtol=rtol)
+
+
+def test_a_step_with_dropout_is_captured_and_draws_a_new_mask_each_replay():
+    """Dropout's mask comes from the layer's own device Generator (CuPy kernels), which a
+    capture records; CuPy's module-level random functions (cuRAND's host API) would be
+    refused there. Each replay advances the generator's state: a new mask."""
+    import cupy as cp
+
+    drop = cf.Dropout(0.5, seed=0)
+    out = {}
+
+    def step(x):
+        out["y"] = drop(x)
+        return out["y"]
+
+    x = cp.ones((256, 64), dtype=cp.float32)
+    captured = cf.graph.capture(step, x)
+    masks = []
+    for _ in range(3):
+        captured(x)
+        captured.synchronize()
+        y = out["y"]
+        masks.append(cp.asnumpy(y != 0))
+        assert 0.4 < masks[-1].mean() < 0.6
+        np.testing.assert_allclose(cp.asnumpy(y)[masks[-1]], 2.0)
+    assert not np.array_equal(masks[0], masks[1]) and not np.array_equal(masks[1], masks[2])
