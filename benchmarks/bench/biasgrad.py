@@ -153,7 +153,9 @@ def recommendation(recs: list[dict[str, Any]], on_gpu: bool) -> dict[str, Any]:
     for act in cases.BIAS_ACTIVATIONS:
         for key, name in (("fused/cudnn", "geomean_fused_over_cudnn"),
                           ("generic/cudnn", "geomean_generic_over_cudnn")):
-            ratios = [r["ratios"][key] for r in timed if r["activation"] == act]
+            # a ratio is missing where a path's check dropped it (a failed form)
+            ratios = [r["ratios"][key] for r in timed
+                      if r["activation"] == act and r.get("ratios", {}).get(key) is not None]
             if ratios:
                 summary[name][act] = _geomean(ratios)
     summary["recommendation"] = None

@@ -160,7 +160,9 @@ class TorchSide:
                    want_loss: np.ndarray, want_grads: list, tol: float, rec: dict,
                    form: str) -> tuple[str, Any]:
         model = self._net(weights)
-        forward = self.torch.compile(model) if compiled else model
+        # dynamic=False: each batch size its own static graph, as a user compiling one
+        # training run gets (a second size would otherwise compile with a symbolic batch)
+        forward = self.torch.compile(model, dynamic=False) if compiled else model
         opt, opt_note = self._adam(model.parameters(), lr)
         loss_fn = self.torch.nn.CrossEntropyLoss()
 

@@ -100,7 +100,9 @@ def _measure(ctx: Context, rec: dict[str, Any], torch: Any, gpu: bool, batch: in
         compile_s[name] = time.perf_counter() - t0
         grads[name] = [p.grad.detach().clone() for p in models[name].parameters()]
     rec["compile_s"] = compile_s
-    rtol = 2e-3
+    # on a GPU both sides may round convolutions to TF32 (the flags earlier sections set),
+    # as the train and conv_transpose sections allow for
+    rtol = 2e-2 if ctx.engine.is_gpu else 2e-3
     for name in ("inductor", "convfuse"):
         worst = max(float((a - b).abs().max()) / (float(b.abs().max()) or 1.0)
                     for a, b in zip(grads[name], grads["eager"]))
