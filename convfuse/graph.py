@@ -133,8 +133,10 @@ def _explain(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     hints = []
     low = text.lower()
-    capture_words = ("unsupported", "not permitted", "invalidated")
-    if "capture" in low and any(word in low for word in capture_words):
+    capture_words = ("unsupported", "not permitted", "invalidated", "disallowed")
+    # "captur": CuPy's refusal of a host read says "the current stream is capturing, so D2H
+    # transfers are disallowed" (cupy/cuda/memory.pyx), the case this hint is for
+    if "captur" in low and any(word in low for word in capture_words):
         hints.append(
             "the step did something a CUDA graph cannot record, most often a device-to-host "
             "sync (float(loss), .item(), .get(), printing an array); keep metrics on the device"

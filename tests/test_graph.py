@@ -21,6 +21,9 @@ def test_explanations_name_the_cause():
         "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing"
     )
     assert "device-to-host sync" in graph._explain(sync)
+    # CuPy 14.2's own refusal of a host read (float(loss), .get()) inside a capture
+    d2h = RuntimeError("the current stream is capturing, so D2H transfers are disallowed")
+    assert "device-to-host sync" in graph._explain(d2h)
     blas = RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED during capture")
     assert "vendor-library wrappers" in graph._explain(blas)
     other = ValueError("something else")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import dtypes, kernels
 from ..backend import to_device
-from ..errors import ConvfuseError
+from ..errors import CaptureError, ConvfuseError
 from ..nn.module import renamed
 from ..nn.parameter import Parameter
 from ._flat import (
@@ -151,12 +151,16 @@ class FlatOptimizer:
     @lr.setter
     def lr(self, value: Any) -> None:
         try:
-            self._lr = check_lr(value)
+            lr = check_lr(value)
         except (TypeError, ValueError) as exc:
             raise renamed(exc, type(self).__name__) from None
-        if self._lr_dev is not None:  # pragma: gpu
-            with device_context(self._device_id):
-                self._lr_dev.fill(self._lr)  # an async kernel on the current stream
+        if self._lr_dev is None:
+            self._lr = lr
+            return
+        with device_context(self._device_id):  # pragma: gpu
+            _refuse_lr_in_capture(type(self).__name__)  # before anything changes
+            self._lr = lr
+            self._lr_dev.fill(lr)  # an async kernel on the current stream
 
     @property
     def device(self) -> str:
@@ -277,3 +281,15 @@ class FlatOptimizer:
         hyper = ", ".join(f"{k}={v}" for k, v in self.defaults.items())
         sizes = ", ".join(f"{g.dtype}: {len(g.slots)} params" for g in self._groups)
         return f"{type(self).__name__}(lr={self._lr}, {hyper}; {self.device}; {sizes})"
+
+
+def _refuse_lr_in_capture(name: str) -> None:  # pragma: gpu
+    """Inside a captured step the device copy's fill would be recorded with this value and
+    replayed over every later assignment, silently: refuse it, as the module notes say lr
+    is set between replays."""
+    import cupy
+
+    if cupy.cuda.get_current_stream().is_capturing():
+        raise CaptureError(f"{name}.lr was assigned while a CUDA graph was being captured: "
+                           "the graph would replay this value over later assignments; set "
+                           "lr outside the captured step (between replays)")

@@ -193,6 +193,26 @@ def test_captured_step_replays_like_eager_steps(rng, kind):
             np.testing.assert_array_equal(sg["state"][i][name], se["state"][i][name])
 
 
+def test_assigning_lr_inside_a_capture_is_refused(rng):
+    """The fill of the device copy would be recorded with that value and replayed over every
+    later assignment: refused before the host mirror changes, and the capture ends cleanly."""
+    from convfuse.errors import CaptureError
+
+    p = Parameter(cp.asarray(rng.standard_normal(8).astype(np.float32)))
+    opt = SGD([p], lr=0.1)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(CaptureError, match=r"SGD\.lr was assigned while a CUDA graph"):
+                opt.lr = 0.05
+        finally:
+            stream.end_capture()
+    assert opt.lr == 0.1  # refused before anything changed
+    opt.lr = 0.02  # outside the capture: fine
+    stream.synchronize()
+
+
 def test_state_moves_between_cpu_and_gpu(rng):
     shapes = [(3, 2), (4,)]
     cpu, gpu = _twins(rng, np.float64, shapes)
