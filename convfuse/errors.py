@@ -15,24 +15,31 @@ class ConvfuseError(Exception):
 class CudnnError(ConvfuseError, RuntimeError):
     """A cuDNN call returned a status other than CUDNN_STATUS_SUCCESS.
 
-    The binding raises it with the function and status; the layers above re-raise it
-    with `with_context` so the message also names the shapes and algorithm involved.
+    The binding raises it with the function, the status and `detail`, cuDNN's own message
+    (cudnnGetLastErrorString: why a call was refused, where cuDNN says); the layers above
+    re-raise it with `with_context` so the message also names the shapes and algorithm
+    involved.
     """
 
-    def __init__(self, status: int, function: str, status_name: str = "", context: str = ""):
+    def __init__(self, status: int, function: str, status_name: str = "", context: str = "",
+                 detail: str = ""):
         self.status = int(status)
         self.function = function
         self.status_name = status_name or f"CUDNN_STATUS_{self.status}"
         self.context = context
+        self.detail = " ".join(str(detail).split())  # cuDNN's own message, one line
         msg = f"{function} failed with {self.status_name} ({self.status})"
-        super().__init__(f"{msg}: {context}" if context else msg)
+        if context:
+            msg = f"{msg}: {context}"
+        super().__init__(f"{msg} [cuDNN: {self.detail}]" if self.detail else msg)
 
     def __reduce__(self):
-        return (type(self), (self.status, self.function, self.status_name, self.context))
+        return (type(self), (self.status, self.function, self.status_name, self.context,
+                             self.detail))
 
     def with_context(self, context: str) -> CudnnError:
         joined = f"{self.context}; {context}" if self.context else context
-        return CudnnError(self.status, self.function, self.status_name, joined)
+        return CudnnError(self.status, self.function, self.status_name, joined, self.detail)
 
 
 class CudnnLoadError(ConvfuseError, ImportError):

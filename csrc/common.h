@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace convfuse {
@@ -21,14 +22,26 @@ namespace py = pybind11;
 // Thrown by check(); errors.cpp translates it into convfuse.errors.CudnnError. A plain C++
 // exception (no Python objects) so that it may be thrown while the GIL is released.
 struct CudnnStatusError : std::exception {
-  CudnnStatusError(cudnnStatus_t s, const char* fn) : status(s), function(fn) {}
+  CudnnStatusError(cudnnStatus_t s, const char* fn, std::string msg)
+      : status(s), function(fn), message(std::move(msg)) {}
   const char* what() const noexcept override { return function; }
   cudnnStatus_t status;
   const char* function;  // always a string literal: the C function's name
+  std::string message;   // cuDNN's own account of the failure (may be empty)
 };
 
+// cuDNN's most recent error message (cudnnGetLastErrorString, cuDNN 9): why a call was
+// refused (a layout, an algorithm, a dtype), which the status alone does not say. Read in
+// check(), on the thread that made the call, right after it returned.
+inline std::string lastErrorString() {
+  char buffer[1024] = {0};
+  cudnnGetLastErrorString(buffer, sizeof buffer);
+  buffer[sizeof buffer - 1] = '\0';
+  return std::string(buffer);
+}
+
 inline void check(cudnnStatus_t status, const char* function) {
-  if (status != CUDNN_STATUS_SUCCESS) throw CudnnStatusError(status, function);
+  if (status != CUDNN_STATUS_SUCCESS) throw CudnnStatusError(status, function, lastErrorString());
 }
 
 // Runs one cuDNN call with the GIL released and returns its status; check() the status

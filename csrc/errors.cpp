@@ -1,4 +1,5 @@
-// Turns CudnnStatusError into convfuse.errors.CudnnError(status, function, status_name),
+// Turns CudnnStatusError into convfuse.errors.CudnnError(status, function, status_name,
+// context="", detail=cuDNN's own message),
 // and holds the ValueError helpers that guard array lengths.
 #include "common.h"
 
@@ -22,7 +23,8 @@ void translate(std::exception_ptr p) {
   } catch (const CudnnStatusError& e) {
     try {
       py::object cls = cudnnErrorClass();
-      py::object exc = cls(static_cast<int>(e.status), e.function, cudnnGetErrorString(e.status));
+      py::object exc = cls(static_cast<int>(e.status), e.function, cudnnGetErrorString(e.status),
+                           "", e.message);
       PyErr_SetObject(cls.ptr(), exc.ptr());
     } catch (py::error_already_set& inner) {
       inner.restore();  // e.g. convfuse.errors failed to import: report that instead

@@ -1,6 +1,7 @@
 """convfuse._cudnn's handle, object lifetimes and argument checks, on the CPU: no handle
 without a GPU, descriptors freed when dropped, wrong list lengths and types refused before
-cuDNN sees them, cuDNN's own errors naming the function, read-only perf records."""
+cuDNN sees them, cuDNN's own errors naming the function and carrying cuDNN's message,
+read-only perf records."""
 
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def test_cudnn_error_on_bad_values_names_the_function():
     assert info.value.function == "cudnnSetTensorNdDescriptor"
     assert info.value.status == lib.CUDNN_STATUS_BAD_PARAM
     assert lib.getErrorString(info.value.status) == info.value.status_name
+
+
+def test_cudnn_error_carries_cudnns_own_account_of_the_failure():
+    """cudnnGetLastErrorString's text, read where the call failed: what the status alone
+    does not say (here, which dimension is wrong). It survives with_context and pickling."""
+    import pickle
+
+    with pytest.raises(CudnnError) as info:
+        lib.TensorDescriptor().setNd(lib.CUDNN_DATA_FLOAT, [2, -3, 4, 4], [48, 16, 4, 1])
+    err = info.value
+    assert "-3" in err.detail and "\n" not in err.detail
+    assert str(err).endswith(f"[cuDNN: {err.detail}]")
+    placed = err.with_context("conv_forward for NCHW x (2, -3, 4, 4)")
+    assert placed.detail == err.detail and "conv_forward for NCHW" in str(placed)
+    assert str(placed).endswith(f"[cuDNN: {err.detail}]")
+    again = pickle.loads(pickle.dumps(placed))
+    assert (again.detail, str(again)) == (placed.detail, str(placed))
+    plain = CudnnError(3000, "cudnnX", "CUDNN_STATUS_NOT_SUPPORTED")
+    assert plain.detail == "" and "[cuDNN" not in str(plain)
 
 
 def test_algo_perf_fields_are_read_only():

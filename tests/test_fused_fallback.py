@@ -190,3 +190,16 @@ def test_plan_records_the_first_refusal_only():
         assert get_plan(GEOMS[0], "float64", "identity").fused_refusal is None
     finally:
         clear_plan_cache()
+
+
+def test_the_fallback_warning_quotes_cudnns_own_message(gpu):
+    """CudnnError.detail (cudnnGetLastErrorString where the call failed) ends the warning:
+    the reason the status alone does not give."""
+    lib, geom = gpu.lib, GEOMS[0]
+    x, w = gpu.array(geom.input_shape, "float32"), gpu.array(geom.weight_shape, "float32")
+    b = gpu.array(geom.bias_shape, "float32")
+    gpu.fail[FUSED] = [CudnnError(3000, "cudnnConvolutionBiasActivationForward",
+                                  lib.getErrorString(3000), "", "No valid engine config")]
+    with pytest.warns(FusedFallbackWarning) as record:
+        ops.conv_bias_act(x, w, b, geom, "identity")
+    assert str(record[0].message).endswith("cuDNN said: No valid engine config")

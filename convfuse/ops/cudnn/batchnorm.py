@@ -114,7 +114,8 @@ def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None
             f"cuDNN refused the fused batch normalization ({stage}) with "
             f"{refusal.status_name} ({refusal.status}) for {plan.describe()}; running plain "
             "batch normalization plus convfuse's add and ReLU kernels instead. This path "
-            "launches extra kernels; the plan remembers the refusal and does not try again.",
+            "launches extra kernels; the plan remembers the refusal and does not try again."
+            + (f" cuDNN said: {refusal.detail}" if refusal.detail else ""),
             FusedFallbackWarning, stacklevel=6)
 
 

@@ -213,10 +213,11 @@ def _fallback_message(plan: ConvPlan, reason: Exception, permanent: bool) -> str
         why = f"the fused call cannot run ({type(reason).__name__}: {reason})"
     later = ("the plan remembers this and does not try the fused call again" if permanent
              else "the fused call is retried after a back-off, as memory may come back")
+    said = getattr(reason, "detail", "")  # cuDNN's own message (CudnnError.detail)
     return (
         f"{why}, for {plan.describe()} residual={plan.key.residual}; running it unfused "
         f"instead ({', '.join(steps)}). This path launches extra kernels and is slower; "
-        f"{later}."
+        f"{later}." + (f" cuDNN said: {said}" if said else "")
     )
 
 
