@@ -313,3 +313,39 @@ def test_refused_heads_stay_with_torch_and_say_why():
         ("conv2d", False, "an unbatched input"),
         ("batch_norm", False, "a bias without a weight")]
     assert len(torch_ops_left(graphs)) == 2
+
+
+class Plain(nn.Module):
+    def __init__(self, inner_autocast: bool = False):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2)
+        self.inner = inner_autocast
+
+    def forward(self, x):
+        if self.inner:  # no dtype: the device's autocast dtype
+            with torch.autocast("cpu"):
+                return torch.relu(self.bn(self.conv(x)))
+        return torch.relu(self.bn(self.conv(x)))
+
+
+@pytest.mark.parametrize("where", ["outside", "inside_without_dtype"])
+def test_autocast_around_the_compiled_model_or_without_a_dtype_fuses_the_convolution(where):
+    """The usual AMP loop enters autocast outside the compiled function (no region in the
+    graph: the ambient state, which dynamo guards on), and `torch.autocast("cpu")` names no
+    dtype: either way the casting convolution is convfuse's, as inside a region."""
+    torch.manual_seed(0)
+    model = Plain(inner_autocast=where != "outside")
+    x = torch.randn(2, 2, 4, 4)
+    compiled, records, graphs = compile_recorded(model)
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=where == "outside"):
+            y = compiled(x)
+            expected = model(x)
+    finally:
+        torch._dynamo.reset()
+    assert _patterns(records) == [("conv2d", True), ("batch_norm+relu", True)]
+    assert y.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), expected.float(), rtol=0.05, atol=0.05)
+    assert convfuse_ops(graphs) == 2

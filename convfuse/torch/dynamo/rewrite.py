@@ -137,12 +137,15 @@ def _after(a: Node, b: Node) -> bool:
 
 
 def _autocast_regions(g: Graph) -> dict[Node, tuple[Any, ...]]:
-    """Each node's autocast state: the (device, dtype, enabled) of the innermost region."""
+    """Each node's autocast state: the (device, dtype, enabled) of the innermost region
+    (a region's dtype None, `torch.autocast("cuda")`, is the device's autocast dtype)."""
     stack: list[tuple[Any, ...]] = []
     out: dict[Node, tuple[Any, ...]] = {}
     for node in g.nodes:
         if forms.is_autocast_enter(node):
-            stack.append(tuple(node.args[:3]))
+            dev, dtype, enabled = tuple(node.args[:3])
+            stack.append((dev, torch.get_autocast_dtype(dev) if dtype is None else dtype,
+                          enabled))
         elif forms.is_autocast_exit(node) and stack:
             stack.pop()
         out[node] = stack[-1] if stack else ()
@@ -172,6 +175,11 @@ def _refuse_head(head: forms.Conv | forms.BatchNorm, regions: dict[Node, tuple[A
         return "no example weight"
     if x.dtype != out.dtype or w.dtype != out.dtype:
         region = regions.get(head.node, ())
+        if not region and torch.is_autocast_enabled(out.device.type):
+            # autocast entered outside the compiled function (the usual AMP loop): no region
+            # in the graph, but the state dynamo guards on (a change recompiles, and this
+            # rewrite runs again under it)
+            region = (out.device.type, torch.get_autocast_dtype(out.device.type), True)
         under = len(region) == 3 and region[2] and region[1] == out.dtype \
             and region[0] == out.device.type and out.dtype != torch.float64
         if not under:
