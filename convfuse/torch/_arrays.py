@@ -44,7 +44,9 @@ tensor and one torch.empty per output: no DLPack, no CuPy array, no context-mana
 stack. What the engine runs through CuPy on this path (float64 channels-last
 convolutions, windowed transposed convolutions, padding, batch-norm inference and
 evaluation backward) enters `TorchContext.cupy_scope`, which is the "cupy" path's setup,
-and its results cross to PyTorch through DLPack inside it (`TorchContext.adopt`).
+and its results cross to PyTorch inside it (`TorchContext.adopt`): as views of the
+caching-allocator block they were made in, so that record_stream reaches that block
+(DLPack only for memory PyTorch did not allocate).
 CONVFUSE_TORCH_CUDA_PATH=cupy selects the previous path, kept to compare on a GPU:
 `engine_context` makes the tensor's device current for CuPy, PyTorch's current stream
 CuPy's (`cupy.cuda.Stream.from_external`) and `_torch_allocator` CuPy's allocator;
