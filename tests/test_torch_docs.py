@@ -56,3 +56,4 @@ def test_python_block_runs(index):
     assert done.returncode == 0, done.stderr[-3000:]
     if "FusedBasicBlock" in code:  # the block ran its torchvision part, not its fallback
         assert "FusedBasicBlock relu relu" in done.stdout, done.stdout[-3000:]
+        assert "FusedInvertedResidual identity" in done.stdout, done.stdout[-3000:]
