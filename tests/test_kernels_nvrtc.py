@@ -718,11 +718,11 @@ def test_a_kernel_is_looked_up_once_per_device(monkeypatch):
     device = {"id": 0}
     monkeypatch.setattr(kernels, "_module", lambda name, device_id: Module())
     monkeypatch.setattr(cupy.cuda, "Device", lambda: type("D", (), {"id": device["id"]})())
-    kernels._function.cache_clear()
+    kernels.function_on.cache_clear()
     try:
         first = kernels.function("loss", "xent_mean_f32")
         assert kernels.function("loss", "xent_mean_f32") is first and looked == ["xent_mean_f32"]
         device["id"] = 1  # another device: its own lookup
         assert kernels.function("loss", "xent_mean_f32") is not first and len(looked) == 2
     finally:
-        kernels._function.cache_clear()
+        kernels.function_on.cache_clear()

@@ -153,9 +153,11 @@ def function(module: str, kernel: str) -> Any:
     looked up once: a lookup builds a new CuPy Function, a host cost per launch)."""
     import cupy
 
-    return _function(module, kernel, cupy.cuda.Device().id)
+    return function_on(module, kernel, cupy.cuda.Device().id)
 
 
 @functools.cache
-def _function(module: str, kernel: str, device_id: int) -> Any:
+def function_on(module: str, kernel: str, device_id: int) -> Any:
+    """`function` for device `device_id`, which must be the current one at the first call
+    (callers that know the device skip asking CUDA for it)."""
     return _module(module, device_id).get_function(kernel)

@@ -271,11 +271,10 @@ def _sm_count(device_id: int) -> int:  # pragma: gpu
     return int(runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
-@functools.cache
 def _function(name: str, device_id: int) -> Any:  # pragma: gpu
-    """activation.cu's kernel `name` on `device_id` (current at the first call): looked up
-    once, where kernels.function builds a new RawKernel at every call."""
-    return kernels.function("activation", name)
+    """activation.cu's kernel `name` on `device_id` (current at the first call), looked up
+    once per device (kernels.function_on)."""
+    return kernels.function_on("activation", name, device_id)
 
 
 def _ptr(a: Any) -> int:
