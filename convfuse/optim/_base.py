@@ -287,9 +287,9 @@ def _refuse_lr_in_capture(name: str) -> None:  # pragma: gpu
     """Inside a captured step the device copy's fill would be recorded with this value and
     replayed over every later assignment, silently: refuse it, as the module notes say lr
     is set between replays."""
-    import cupy
+    from ..plan.capture import stream_is_capturing
 
-    if cupy.cuda.get_current_stream().is_capturing():
+    if stream_is_capturing():
         raise CaptureError(f"{name}.lr was assigned while a CUDA graph was being captured: "
                            "the graph would replay this value over later assignments; set "
                            "lr outside the captured step (between replays)")
