@@ -36,31 +36,49 @@ class CapturedStep:
         self._graph, self._stream, self._pool = graph, stream, pool
         self.static_inputs = inputs
         self.outputs = outputs
+        self._events: tuple[Any, Any] | None = None  # made at the first replay
 
-    def __call__(self, *inputs: Any) -> Any:  # pragma: gpu
+    def __call__(self, *inputs: Any) -> Any:
+        # Every input is checked before the first is copied: a bad later input must not
+        # leave earlier static buffers overwritten (and the step half-fed) behind its error.
+        self._check(inputs)
+        return self._replay(inputs)  # pragma: gpu
+
+    def _check(self, inputs: tuple[Any, ...]) -> None:
         if len(inputs) not in (0, len(self.static_inputs)):
             raise TypeError(
                 f"captured step takes {len(self.static_inputs)} inputs, got {len(inputs)}"
             )
+        for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
+            shape, dtype = getattr(new, "shape", None), getattr(new, "dtype", None)
+            if shape is None or dtype is None:
+                raise TypeError(f"captured step: input {i} must be a NumPy or CuPy array, "
+                                f"got {type(new).__name__}")
+            if tuple(shape) != tuple(static.shape) or dtype != static.dtype:
+                raise ValueError(
+                    f"input {i} has shape {tuple(shape)} and dtype {dtype}, but the "
+                    f"step was captured with {tuple(static.shape)} and {static.dtype}"
+                )
+
+    def _replay(self, inputs: tuple[Any, ...]) -> Any:  # pragma: gpu
         import cupy
 
+        if self._events is None:
+            self._events = (_event(), _event())
+        before, after = self._events
         caller = cupy.cuda.get_current_stream()
         # Order the replay after the caller's pending work (e.g. the copies that made the
-        # inputs) and the caller's later work after the replay, without a host sync.
-        _wait(self._stream, caller)
+        # inputs) and the caller's later work after the replay, without a host sync. An
+        # event is reused across replays: a wait takes the record made before it.
+        _wait(self._stream, caller, before)
         with self._stream:
-            for i, (static, new) in enumerate(zip(self.static_inputs, inputs)):
-                if tuple(new.shape) != tuple(static.shape) or new.dtype != static.dtype:
-                    raise ValueError(
-                        f"input {i} has shape {tuple(new.shape)} and dtype {new.dtype}, but the "
-                        f"step was captured with {tuple(static.shape)} and {static.dtype}"
-                    )
+            for static, new in zip(self.static_inputs, inputs):
                 if is_cupy(new):
                     cupy.copyto(static, new)
                 else:
                     static.set(new, stream=self._stream)
             self._graph.launch(self._stream)
-        _wait(caller, self._stream)
+        _wait(caller, self._stream, after)
         return self.outputs
 
     def synchronize(self) -> None:  # pragma: gpu
@@ -84,11 +102,16 @@ def capture(step_fn: Callable[..., Any], *example_inputs: Any, warmup: int = 1) 
     return _capture(cp, step_fn, example_inputs, warmup)  # pragma: gpu
 
 
-def _wait(stream: Any, on: Any) -> None:  # pragma: gpu
-    """Make `stream` wait for the work queued so far on `on` (device-side, no host sync)."""
+def _event() -> Any:  # pragma: gpu
     import cupy
 
-    event = cupy.cuda.Event(block=False, disable_timing=True)
+    return cupy.cuda.Event(block=False, disable_timing=True)
+
+
+def _wait(stream: Any, on: Any, event: Any = None) -> None:  # pragma: gpu
+    """Make `stream` wait for the work queued so far on `on` (device-side, no host sync),
+    through `event` (a new one by default)."""
+    event = event if event is not None else _event()
     event.record(on)
     stream.wait_event(event)
 
