@@ -198,6 +198,37 @@ def test_found_plans_follow_the_cache():
     assert made == [[1], [1]]  # keyed every time
 
 
+def test_a_kept_plan_is_touched_as_a_hit():
+    """PlanCache.touch: what a caller that kept a plan (a bound call) asks at each use."""
+    cache = PlanCache(lambda k: [f"plan{k}"], maxsize=2)
+    p1, p2 = cache.get(1), cache.get(2)
+    assert cache.touch(1, p1) and cache.info() == (1, 2, 2)  # refreshed: 2 is the oldest
+    cache.get(3)
+    assert cache.touch(1, p1) and not cache.touch(2, p2)  # 2 was evicted, not 1
+    assert not cache.touch(1, ["plan1"])  # an equal plan is not the cached one
+    cache.clear()
+    assert not cache.touch(1, p1) and cache.info() == (0, 0, 0)
+
+
+def test_plan_key_hash_is_cached_but_not_pickled():
+    """PlanKey caches its hash (it is hashed at each bound call), which holds salted str
+    hashes: a key pickled into another process must hash as that process's equal keys."""
+    import pickle
+    import subprocess
+    import sys
+
+    key = PlanKey.create(make_geom(2, False, 1), np.float32, "relu", False, device=-1)
+    assert hash(key) == hash(key) and "_hash" in key.__dict__
+    code = ("import pickle, sys; from convfuse.plan import PlanKey; "
+            "k = pickle.loads(sys.stdin.buffer.read()); "
+            "fresh = PlanKey(**{f: getattr(k, f) for f in k.__dataclass_fields__}); "
+            "print(k == fresh and hash(k) == hash(fresh))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(key),
+                         capture_output=True, check=True, env={"PYTHONHASHSEED": "7",
+                         "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    assert out.stdout.strip() == b"True"
+
+
 def test_get_plan_follows_flags_and_clearing():
     geom = make_geom(2, False, 1)
     p = get_plan(geom, "float32", "relu")

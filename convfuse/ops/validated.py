@@ -50,6 +50,18 @@ def conv_bias_act_runner(eng: ModuleType, g: Any, dtype: Any, act: str,
     return None if make is None else make(g, dtype, act, residual)
 
 
+def bound_call(eng: ModuleType, name: str, g: Any, dtype: Any, ctx: Any, act: str = "identity",
+               bias: bool = False, residual: bool = False) -> Any:
+    """<name>'s call bound to one validated signature, for a caller that repeats it with
+    the same geometry, dtype, activation and optional arrays on the ExecContext `ctx`
+    (Note [bound calls] in ops/cudnn/bound.py): called right after the op ran, it gives a
+    callable of pointers that returns None/False where the caller must run the op's
+    validated entry instead; None where the engine may bind later, False where it never
+    binds this signature (it has no bound calls, the NumPy engine's case)."""
+    bind = getattr(eng, "bind", None)
+    return False if bind is None else bind(name, g, dtype, ctx, act, bias, residual)
+
+
 def conv_backward_data(eng: ModuleType, dz: Any, w: Any, g: Any, out: Any = None,
                        beta: float = 0.0) -> Any:
     return eng.conv_backward_data(dz, w, g, out, beta)

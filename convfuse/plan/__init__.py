@@ -43,6 +43,12 @@ def get_plan(geom: Any, dtype: Any, activation: str | None = "identity",
                             get_flags(), _conv_key)
 
 
+def touch_conv_plan(plan: ConvPlan) -> bool:
+    """Whether `plan` is still the cached plan of its key (get_plan would still return it
+    under the flags it was built with), refreshed as a hit when it is."""
+    return _conv_plans.touch(plan.key, plan)
+
+
 def get_transpose_plan(tgeom: Any, dtype: Any) -> ConvPlan:
     """The cached plan of a transposed convolution: its forward convolution's plan, with
     the roles of x and y swapped (plan/conv_transpose.py)."""
@@ -101,6 +107,5 @@ __all__ = [
     "FusedFallbackWarning", "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey",
     "WorkspaceFallbackWarning", "WorkspaceUnavailableError", "batchnorm_plan_cache_info",
     "clear_plan_cache", "forward_paths", "get_plan", "get_pool_plan", "get_transpose_plan",
-    "plan_cache_info",
-    "pool_plan_cache_info",
+    "plan_cache_info", "pool_plan_cache_info", "touch_conv_plan",
 ]

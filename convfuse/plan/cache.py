@@ -74,17 +74,25 @@ class PlanCache:
             return self.get(make_key(flags, *args))
         if entry is not None:
             key, plan = entry
-            with self._lock:
-                if self._plans.get(key) is plan:
-                    self._hits += 1
-                    self._plans.move_to_end(key)
-                    return plan
+            if self.touch(key, plan):
+                return plan
         key = make_key(flags, *args)
         plan = self.get(key)
         if len(found) >= 4 * self._maxsize:  # equal arguments spelled many ways
             found.clear()
         found[args] = (key, plan)
         return plan
+
+    def touch(self, key: Hashable, plan: Any) -> bool:
+        """Whether the cache still holds `plan` under `key` (nothing evicted or cleared it),
+        counting and refreshing it as a hit when it does: what a caller that kept a plan
+        asks at each use (`find`, and the bound calls of ops/cudnn/bound.py)."""
+        with self._lock:
+            if self._plans.get(key) is plan:
+                self._hits += 1
+                self._plans.move_to_end(key)
+                return True
+            return False
 
     def values(self) -> list[Any]:
         """The cached plans, least recently used first (a snapshot)."""

@@ -37,6 +37,15 @@ class Chosen:
     def candidate(self) -> Candidate:
         return self.ranked[self.index]
 
+    def holds(self, cand: Candidate) -> bool:
+        """Whether `cand` is still the one in use, with no memory back-off pending: what
+        `ConvPlan.choice` returns without changing anything (Note [bound calls] in
+        ops/cudnn/bound.py)."""
+        ranked, index = self.ranked, self.index
+        # after the last ranked one was refused, index is past the end
+        return (not self.retry_in and not self.backoff and index < len(ranked)
+                and ranked[index] is cand)
+
     @property
     def remaining(self) -> tuple[Candidate, ...]:
         return self.ranked[self.index + 1:]
@@ -106,6 +115,11 @@ class FusedFallbackState:
         if self._fused_backoff:
             with self._lock:
                 self._fused_backoff = 0
+
+    def fused_settled(self) -> bool:
+        """Whether the fused call runs with no fallback state to count down or reset: no
+        refusal, no memory back-off (Note [bound calls] in ops/cudnn/bound.py)."""
+        return self._fused_refusal is None and not self._fused_skip and not self._fused_backoff
 
     def _backing_off(self) -> bool:
         """Counts down a memory back-off: True while this call should stay plain."""

@@ -18,7 +18,7 @@ from ..config import get as get_flags
 from ..dtypes import canonical
 from ..dtypes import name as dtype_name
 from ..errors import CudnnError
-from ..geometry import ConvGeometry
+from ..geometry import ConvGeometry, cached_hash
 from . import algorithms as algos
 from . import descriptors as d
 from .capture import refuse_in_capture, stream_is_capturing
@@ -51,6 +51,12 @@ class BiasGradFallbackWarning(RuntimeWarning):
 @dataclass(frozen=True)
 class PlanKey:
     """Everything a plan's descriptors and algorithm choices depend on."""
+
+    __hash__ = cached_hash  # hashed at each use of a kept plan (PlanCache.touch)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # not the cached hash: str hashes are salted per process
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     device: int  # CUDA device id, -1 when no GPU is usable (descriptor-only plans)
     dtype: str
@@ -194,6 +200,16 @@ class ConvPlan(FusedFallbackState):
                 if not chosen.retry_in:
                     chosen.index = 0  # try the best again; an allocation failure demotes anew
             return chosen.candidate
+
+    def settled(self, direction: str, fused: bool = False) -> Chosen | None:
+        """The slot's Chosen where `choice` would return its candidate without changing
+        anything (chosen, not demoted for memory, no retry pending), else None; `holds`
+        says at each later call whether that is still so (Note [bound calls] in
+        ops/cudnn/bound.py)."""
+        chosen = self._chosen.get(self._slot(direction, fused))
+        if chosen is None or not chosen.holds(chosen.candidate):
+            return None
+        return chosen
 
     def reject(self, direction: str, cand: algos.Candidate, fused: bool = False,
                out_of_memory: bool = False,

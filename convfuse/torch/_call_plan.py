@@ -27,7 +27,9 @@ engine's runner (convfuse.ops.validated.conv_bias_act_runner: TinyConv.bias_act 
 nothing decided per call), but only while convfuse.ops.conv_bias_act, its validated entry
 and the engine's function are the ones imported: a replaced one (a test's spy) is called,
 as every call reaches it. CUDA calls keep the bodies (`_ops.forward_parts`,
-`_ops.backward_parts`), whose pointer path never ran on a GPU here.
+`_ops.backward_parts`), whose pointer path never ran on a GPU here; from a signature's
+second call on, their convolutions run the calls the engine bound to the signature
+(Note [bound calls] in convfuse/ops/cudnn/bound.py, _bound.py).
 The numbers are bit for bit those of the custom ops, whose bodies run the same
 convfuse.ops through the same Prepared. Where a call needs what a plan does not hold (an
 unbatched input, padding torch must add first, an empty batch, autocast) the layer keeps

@@ -33,7 +33,7 @@ import torch
 from .. import activations
 from ..geometry import ConvGeometry, from_channels_first
 from ..ops._checks import ALIGNMENT
-from . import _autocast, _double, _eager
+from . import _autocast, _bound, _double, _eager
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
@@ -112,10 +112,20 @@ def forward_parts(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
     xp, wp = physical(x, cl), physical(weight, cl)
     # the bias too: a view at an odd offset (a flattened parameter buffer) is copied once,
     # as x and the weight are, where convfuse's GPU ops would refuse it
+    bp = None if bias is None else physical(bias, False)
+    rp = None if residual is None else physical(residual, cl)
     with context(x):
+        ctx = _bound.context(x) if _bound.on_pointer_path(x) else None
+        if ctx is not None:  # Note [bound calls]: relu and identity give no z
+            y = _bound.forward(prep, name, activation, ctx, xp, wp, bp, rp)
+            if y is not None:
+                return logical(y, cl), None
         y, z = op(prep, device_type(x), name, to_array(xp), to_array(wp),
-                  _array_or_none(bias, False), prep.geom, activation,
-                  _array_or_none(residual, cl))
+                  None if bp is None else to_array(bp), prep.geom, activation,
+                  None if rp is None else to_array(rp))
+        if ctx is not None:
+            _bound.arm(prep, name, activation, ctx, x.dtype, bias is not None,
+                       residual is not None)
         return logical(to_tensor(y), cl), None if z is None else logical(to_tensor(z), cl)
 
 
@@ -191,7 +201,7 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     convfuse's fused activation-backward + bias-gradient kernel; `act` is a normalized
     activation name and `names` the convfuse.ops to call (bias gradient, activation
     backward + bias gradient, filter gradient, data gradient)."""
-    _, _, filter_grad, data_grad = names
+    bias_grad, _, filter_grad, data_grad = names
     need_dx, need_dw, need_db, need_dz = needs
     cl, geom, dev = prep.cl, prep.geom, device_type(x)
     # Outputs PyTorch owns: allocated here in the forward's layout (ordinary tensors, not
@@ -200,18 +210,40 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dw_t = empty_in_layout(weight, weight.shape, cl) if need_dw else None
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with context(x):
-        dz, _ = activation_grads(
-            functools.partial(op, prep, dev), to_array(physical(dy, cl)),
-            _array_or_none(saved, cl), act, geom, need_db,
-            None if db_t is None else to_array(db_t), names)
+        dy_p = physical(dy, cl)
+        ctx = _bound.context(x) if _bound.on_pointer_path(x) else None
+        if (ctx is not None and act == "identity" and db_t is not None
+                and _bound.backward(prep, bias_grad, ctx, dy_p.data_ptr(), db_t.data_ptr())):
+            dz = to_array(dy_p)  # Note [bound calls]
+        else:
+            dz, _ = activation_grads(
+                functools.partial(op, prep, dev), to_array(dy_p), _array_or_none(saved, cl),
+                act, geom, need_db, None if db_t is None else to_array(db_t), names)
+            if ctx is not None and act == "identity" and db_t is not None:
+                _bound.arm(prep, bias_grad, None, ctx, dy.dtype)
         if dw_t is not None:  # need_dw
-            op(prep, dev, filter_grad, to_array(physical(x, cl)), dz, geom,
-               to_array(physical(dw_t, cl)))
+            _grad_into(prep, dev, ctx, filter_grad, physical(x, cl), dz,
+                       physical(dw_t, cl), x.dtype)
         if dx_t is not None:  # need_dx
-            op(prep, dev, data_grad, dz, to_array(physical(weight, cl)), geom,
-               to_array(physical(dx_t, cl)))
+            _grad_into(prep, dev, ctx, data_grad, dz, physical(weight, cl),
+                       physical(dx_t, cl), dy.dtype)
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     return dx_t, dw_t, db_t, dz_t
+
+
+def _grad_into(prep: Prepared, dev: str, ctx: Any, name: str, a: Any, b: Any,
+               out: torch.Tensor, dtype: torch.dtype) -> None:
+    """convfuse.ops.<name>(a, b, geom, out) (a filter or data gradient; the tensors among
+    a and b physical, dz an array), by its bound call where it has one (Note [bound
+    calls]); `dtype` is the one its plan is for."""
+    if ctx is not None:
+        ptrs = [v.data_ptr() if isinstance(v, torch.Tensor) else v.ptr for v in (a, b)]
+        if _bound.backward(prep, name, ctx, ptrs[0], ptrs[1], out.data_ptr()):
+            return
+    op(prep, dev, name, *(to_array(v) if isinstance(v, torch.Tensor) else v for v in (a, b)),
+       prep.geom, to_array(out))
+    if ctx is not None:
+        _bound.arm(prep, name, None, ctx, dtype)
 
 
 def activation_grads(run: Any, dy: Any, saved: Any, act: str, geom: Any, need_db: bool,

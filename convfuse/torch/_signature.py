@@ -86,11 +86,14 @@ class Prepared:
     """One signature's decisions: the layout (channels last or not), the geometry, and the
     convfuse.ops functions that validated it (Note [per-signature decisions])."""
 
-    __slots__ = ("checked", "cl", "direct", "geom")
+    __slots__ = ("bound", "checked", "cl", "direct", "geom")
 
     def __init__(self, cl: bool, geom: Any, direct: bool = True) -> None:
         self.cl, self.geom = cl, geom
         self.checked: set[str] = set()
+        # (op name, activation) -> its bound call on CUDA, or False where the engine never
+        # binds it (Note [bound calls] in convfuse/ops/cudnn/bound.py)
+        self.bound: dict[Any, Any] = {}
         # False where convfuse.ops does more than validate for this geometry (an empty
         # batch of a transposed convolution): always call through it then.
         self.direct = direct and getattr(geom, "batch", 1) != 0

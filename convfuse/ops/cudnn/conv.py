@@ -24,6 +24,7 @@ A bias, a residual or ReLU keeps the fused call.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -37,8 +38,8 @@ from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, refused, run_ranked, where
 
-__all__ = ["conv_backward_bias", "conv_backward_data", "conv_backward_filter", "conv_bias_act",
-           "conv_forward", "refused"]
+__all__ = ["AS_IMPORTED", "bind", "conv_backward_bias", "conv_backward_data",
+           "conv_backward_filter", "conv_bias_act", "conv_forward", "refused"]
 
 
 def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str = "identity",
@@ -190,7 +191,23 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
     return db
 
 
+def bind(name: str, geom: Any, dtype: Any, ctx: Any, act: str = "identity", bias: bool = False,
+         residual: bool = False) -> Any:  # pragma: gpu
+    """A call of this module's <name> bound to one signature, for a caller that repeats it
+    (Note [bound calls] in bound.py): None while the plan is still deciding, False for
+    what is never bound."""
+    from . import bound  # it checks this module's functions, so it imports this one
+
+    return bound.bind(sys.modules[__name__], name, geom, dtype, ctx, act, bias, residual)
+
+
 def _prior(out: Any, beta: float) -> Any:  # pragma: gpu
     """The channels-first copy of a channels-last `out` that a beta != 0 call blends into
     (None when the prior values are not read)."""
     return layout.to_channels_first(out) if out is not None and float(beta) != 0.0 else None
+
+
+#: The functions a bound call stands for, as defined here (Note [bound calls]): a bound call
+#: runs only while the module attribute is still this one, so a spy sees every call.
+AS_IMPORTED = {name: globals()[name] for name in (
+    "conv_bias_act", "conv_backward_data", "conv_backward_filter", "conv_backward_bias")}

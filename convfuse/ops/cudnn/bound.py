@@ -1,0 +1,234 @@
+"""Convolution calls bound to one signature's plan, for a caller that repeats a call (the
+torch bridge's pointer path).
+
+Note [bound calls]
+Once a convolution of one signature has run through the engine, every later call of that
+signature makes the same cuDNN call: the same descriptors, algorithm, workspace size and
+scaling factors; only the pointers differ. Going through the engine rediscovers all that
+at each call (the layout rule, the handle, the plan lookup, the ranked walk and its lock,
+the workspace bookkeeping, a closure): several microseconds of host time per cuDNN call,
+four calls per training step of a layer. A bound call holds what the engine found and
+asks at each call only whether the engine would still decide the same:
+- the same ExecContext (device and stream), the same flags object, and the plan still
+  cached under its key (PlanCache.touch, which refreshes it as get_plan's hit would, so a
+  plan in use is never the least recently used): get_plan would return this plan;
+- the plan's slot still holds the bound candidate with no memory back-off pending
+  (Chosen.holds): choice() would return it without changing anything;
+- the fused call: still recorded as the path, with no fallback state (fused_settled); a
+  bias-free one is bound only once the cached zero bias is complete for every stream
+  (Note [cached constants across streams] in constants.py: there is no wait to add, and
+  a constant never becomes incomplete again);
+- the bias gradient: config bias_grad is "cudnn" (the flags object) and no refusal;
+- the engine function it stands for is the one conv.py defined (AS_IMPORTED): a test's
+  spy, installed before or after the first call, sees every call.
+Where any of that fails, or cuDNN returns an error, or the workspace cannot be allocated,
+it returns None having kept nothing (its outputs are written with beta = 0, so a later
+call rewrites them whole) and the caller runs the engine's call, which decides, warns,
+falls back and raises as it always does; the caller may bind again after it. Where the
+plan has decided for good against what a bound call does (the fused call refused or timed
+slower, the bias gradient refused, config bias_grad "fused"), bind answers a Declined that
+holds until the flags or the plan change, so the engine path pays no binding attempt per
+call.
+It binds only what it reproduces exactly: conv_bias_act with relu or identity (the fused
+call, or Note [nothing to fuse]'s convolutionForward) and the three convolution
+backwards, with beta = 0, on a layout cuDNN runs directly (not Note [float64 runs
+channels-first]).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from ... import activations, config
+from ..._binding import cudnn
+from ...dtypes import name as dtype_name
+from ...errors import CudnnError
+from ...plan import ConvPlan, get_plan, touch_conv_plan
+from ...plan.choice import Chosen
+from . import fused, layout
+from .device import ExecContext
+from .handle import Workspace, _bound_handle
+
+#: bind's answer for a signature it never binds (another activation, a channels-first
+#: run, another op); None means "not now" (the plan is still deciding).
+NEVER = False
+
+
+class Declined:
+    """bind's answer where the plan decided against the bound call for good: falsy, and
+    `stale` once the flags object or the plan changed (then bind may answer otherwise)."""
+
+    __slots__ = ("flags", "plan")
+
+    def __init__(self, plan: ConvPlan) -> None:
+        self.flags, self.plan = config.get(), plan
+
+    def __bool__(self) -> bool:
+        return False
+
+    def stale(self) -> bool:
+        return config.get() is not self.flags or not touch_conv_plan(self.plan)
+
+
+class _Bound:
+    """What every bound call checks (Note [bound calls]) and runs with."""
+
+    __slots__ = ("algo", "chosen", "ctx", "desc", "eng", "flags", "plan", "stands_for", "what",
+                 "ws")
+
+    def __init__(self, eng: ModuleType, plan: ConvPlan, chosen: Chosen, ctx: ExecContext,
+                 what: str) -> None:
+        self.eng, self.plan, self.chosen, self.ctx, self.what = eng, plan, chosen, ctx, what
+        cand = chosen.candidate
+        self.algo, self.ws = cand, cand.workspace
+        self.desc = plan.conv_desc_for(cand)
+        self.flags = config.get()
+        self.stands_for = eng.AS_IMPORTED[what]
+
+    def current(self, ctx: ExecContext) -> bool:
+        return (ctx is self.ctx and self.chosen.holds(self.algo)
+                and config.get() is self.flags
+                and getattr(self.eng, self.what) is self.stands_for
+                and touch_conv_plan(self.plan))
+
+
+class BoundForward(_Bound):
+    """conv_bias_act's cuDNN call for one signature: (x, w, b, residual) pointers -> y, a
+    new array of the context's (0 for a missing bias or residual), or None."""
+
+    __slots__ = ("dtype", "fused", "path", "shape", "zero")
+
+    def __init__(self, eng: ModuleType, plan: ConvPlan, chosen: Chosen, ctx: ExecContext,
+                 dtype: Any, fused_call: bool, zero: Any) -> None:
+        super().__init__(eng, plan, chosen, ctx, "conv_bias_act")
+        self.fused, self.path, self.zero = fused_call, plan.forward_path, zero
+        self.shape, self.dtype = plan.key.geometry.output_shape, dtype
+
+    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        plan = self.plan
+        if not self.current(ctx) or (self.fused and not (
+                plan.forward_path is self.path and plan.fused_settled())):
+            return None
+        y = ctx.empty(self.shape, self.dtype)
+        try:
+            ws = Workspace(self.ws, ctx)
+        except MemoryError:  # the engine's walk down the ranking decides
+            return None
+        handle = _bound_handle(ctx)
+        cand = self.algo
+        try:
+            if self.fused:
+                bias = b if b else self.zero.arrays[0].data.ptr
+                z, alpha2 = (residual, 1.0) if residual else (y.ptr, 0.0)  # Note [z = y ...]
+                cudnn().convolutionBiasActivationForward(
+                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, self.desc, cand.algo, ws.ptr,
+                    ws.size, alpha2, plan.y_desc, z, plan.bias_desc, bias, plan.act_desc,
+                    plan.y_desc, y.ptr)
+            else:  # Note [nothing to fuse]
+                cudnn().convolutionForward(
+                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, self.desc, cand.algo, ws.ptr,
+                    ws.size, 0.0, plan.y_desc, y.ptr)
+        except CudnnError:
+            return None
+        return y
+
+
+class BoundBackward(_Bound):
+    """conv_backward_data's (dz, w, dx) or conv_backward_filter's (x, dz, dw) cuDNN call
+    into a caller's output, beta = 0: True when it ran."""
+
+    __slots__ = ()
+
+    def __call__(self, ctx: ExecContext, a: int, b: int, out: int) -> bool:
+        if not self.current(ctx):
+            return False
+        try:
+            ws = Workspace(self.ws, ctx)
+        except MemoryError:
+            return False
+        plan, handle, cand = self.plan, _bound_handle(ctx), self.algo
+        try:
+            if self.what == "conv_backward_data":
+                cudnn().convolutionBackwardData(
+                    handle, 1.0, plan.w_desc, b, plan.y_desc, a, self.desc, cand.algo, ws.ptr,
+                    ws.size, 0.0, plan.x_desc, out)
+            else:
+                cudnn().convolutionBackwardFilter(
+                    handle, 1.0, plan.x_desc, a, plan.y_desc, b, self.desc, cand.algo, ws.ptr,
+                    ws.size, 0.0, plan.w_desc, out)
+        except CudnnError:
+            return False
+        return True
+
+
+class BoundBias:
+    """conv_backward_bias's cudnnConvolutionBackwardBias (dz -> db), beta = 0: True when
+    it ran."""
+
+    __slots__ = ("ctx", "eng", "flags", "plan", "stands_for")
+
+    def __init__(self, eng: ModuleType, plan: ConvPlan, ctx: ExecContext) -> None:
+        self.eng, self.plan, self.ctx = eng, plan, ctx
+        self.flags = config.get()
+        self.stands_for = eng.AS_IMPORTED["conv_backward_bias"]
+
+    def __call__(self, ctx: ExecContext, dz: int, out: int) -> bool:
+        plan = self.plan
+        if (ctx is not self.ctx or config.get() is not self.flags
+                or plan.bias_grad_refusal is not None
+                or self.eng.conv_backward_bias is not self.stands_for
+                or not touch_conv_plan(plan)):
+            return False
+        try:
+            cudnn().convolutionBackwardBias(_bound_handle(ctx), 1.0, plan.y_desc, dz, 0.0,
+                                            plan.bias_desc, out)
+        except CudnnError:
+            return False
+        return True
+
+
+def bind(eng: ModuleType, name: str, geom: Any, dtype: Any, ctx: ExecContext,
+         act: str = "identity", bias: bool = False, residual: bool = False) -> Any:
+    """A bound call of the engine module `eng`'s <name> (ops/cudnn/conv.py's) for this
+    signature (Note [bound calls]), right after the engine ran it with these arguments:
+    None while the plan is still deciding (ask again after a later engine call), NEVER for
+    what is not bound."""
+    if layout.runs_channels_first(geom, dtype):  # Note [float64 runs channels-first]
+        return NEVER
+    if name not in eng.AS_IMPORTED:
+        return NEVER
+    if name == "conv_bias_act":
+        return _bind_forward(eng, geom, dtype, ctx, activations.normalize(act), bias,
+                             residual)
+    if name == "conv_backward_bias":
+        plan = get_plan(geom, dtype)
+        if config.get().bias_grad == "fused" or plan.bias_grad_refusal is not None:
+            return Declined(plan)  # the engine's kernel computes it
+        return BoundBias(eng, plan, ctx)
+    plan = get_plan(geom, dtype)
+    chosen = plan.settled("bwd_data" if name == "conv_backward_data" else "bwd_filter")
+    return None if chosen is None else BoundBackward(eng, plan, chosen, ctx, name)
+
+
+def _bind_forward(eng: ModuleType, geom: Any, dtype: Any, ctx: ExecContext, act: str,
+                  bias: bool, residual: bool) -> Any:
+    if act not in activations.FUSED_IN_CUDNN:  # the engine adds an activation kernel
+        return NEVER
+    plan = get_plan(geom, dtype, act, residual)
+    if not bias and not residual and plan.key.activation == "identity":
+        chosen = plan.settled("fwd")  # Note [nothing to fuse]
+        return None if chosen is None else BoundForward(eng, plan, chosen, ctx, dtype, False,
+                                                           None)
+    path = plan.forward_path
+    if path is not None and path.path != "fused":  # refused, or timed slower: for good
+        return Declined(plan)
+    if path is None or not plan.fused_settled():
+        return None
+    chosen = plan.settled("fwd", fused=True)
+    zero = None
+    if not bias:
+        zero = fused._zero_bias.get((ctx.device, dtype_name(dtype), geom.out_channels))
+        if zero is None or not zero.complete:
+            return None
+    return None if chosen is None else BoundForward(eng, plan, chosen, ctx, dtype, True, zero)

@@ -1,0 +1,102 @@
+"""The bridge's bound calls on CUDA (Note [bound calls] in convfuse/ops/cudnn/bound.py).
+
+A signature's first CUDA call runs convfuse.ops through `op` as always; right after it,
+the bridge asks the engine for that call bound to the signature (`arm`) and keeps it on
+the signature's Prepared, keyed by op, activation and ExecContext (a stream's calls do not
+unbind another's). Later calls hand it the tensors'
+addresses and PyTorch's stream (`forward`, `backward`): no DeviceArray per tensor, no op
+dispatch, no plan lookup. Only on the pointer path (Note [the torch pointer path]), and
+only while `op` itself would call the op's validated entry (validated_engine: the
+signature validated, convfuse.ops' function not replaced) and that entry is not replaced
+either. When the bound call declines
+(None/False: the engine would decide differently now, or cuDNN failed) it is dropped,
+the caller runs `op`, and the next call binds again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..ops import validated
+from . import _arrays
+from ._signature import _DIRECT, Prepared, validated_engine
+
+
+def on_pointer_path(t: torch.Tensor) -> bool:
+    """Whether a call with `t` crosses to the engine as pointers (a CUDA tensor, pointer
+    path), where bound calls apply."""
+    return t.is_cuda and _arrays.CUDA_PATH == "pointer"
+
+
+def context(t: torch.Tensor) -> Any:
+    """The ExecContext the engine's call for `t` runs in (PyTorch's current stream of its
+    device), as to_array gives it."""
+    return _arrays.torch_context(t.get_device())
+
+
+def _runs_bound(prep: Prepared, name: str) -> bool:
+    """Whether `op` would call <name>'s validated entry directly, and that entry is the
+    one defined (a spy on either level sees every call, as Note [per-signature
+    decisions] promises)."""
+    return (validated_engine(prep, "cuda", name) is not None
+            and getattr(validated, name) is _VALIDATED[name])
+
+
+def forward(prep: Prepared, name: str, activation: str, ctx: Any, x: torch.Tensor,
+            w: torch.Tensor, b: torch.Tensor | None,
+            residual: torch.Tensor | None) -> torch.Tensor | None:
+    """<name>'s y by its bound call from physical() tensors, or None where the caller
+    runs `op` (then `arm`)."""
+    key = (name, activation, ctx)
+    bound = prep.bound.get(key)
+    if not bound or not _runs_bound(prep, name):
+        return None
+    y = bound(ctx, x.data_ptr(), w.data_ptr(), 0 if b is None else b.data_ptr(),
+              0 if residual is None else residual.data_ptr())
+    if y is None:
+        prep.bound.pop(key, None)
+        return None
+    out: torch.Tensor = y.owner  # TorchContext.empty's tensor
+    return out
+
+
+def backward(prep: Prepared, name: str, ctx: Any, *pointers: int) -> bool:
+    """Whether <name>'s bound call ran with these addresses (inputs, then the output it
+    writes with beta = 0); False where the caller runs `op` (then `arm`)."""
+    key = (name, None, ctx)
+    bound = prep.bound.get(key)
+    if not bound or not _runs_bound(prep, name):
+        return False
+    if not bound(ctx, *pointers):
+        prep.bound.pop(key, None)
+        return False
+    return True
+
+
+def arm(prep: Prepared, name: str, activation: str | None, ctx: Any, dtype: torch.dtype,
+        bias: bool = False, residual: bool = False) -> None:
+    """After `op` ran <name> for `prep`'s signature on CUDA: keep its bound call, or the
+    engine's answer that there is none (for good, or until the flags or the plan change:
+    ops/cudnn/bound.py's Declined)."""
+    key = (name, activation, ctx)
+    have = prep.bound.get(key)
+    if have is not None:  # a bound call (it declines itself), never, or a Declined
+        stale = getattr(have, "stale", None)
+        if stale is None or not stale():
+            return
+    eng = validated_engine(prep, "cuda", name)
+    if eng is None or getattr(validated, name) is not _VALIDATED[name]:
+        return
+    bound = validated.bound_call(eng, name, prep.geom, _arrays._NUMPY_DTYPES[dtype], ctx,
+                                 activation or "identity", bias, residual)
+    if bound is not None:
+        if len(prep.bound) >= _MAX_BOUND:  # streams made and dropped in a loop
+            prep.bound.clear()
+        prep.bound[key] = bound
+
+
+_MAX_BOUND = 32
+# The validated entries as defined, before any test could replace one.
+_VALIDATED = {name: getattr(validated, name) for name in _DIRECT}

@@ -1,0 +1,131 @@
+"""Bound calls on a GPU (Note [bound calls] in convfuse/ops/cudnn/bound.py): from a
+signature's second call on, a convfuse.torch convolution's cuDNN calls come from the
+calls the engine bound, and every step must still give torch.nn's float64 numbers, eagerly,
+on a side stream and under torch.cuda.graph. The engine's plan lookups are counted (which
+does not unbind anything), so the tests also assert that the bound calls are what ran.
+PyTorch's cache is poisoned with NaN before each step. Written without a GPU: none of
+these has run yet.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+
+ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_backward_data")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_torch():
+    with exact_cuda():
+        yield
+
+
+@pytest.fixture
+def entries(monkeypatch):
+    """How often the engine ran each op (a bound call skips it): its calls of get_plan,
+    by the engine function asking. A spy on the ops themselves would see every call: a
+    bound call runs only while they are the ones defined."""
+    import convfuse.ops.cudnn.conv as cudnn_conv
+
+    counts = dict.fromkeys(ENTRIES, 0)
+    real = cudnn_conv.get_plan
+
+    def counted(*a, **k):
+        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(cudnn_conv, "get_plan", counted)
+    return counts
+
+
+def _close(got, want, tol):
+    np.testing.assert_allclose(got.detach().cpu().double().numpy(), want.detach().numpy(),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kwargs", [{"activation": "relu"}, {}, {"bias": False},
+                                    {"bias": False, "activation": "relu"}],
+                         ids=["relu", "identity", "nothing-to-fuse", "relu-no-bias"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_bound_steps_match_torch_nn(entries, kwargs, channels_last):
+    import convfuse.torch as ct
+
+    torch.manual_seed(3)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    ref = torch.nn.Conv2d(8, 16, 3, padding=1, bias=kwargs.get("bias", True)).double()
+    layer = ct.Conv2d(8, 16, 3, padding=1, **kwargs)
+    layer.load_state_dict(ref.state_dict())
+    layer = layer.to("cuda").to(memory_format=fmt)
+    relu = kwargs.get("activation") == "relu"
+    for step in range(4):
+        x_ref = torch.randn(4, 8, 12, 12, dtype=torch.float64, requires_grad=True)
+        x = x_ref.detach().to("cuda", torch.float32).contiguous(memory_format=fmt)
+        x.requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        poison(4 * 16 * 12 * 12 * 4 * 8)
+        y = layer(x)
+        y.square().sum().backward()
+        y_ref = ref(x_ref)
+        y_ref = torch.relu(y_ref) if relu else y_ref
+        y_ref.square().sum().backward()
+        torch.cuda.synchronize()
+        _close(y, y_ref, 2e-4)
+        _close(x.grad, x_ref.grad, 2e-3)
+        _close(layer.weight.grad, ref.weight.grad, 2e-3)
+        if layer.bias is not None:
+            _close(layer.bias.grad, ref.bias.grad, 2e-3)
+        if step == 1:
+            ran = dict(entries)
+    # steps 2 and 3 ran bound calls only: every one was bound after step 1 (the zero bias
+    # of a bias-free fused call, filled at step 0, is complete by then: steps synchronize)
+    assert entries == ran
+
+
+def test_bound_calls_follow_the_stream_and_replay_under_a_cuda_graph(entries):
+    """A bound call belongs to one stream: on a side stream the engine runs first (and
+    binds there); captured by torch.cuda.graph on that stream, the bound calls' workspace
+    and outputs come from the graph's pool and the replay gives the eager numbers."""
+    import convfuse.torch as ct
+
+    torch.manual_seed(4)
+    layer = ct.Conv2d(8, 16, 3, padding=1, activation="relu").cuda()
+    static_x = torch.randn(4, 8, 16, 16, device="cuda", requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # the engine, then bound calls on this stream
+            layer.zero_grad(set_to_none=True)
+            layer(static_x).square().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    bound_from = dict(entries)
+    graph = torch.cuda.CUDAGraph()
+    layer.zero_grad(set_to_none=True)
+    static_x.grad = None
+    with torch.cuda.graph(graph, stream=side):  # the stream the calls are bound to
+        static_y = layer(static_x)
+        static_y.square().sum().backward()
+    assert entries["conv_bias_act"] == bound_from["conv_bias_act"]  # captured bound
+    new_x = torch.randn_like(static_x)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    got_y, got_dx = static_y.detach().clone(), static_x.grad.detach().clone()
+    ref = layer.cpu().double()
+    x = new_x.detach().cpu().double().requires_grad_()
+    y = torch.relu(torch.nn.functional.conv2d(x, ref.weight, ref.bias, padding=1))
+    y.square().sum().backward()
+    np.testing.assert_allclose(got_y.cpu().double().numpy(), y.detach().numpy(), rtol=2e-4,
+                               atol=2e-4)
+    np.testing.assert_allclose(got_dx.cpu().double().numpy(), x.grad.numpy(), rtol=2e-3,
+                               atol=2e-3)
