@@ -23,6 +23,10 @@ from ..ops import validated
 from . import _arrays
 from ._signature import _DIRECT, Prepared, validated_engine
 
+#: The ops the engine binds (Note [bound calls]): other callers skip this module's steps.
+BINDS = frozenset(("conv_bias_act", "conv_backward_filter", "conv_backward_data",
+                   "conv_backward_bias"))
+
 
 def on_pointer_path(t: torch.Tensor) -> bool:
     """Whether a call with `t` crosses to the engine as pointers (a CUDA tensor, pointer

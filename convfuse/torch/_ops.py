@@ -115,7 +115,8 @@ def forward_parts(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
     bp = None if bias is None else physical(bias, False)
     rp = None if residual is None else physical(residual, cl)
     with context(x):
-        ctx = _bound.context(x) if _bound.on_pointer_path(x) else None
+        ctx = _bound.context(x) if name in _bound.BINDS and _bound.on_pointer_path(x) \
+            else None
         if ctx is not None:  # Note [bound calls]: relu and identity give no z
             y = _bound.forward(prep, name, activation, ctx, xp, wp, bp, rp)
             if y is not None:
@@ -211,7 +212,8 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     db_t = torch.empty(geom.out_channels, dtype=x.dtype, device=x.device) if need_db else None
     with context(x):
         dy_p = physical(dy, cl)
-        ctx = _bound.context(x) if _bound.on_pointer_path(x) else None
+        ctx = _bound.context(x) if filter_grad in _bound.BINDS and _bound.on_pointer_path(x) \
+            else None
         if (ctx is not None and act == "identity" and db_t is not None
                 and _bound.backward(prep, bias_grad, ctx, dy_p.data_ptr(), db_t.data_ptr())):
             dz = to_array(dy_p)  # Note [bound calls]
@@ -222,28 +224,21 @@ def backward_parts(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             if ctx is not None and act == "identity" and db_t is not None:
                 _bound.arm(prep, bias_grad, None, ctx, dy.dtype)
         if dw_t is not None:  # need_dw
-            _grad_into(prep, dev, ctx, filter_grad, physical(x, cl), dz,
-                       physical(dw_t, cl), x.dtype)
+            xp = physical(x, cl)
+            if ctx is None or not _bound.backward(prep, filter_grad, ctx, xp.data_ptr(), dz.ptr,
+                                                  dw_t.data_ptr()):
+                op(prep, dev, filter_grad, to_array(xp), dz, geom, to_array(physical(dw_t, cl)))
+                if ctx is not None:
+                    _bound.arm(prep, filter_grad, None, ctx, x.dtype)
         if dx_t is not None:  # need_dx
-            _grad_into(prep, dev, ctx, data_grad, dz, physical(weight, cl),
-                       physical(dx_t, cl), dy.dtype)
+            wp = physical(weight, cl)
+            if ctx is None or not _bound.backward(prep, data_grad, ctx, dz.ptr, wp.data_ptr(),
+                                                  dx_t.data_ptr()):
+                op(prep, dev, data_grad, dz, to_array(wp), geom, to_array(physical(dx_t, cl)))
+                if ctx is not None:
+                    _bound.arm(prep, data_grad, None, ctx, dy.dtype)
         dz_t = logical(to_tensor(dz), cl) if (need_dz and act != "identity") else None
     return dx_t, dw_t, db_t, dz_t
-
-
-def _grad_into(prep: Prepared, dev: str, ctx: Any, name: str, a: Any, b: Any,
-               out: torch.Tensor, dtype: torch.dtype) -> None:
-    """convfuse.ops.<name>(a, b, geom, out) (a filter or data gradient; the tensors among
-    a and b physical, dz an array), by its bound call where it has one (Note [bound
-    calls]); `dtype` is the one its plan is for."""
-    if ctx is not None:
-        ptrs = [v.data_ptr() if isinstance(v, torch.Tensor) else v.ptr for v in (a, b)]
-        if _bound.backward(prep, name, ctx, ptrs[0], ptrs[1], out.data_ptr()):
-            return
-    op(prep, dev, name, *(to_array(v) if isinstance(v, torch.Tensor) else v for v in (a, b)),
-       prep.geom, to_array(out))
-    if ctx is not None:
-        _bound.arm(prep, name, None, ctx, dtype)
 
 
 def activation_grads(run: Any, dy: Any, saved: Any, act: str, geom: Any, need_db: bool,
