@@ -137,3 +137,28 @@ def test_geometry_answers():
     assert BatchNormGeometry.create((2, 4, 9)).lifted_cf == (2, 4, 1, 9)
     with pytest.raises(ValueError, match="every dimension must be positive"):
         BatchNormGeometry.create((0, 3))
+
+
+def test_inference_stats_must_be_a_bool(no_engine):
+    x, w, b, rm, rv = arrays()
+    with pytest.raises(TypeError, match="batchnorm_forward_inference: stats must be a bool"):
+        ops.batchnorm_forward_inference(x, w, b, rm, rv, stats=1)
+
+
+@pytest.mark.parametrize("act", ["identity", "relu", "silu"])
+def test_inference_without_statistics_gives_the_same_y_and_cannot_be_differentiated(act):
+    """Note [inference without statistics]: stats=False gives y bit for bit, and a saved
+    with no statistics is refused by the backward before any engine runs."""
+    x, w, b, rm, rv = arrays()
+    rv = rv * 1.5 + 0.25
+    y, saved = ops.batchnorm_forward_inference(x, w, b, rm, rv, activation=act)
+    y2, bare = ops.batchnorm_forward_inference(x, w, b, rm, rv, activation=act, stats=False)
+    np.testing.assert_array_equal(y, y2)
+    assert saved.mean is not None and bare.mean is None and bare.invstd is None
+    if saved.saved is not None:
+        np.testing.assert_array_equal(saved.saved, bare.saved)
+    dw, db = np.full(3, 7.0, np.float32), np.full(3, 7.0, np.float32)
+    with pytest.raises(ValueError, match="batchnorm_backward: saved holds no statistics"):
+        ops.batchnorm_backward(np.ones_like(x), x, w, b, bare, activation=act,
+                               weight_grad=dw, bias_grad=db)
+    assert (dw == 7.0).all() and (db == 7.0).all()  # nothing written

@@ -5,6 +5,7 @@ input errors."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import numpy as np
@@ -324,3 +325,32 @@ def test_strided_running_statistics_are_written_back_in_place():
     theirs(x)
     torch.testing.assert_close(store[::2], theirs.running_mean, rtol=1e-14, atol=1e-14)
     assert torch.equal(store[1::2], torch.zeros(3, dtype=torch.float64))
+
+
+def test_evaluation_without_autograd_asks_no_statistics(monkeypatch):
+    """Note [inference without statistics]: an eval call nothing differentiates asks the
+    engine for y alone; one autograd records asks for the statistics its backward reads,
+    and both give torch.nn's numbers."""
+    from convfuse.ops import validated
+
+    asked = []
+    real = validated.batchnorm_forward_inference
+    monkeypatch.setattr(validated, "batchnorm_forward_inference",
+                        lambda *a: asked.append(a[10]) or real(*a))
+    ref = torch.nn.BatchNorm2d(3).double().eval()
+    with torch.no_grad():
+        ref.running_mean.uniform_(-1, 1)
+        ref.running_var.uniform_(0.5, 2)
+    bn = ct.convert(copy.deepcopy(ref))
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        for _ in range(2):  # checked, then the validated entry
+            torch.testing.assert_close(bn(x), ref(x), rtol=0, atol=1e-12)
+    assert asked == [False, False]
+    y = bn(x)
+    y.square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-12, atol=1e-12)
+    assert asked == [False, False, True]

@@ -143,3 +143,19 @@ def test_a_bias_at_an_odd_address_is_copied_once_not_refused(cuda):
     assert torch.equal(conv.bias.detach(), before)
     y.backward(torch.randn(1, 3, 3, 3))
     assert conv.bias.grad.shape == (3,)
+
+
+def test_batchnorm_inference_without_autograd_runs_on_pointers_alone(cuda):
+    """Note [inference without statistics]: an evaluation-mode call nothing differentiates
+    is one cuDNN call on the tensors' addresses, with no CuPy scope (the fake forbids CuPy
+    arrays) and no statistics computed."""
+    bn = cft.BatchNorm2d(3).eval()
+    x = torch.randn(2, 3, 4, 4)
+    for _ in range(2):  # checked, then the validated entry
+        cuda.gpu.calls.clear()
+        with torch.no_grad():  # (its parameters require grad)
+            y = bn(x)
+        assert cuda.names() == ["batchNormalizationForwardInference"]
+        a = cuda.call("batchNormalizationForwardInference")
+        assert (a[5], a[7]) == (x.data_ptr(), y.data_ptr()) and _made(cuda, y)
+        assert (a[11], a[12]) == (bn.running_mean.data_ptr(), bn.running_var.data_ptr())

@@ -56,10 +56,17 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
 
 def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
                                 running_var: Any, layout: str = "NCHW", eps: float = 1e-5,
-                                activation: str | None = None,
-                                residual: Any = None) -> tuple[Any, BatchNormSaved]:
-    """y = act(batchnorm(x) + residual) with the running statistics; returns (y, saved)."""
+                                activation: str | None = None, residual: Any = None,
+                                stats: bool = True) -> tuple[Any, BatchNormSaved]:
+    """y = act(batchnorm(x) + residual) with the running statistics; returns (y, saved).
+
+    stats=False: no backward will follow (inference), so saved holds no mean and invstd
+    (None) and batchnorm_backward refuses it; on the GPU that spares their computation,
+    CuPy arithmetic on the statistics (Note [inference without statistics] in
+    ops/cudnn/batchnorm.py)."""
     op = "batchnorm_forward_inference"
+    if type(stats) is not bool:
+        raise TypeError(f"{op}: stats must be a bool, got {type(stats).__name__}")
     act = _activation(op, activation)
     g = _geometry(op, x, layout)
     eps = _check_eps(op, eps)
@@ -71,7 +78,7 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
                     Arg("running_var", running_var, None)], x)
     return validated.batchnorm_forward_inference(
         _checks.engine(xp, "batchnorm"), x, weight, bias, running_mean, running_var, g, eps,
-        act, residual)
+        act, residual, stats)
 
 
 def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNormSaved,
@@ -95,6 +102,10 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNorm
     if not isinstance(saved, BatchNormSaved):
         raise TypeError(f"{op}: saved must be the BatchNormSaved a forward returned, got "
                         f"{type(saved).__name__}")
+    if saved.mean is None or saved.invstd is None:
+        raise ValueError(f"{op}: saved holds no statistics (its forward ran with "
+                         "stats=False): run batchnorm_forward_inference with stats=True "
+                         "to differentiate it")
     if (weight_grad is None) != (bias_grad is None):
         raise ValueError(f"{op}: pass weight_grad and bias_grad together, or neither")
     if weight_grad is not None and weight is None:

@@ -131,9 +131,10 @@ def batchnorm_forward_training(eng: ModuleType, x: Any, weight: Any, bias: Any,
 
 def batchnorm_forward_inference(eng: ModuleType, x: Any, weight: Any, bias: Any,
                                 running_mean: Any, running_var: Any, g: Any, eps: float,
-                                act: str, residual: Any = None) -> tuple[Any, BatchNormSaved]:
+                                act: str, residual: Any = None,
+                                stats: bool = True) -> tuple[Any, BatchNormSaved]:
     y, saved, mean, invstd = eng.batchnorm_forward_inference(
-        x, weight, bias, running_mean, running_var, g, eps, act, residual)
+        x, weight, bias, running_mean, running_var, g, eps, act, residual, stats)
     return y, BatchNormSaved(mean, invstd, saved, False)
 
 

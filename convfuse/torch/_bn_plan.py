@@ -129,14 +129,17 @@ class BatchNormCall:
         if _eager.needs_graph(x, weight, bias, residual):
             out = _apply(x, weight, bias, residual, self, stats, held)
             return out[0] if self.saves == "preactivation" else out
-        return self.forward(x, weight, bias, residual, stats, held)[0]
+        # nothing will differentiate it: no statistics for a backward (Note [inference
+        # without statistics] in convfuse/ops/cudnn/batchnorm.py)
+        return self.forward(x, weight, bias, residual, stats, held, keep=False)[0]
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, residual: torch.Tensor | None,
                 stats: tuple[Any, Any, Any], held: HostArrays | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None, Kept]:
+                keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, Kept]:
         """(y, z, kept) as _bn_ops' forward bodies compute y and z (z, the pre-activation,
-        only where the activation saves it); `kept` is what the backward reuses."""
+        only where the activation saves it); `kept` is what the backward reuses (in
+        evaluation, without `keep`, no statistics: nothing differentiates the call)."""
         running_mean, running_var, nbt = stats
         cd, cl, prep, host = self.cd, self.cl, self.prep, self.host
         xp = x if self.x_as_is else physical(x, cl)
@@ -177,7 +180,7 @@ class BatchNormCall:
             if not training:
                 y, saved = op(prep, dev, "batchnorm_forward_inference", xa, wa, ba,
                               _per_channel(running_mean, cd), _per_channel(running_var, cd),
-                              self.layout, self.eps, self.act, ra)
+                              self.layout, self.eps, self.act, ra, keep)
                 return self._result(y, saved, x, xp, xa, wa, ba)
             if self.stats_as_is:
                 ma, va = (views[2], views[3]) if views is not None else \

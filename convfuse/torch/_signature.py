@@ -135,8 +135,8 @@ _DIRECT: dict[str, tuple[str, Callable[..., Any]]] = {
         "batchnorm", lambda e, p, x, w, b, rm, rv, _layout, eps, f, a, r:
         _V.batchnorm_forward_training(e, x, w, b, rm, rv, p.geom, eps, f, _act(a), r)),
     "batchnorm_forward_inference": (
-        "batchnorm", lambda e, p, x, w, b, rm, rv, _layout, eps, a, r:
-        _V.batchnorm_forward_inference(e, x, w, b, rm, rv, p.geom, eps, _act(a), r)),
+        "batchnorm", lambda e, p, x, w, b, rm, rv, _layout, eps, a, r, stats=True:
+        _V.batchnorm_forward_inference(e, x, w, b, rm, rv, p.geom, eps, _act(a), r, stats)),
     "batchnorm_backward": (
         "batchnorm", lambda e, p, dy, x, w, b, saved, _layout, eps, a, res, need_dx, wg, bg,
         beta: _V.batchnorm_backward(e, dy, x, w, b, saved, p.geom, eps, _act(a), res, need_dx,

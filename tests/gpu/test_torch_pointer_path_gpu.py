@@ -160,10 +160,13 @@ def test_batchnorm_train_and_eval_match_torch_nn(path_spy, path, dtype):
     layer.eval()
     ref.eval()
     path_spy["engine"].clear()
+    exchanges = path_spy["dlpack"]
     poison(4 * 8 * 6 * 6 * 8 * 4)
     with torch.no_grad():
-        _close(layer(x), ref(x_ref), dtype)  # inference: CuPy's path inside (documented)
+        _close(layer(x), ref(x_ref), dtype)
     assert [name for name, *_ in path_spy["engine"]] == ["batchnorm_forward_inference"]
+    if path == "pointer":  # Note [inference without statistics]: no CuPy scope, no DLPack
+        assert path_spy["dlpack"] == exchanges
 
 
 def test_pointer_path_runs_on_a_side_stream_with_torch_memory(path_spy):

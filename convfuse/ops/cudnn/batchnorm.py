@@ -29,6 +29,14 @@ fused calls again (Note [transient out-of-memory]); the plan's one warning cover
 Evaluation-mode backward (rare: frozen statistics) is computed with CuPy arithmetic,
 since cuDNN has no backward for inference; it is correct but not a tuned path.
 
+Note [inference without statistics]
+The statistics a backward of an evaluation-mode forward reads (a copy of the running
+mean, and invstd = 1 / sqrt(running_var + eps)) are CuPy arithmetic: three or four small
+kernels per call, and on the pointer path a CuPy scope around the whole call. A caller
+with no backward to follow (an inference call; a torch layer under no_grad or with
+nothing requiring grad) passes stats=False and gets y alone: on the pointer path the
+cuDNN call (and the residual add and activation kernel, if any) on pointers, no CuPy.
+
 Note [cuDNN's inference batch]
 cuDNN's legacy batch-norm inference has refused batches above 65,535 samples (PyTorch
 sends those to its own kernel: `_select_batch_norm_backend`'s "spatial, eval" bound;
@@ -225,12 +233,13 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, s
 
 def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: Any,
                                 running_var: Any, g: BatchNormGeometry, eps: float, act: str,
-                                residual: Any) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
-    if is_device_array(x):  # CuPy arithmetic below: Note [the pointer path]
+                                residual: Any,
+                                stats: bool = True) -> tuple[Any, Any, Any, Any]:  # pragma: gpu
+    """(y, saved, mean, invstd); mean and invstd None without `stats` (Note [inference
+    without statistics])."""
+    if stats and is_device_array(x):  # CuPy arithmetic below: Note [the pointer path]
         return on_cupy(batchnorm_forward_inference, x, weight, bias, running_mean,
                        running_var, g, eps, act, residual)
-    import cupy as cp
-
     ctx = context_of(x)
     handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
@@ -239,6 +248,10 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
     y = ctx.empty(g.shape, x.dtype)
     _inference_calls(plan, handle, x, y, scale, shift, running_mean, running_var, eps)
     y, saved = _finish_forward(plan, handle, ctx, y, residual, act)
+    if not stats:
+        return y, saved, None, None
+    import cupy as cp
+
     mean = running_mean.copy()
     invstd = 1.0 / cp.sqrt(running_var + cd.type(eps))
     return y, saved, mean, invstd.astype(cd, copy=False)

@@ -219,17 +219,17 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
 
 def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_mean: np.ndarray,
                                 running_var: np.ndarray, g: BatchNormGeometry, eps: float,
-                                activation: str,
-                                residual: Any) -> tuple[np.ndarray, Any, np.ndarray, np.ndarray]:
+                                activation: str, residual: Any,
+                                stats: bool = True) -> tuple[np.ndarray, Any, Any, Any]:
     """(y, saved, mean, invstd) with the running statistics (copied, so backward sees the
-    statistics this forward used)."""
+    statistics this forward used); mean and invstd None without `stats` (the same y)."""
     cd = _compute(x.dtype)
     ax = _axes(g)
-    mean = running_mean.astype(cd, copy=True)
+    mean = running_mean.astype(cd, copy=stats)
     invstd = (1.0 / np.sqrt(running_var.astype(cd) + cd.type(eps))).astype(cd)
     centred = _in(x, cd) - mean.reshape(ax.shape)
     y, saved = _affine_act(centred, invstd, weight, bias, residual, activation, ax, x.dtype)
-    return y, saved, mean, invstd
+    return (y, saved, mean, invstd) if stats else (y, saved, None, None)
 
 
 def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, mean: np.ndarray,
