@@ -26,7 +26,8 @@ Note [streams and capture]
 On CuPy buffers the collective is issued with PyTorch's current stream set to CuPy's current
 stream, so it is ordered after the backward that wrote the gradients and before the step
 that reads them, with no host synchronisation (NCCL averages natively, ReduceOp.AVG, so no
-extra kernel either). Inside `convfuse.graph.capture`, CuPy's current stream is the
+extra kernel either; also under a backend per device type such as "cpu:gloo,cuda:nccl",
+where the CUDA buffers are NCCL's: `averages_natively`). Inside `convfuse.graph.capture`, CuPy's current stream is the
 capturing stream, so the all-reduce is recorded into the graph where the backend allows it:
 PyTorch's NCCL process group supports CUDA-graph capture of collectives; gloo runs on the
 host and cannot be captured (nor does the CPU path have graphs). The GPU path has not run
@@ -132,6 +133,16 @@ def flat_gradients(optimizer: Any) -> list[Any]:
     return [g.grad for g in groups]
 
 
+def averages_natively(backend_name: str, on_gpu: bool) -> bool:
+    """Whether the backend that reduces a buffer on the GPU (`on_gpu`) or the CPU is NCCL,
+    which averages natively: `backend_name` is torch.distributed.get_backend's answer,
+    one backend ("nccl") or one per device type ("cpu:gloo,cuda:nccl")."""
+    if ":" not in backend_name:
+        return backend_name == "nccl"
+    pairs = dict(p.strip().split(":", 1) for p in backend_name.split(",") if ":" in p)
+    return pairs.get("cuda" if on_gpu else "cpu") == "nccl"
+
+
 def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None) -> None:
     """Sum (or, with `average`, average) every gradient of `optimizer`'s parameters over
     the ranks of `group` (default: the default process group), in place.
@@ -144,9 +155,10 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
     dist = torch.distributed
     buffers = flat_gradients(optimizer)
     world = dist.get_world_size(group)
-    native_avg = average and dist.get_backend(group) == "nccl"
-    op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    backend_name = str(dist.get_backend(group))
     for buf in buffers:
+        native_avg = average and averages_natively(backend_name, is_cupy(buf))
+        op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         with _on_cupy_stream(torch, buf):
             t = _as_tensor(buf)
             dist.all_reduce(t, op=op, group=group)

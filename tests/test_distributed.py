@@ -206,5 +206,37 @@ def test_helpers_refuse_without_a_process_group_or_a_convfuse_optimizer():
             broadcast_parameters(model)
 
 
+@pytest.mark.parametrize(("backend_name", "on_gpu", "native"), [
+    ("nccl", True, True), ("gloo", False, False), ("gloo", True, False),
+    ("cpu:gloo,cuda:nccl", True, True), ("cpu:gloo,cuda:nccl", False, False),
+    ("cuda:nccl", False, False), ("cpu:gloo, cuda:nccl", True, True), ("mpi", True, False),
+])
+def test_only_nccl_averages_natively(backend_name, on_gpu, native):
+    """ReduceOp.AVG where NCCL reduces the buffer's device, also under a backend per device
+    type; elsewhere a sum and one division."""
+    from convfuse.distributed import averages_natively
+
+    assert averages_natively(backend_name, on_gpu) is native
+
+def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
+    """Under "cpu:gloo,cuda:nccl" a NumPy gradient buffer is reduced by gloo: SUM, then
+    one division by the world size (NCCL's AVG is for CUDA buffers only)."""
+    from convfuse.distributed import allreduce_gradients
+
+    dist = torch.distributed
+    model = _cf_model(0)
+    opt = cf.optim.SGD(model.parameters(), lr=0.1)
+    [buf] = [g.grad for g in opt._groups]
+    buf[...] = 6.0
+    ops = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: ops.append(op))
+    allreduce_gradients(opt)
+    assert ops == [dist.ReduceOp.SUM] and (buf == 2.0).all()
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+
