@@ -114,6 +114,9 @@ def _sources() -> list[str]:
 ext = Pybind11Extension(
     "convfuse._cudnn",
     _sources(),
+    # What the sources include, and (for the unity file, whose timestamp stays put) the
+    # sources themselves: a plain `build_ext` rebuilds when any of them changed.
+    depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.cpp")),
     include_dirs=["csrc", str(cudnn_include), *map(str, _find_cuda_includes())],
     library_dirs=[str(cudnn_lib)],
     # The wheel ships only the versioned soname; the same binary runs with cu12 and cu13 wheels.
