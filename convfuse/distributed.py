@@ -27,11 +27,11 @@ On CuPy buffers the collective is issued with PyTorch's current stream set to Cu
 stream, so it is ordered after the backward that wrote the gradients and before the step
 that reads them, with no host synchronisation (NCCL averages natively, ReduceOp.AVG, so no
 extra kernel either; also under a backend per device type such as "cpu:gloo,cuda:nccl",
-where the CUDA buffers are NCCL's: `averages_natively`). Inside `convfuse.graph.capture`, CuPy's current stream is the
-capturing stream, so the all-reduce is recorded into the graph where the backend allows it:
-PyTorch's NCCL process group supports CUDA-graph capture of collectives; gloo runs on the
-host and cannot be captured (nor does the CPU path have graphs). The GPU path has not run
-on a GPU yet.
+where the CUDA buffers are NCCL's: `averages_natively`). Inside `convfuse.graph.capture`,
+CuPy's current stream is the capturing stream, so the all-reduce is recorded into the graph
+where the backend allows it: PyTorch's NCCL process group supports CUDA-graph capture of
+collectives; gloo runs on the host and cannot be captured (nor does the CPU path have
+graphs). The GPU path has not run on a GPU yet.
 """
 
 from __future__ import annotations

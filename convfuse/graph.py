@@ -30,7 +30,9 @@ from .errors import CaptureError
 
 
 class CapturedStep:
-    """A recorded step: call it with new inputs to copy them in and replay the graph."""
+    """A recorded step: call it with new inputs to copy them in and replay the graph. One
+    thread at a time: the static inputs, the outputs and the ordering events are shared
+    by every replay."""
 
     def __init__(self, graph: Any, stream: Any, pool: Any, inputs: list[Any], outputs: Any):
         self._graph, self._stream, self._pool = graph, stream, pool

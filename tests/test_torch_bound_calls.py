@@ -26,6 +26,7 @@ from convfuse.plan import (  # noqa: E402
     FusedFallbackWarning,
     WorkspaceFallbackWarning,
     clear_plan_cache,
+    plan_cache_info,
 )
 from convfuse.plan.batchnorm import clear_batchnorm_plan_cache  # noqa: E402
 from convfuse.torch import _arrays  # noqa: E402
@@ -360,11 +361,14 @@ def test_the_bias_gradient_follows_config_and_refusals(cuda, entries):
     _step(cuda, conv, x)
     assert entries["conv_backward_bias"] == 1
     with config.flags(bias_grad="fused"):
-        for _ in range(2):  # the engine's kernel (it asks no plan), at every step
+        for step in range(2):  # the engine's kernel (it asks no plan), at every step
+            hits = plan_cache_info().hits
             _, calls = _step(cuda, conv, x)
             names = [n for n, _ in calls]
             assert "activation_backward_bias" in names
             assert "convolutionBackwardBias" not in names
+            if step:  # bound: forward, filter, data; the Declined's check counts no hit
+                assert plan_cache_info().hits - hits == 3
     _step(cuda, conv, x)
     _, calls = _step(cuda, conv, x)
     assert "convolutionBackwardBias" in [n for n, _ in calls]
@@ -423,3 +427,23 @@ def test_a_bias_gradient_refused_for_another_signature_is_seen(cuda, entries):
     _, calls = _step(cuda, conv, x)  # x's bound bias call declines
     assert bias not in [n for n, _ in calls]
     assert "activation_backward_bias" in [n for n, _ in calls]
+
+
+def test_a_cleared_plan_is_not_kept_alive_by_its_bound_calls(cuda, entries):
+    import gc
+    import weakref
+
+    from convfuse.torch import conv as torch_conv
+
+    conv, x = _bound_conv(cuda, entries)
+    [bound] = [b for call in torch_conv.CALLS.values() if call is not torch_conv.GENERAL
+               for b in call.prep.bound.values() if b]
+    plan = weakref.ref(bound.plan())
+    assert plan() is not None
+    clear_plan_cache()
+    gc.collect()
+    assert plan() is None  # its descriptors went with it
+    with torch.no_grad():
+        conv(x)  # the engine, then bound to the new plan
+        conv(x)
+    assert entries["conv_bias_act"] == 2

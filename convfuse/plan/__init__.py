@@ -49,6 +49,11 @@ def touch_conv_plan(plan: ConvPlan) -> bool:
     return _conv_plans.touch(plan.key, plan)
 
 
+def conv_plan_cached(plan: ConvPlan) -> bool:
+    """Whether `plan` is still the cached plan of its key, asked without using it."""
+    return _conv_plans.holds(plan.key, plan)
+
+
 def get_transpose_plan(tgeom: Any, dtype: Any) -> ConvPlan:
     """The cached plan of a transposed convolution: its forward convolution's plan, with
     the roles of x and y swapped (plan/conv_transpose.py)."""
@@ -103,9 +108,26 @@ def clear_plan_cache() -> None:
 
 
 __all__ = [
-    "BiasGradFallbackWarning", "CacheInfo", "Candidate", "ConvPlan", "ForwardPath",
-    "FusedFallbackWarning", "NoAlgorithmError", "PlanKey", "PoolPlan", "PoolPlanKey",
-    "WorkspaceFallbackWarning", "WorkspaceUnavailableError", "batchnorm_plan_cache_info",
-    "clear_plan_cache", "forward_paths", "get_plan", "get_pool_plan", "get_transpose_plan",
-    "plan_cache_info", "pool_plan_cache_info", "touch_conv_plan",
+    "BiasGradFallbackWarning",
+    "CacheInfo",
+    "Candidate",
+    "ConvPlan",
+    "ForwardPath",
+    "FusedFallbackWarning",
+    "NoAlgorithmError",
+    "PlanKey",
+    "PoolPlan",
+    "PoolPlanKey",
+    "WorkspaceFallbackWarning",
+    "WorkspaceUnavailableError",
+    "batchnorm_plan_cache_info",
+    "clear_plan_cache",
+    "conv_plan_cached",
+    "forward_paths",
+    "get_plan",
+    "get_pool_plan",
+    "get_transpose_plan",
+    "plan_cache_info",
+    "pool_plan_cache_info",
+    "touch_conv_plan",
 ]

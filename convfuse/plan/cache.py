@@ -94,6 +94,12 @@ class PlanCache:
                 return True
             return False
 
+    def holds(self, key: Hashable, plan: Any) -> bool:
+        """Whether the cache holds `plan` under `key`, asked without using it (no hit
+        counted, recency unchanged)."""
+        with self._lock:
+            return self._plans.get(key) is plan
+
     def values(self) -> list[Any]:
         """The cached plans, least recently used first (a snapshot)."""
         with self._lock:

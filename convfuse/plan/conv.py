@@ -161,6 +161,12 @@ class ConvPlan(FusedFallbackState):
         with self._lock:
             return self._desc_for_math(cand.math_type)
 
+    def desc_for(self, cand: algos.Candidate) -> Any:
+        """conv_desc_for(cand) without the lock, for a candidate whose descriptor exists (a
+        descriptor, once made, is never replaced or removed, and a dict read is atomic)."""
+        desc = self._math_descs.get(cand.math_type)
+        return desc if desc is not None else self.conv_desc_for(cand)
+
     def _desc_for_math(self, math_type: int) -> Any:
         """conv_desc_for's work; the caller holds the lock."""
         desc = self._math_descs.get(math_type)

@@ -87,8 +87,14 @@ def test_bound_steps_match_torch_nn(entries, kwargs, channels_last):
         if step == 1:
             ran = dict(entries)
     # steps 2 and 3 ran bound calls only: every one was bound after step 1 (the zero bias
-    # of a bias-free fused call, filled at step 0, is complete by then: steps synchronize)
-    assert entries == ran
+    # of a bias-free fused call, filled at step 0, is complete by then: steps synchronize),
+    # but relu's bias gradient, which the engine's activation kernel computes with its own
+    # call of conv_backward_bias at every step
+    unbound = ("conv_backward_bias",) if relu and layer.bias is not None else ()
+    assert {k: v for k, v in entries.items() if k not in unbound} == \
+        {k: v for k, v in ran.items() if k not in unbound}
+    for k in unbound:
+        assert entries[k] == 2 * ran[k] == 4
 
 
 def test_bound_calls_follow_the_stream_and_replay_under_a_cuda_graph(entries):

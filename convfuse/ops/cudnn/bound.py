@@ -37,6 +37,7 @@ channels-first]).
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -44,7 +45,7 @@ from ... import activations, config
 from ..._binding import cudnn
 from ...dtypes import name as dtype_name
 from ...errors import CudnnError
-from ...plan import ConvPlan, get_plan, touch_conv_plan
+from ...plan import ConvPlan, conv_plan_cached, get_plan, touch_conv_plan
 from ...plan.choice import Chosen
 from . import fused, layout
 from .device import ExecContext
@@ -57,45 +58,53 @@ NEVER = False
 
 class Declined:
     """bind's answer where the plan decided against the bound call for good: falsy, and
-    `stale` once the flags object or the plan changed (then bind may answer otherwise)."""
+    `stale` once the flags object changed or the plan left the cache (then bind may answer
+    otherwise)."""
 
     __slots__ = ("flags", "plan")
 
     def __init__(self, plan: ConvPlan) -> None:
-        self.flags, self.plan = config.get(), plan
+        self.flags, self.plan = config.get(), weakref.ref(plan)
 
     def __bool__(self) -> bool:
         return False
 
     def stale(self) -> bool:
-        return config.get() is not self.flags or not touch_conv_plan(self.plan)
+        plan = self.plan()
+        return config.get() is not self.flags or plan is None or not conv_plan_cached(plan)
 
 
 class _Bound:
-    """What every bound call checks (Note [bound calls]) and runs with."""
+    """What every bound call checks (Note [bound calls]) and runs with. The plan is held
+    weakly: one the cache let go takes its descriptors with it, and the call declines."""
 
-    __slots__ = ("algo", "chosen", "ctx", "desc", "eng", "flags", "plan", "stands_for", "what",
-                 "ws")
+    __slots__ = ("algo", "chosen", "ctx", "eng", "flags", "plan", "stands_for", "what", "ws")
 
     def __init__(self, eng: ModuleType, plan: ConvPlan, chosen: Chosen, ctx: ExecContext,
                  what: str) -> None:
-        self.eng, self.plan, self.chosen, self.ctx, self.what = eng, plan, chosen, ctx, what
+        self.eng, self.chosen, self.ctx, self.what = eng, chosen, ctx, what
+        self.plan = weakref.ref(plan)
         cand = chosen.candidate
         self.algo, self.ws = cand, cand.workspace
-        self.desc = plan.conv_desc_for(cand)
+        plan.conv_desc_for(cand)  # made now, so desc_for finds it
         self.flags = config.get()
         self.stands_for = eng.AS_IMPORTED[what]
 
-    def current(self, ctx: ExecContext) -> bool:
-        return (ctx is self.ctx and self.chosen.holds(self.algo)
+    def current(self, ctx: ExecContext) -> ConvPlan | None:
+        """The plan, where the engine would still make this call; else None."""
+        plan = self.plan()
+        if (plan is not None and ctx is self.ctx and self.chosen.holds(self.algo)
                 and config.get() is self.flags
                 and getattr(self.eng, self.what) is self.stands_for
-                and touch_conv_plan(self.plan))
+                and touch_conv_plan(plan)):
+            return plan
+        return None
 
 
 class BoundForward(_Bound):
-    """conv_bias_act's cuDNN call for one signature: (x, w, b, residual) pointers -> y, a
-    new array of the context's (0 for a missing bias or residual), or None."""
+    """conv_bias_act's cuDNN call for one signature, with residual_scale 1 (the torch
+    bridge's): (x, w, b, residual) pointers -> y, a new array of the context's (0 for a
+    missing bias or residual), or None."""
 
     __slots__ = ("dtype", "fused", "path", "shape", "zero")
 
@@ -106,8 +115,8 @@ class BoundForward(_Bound):
         self.shape, self.dtype = plan.key.geometry.output_shape, dtype
 
     def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
-        plan = self.plan
-        if not self.current(ctx) or (self.fused and not (
+        plan = self.current(ctx)
+        if plan is None or (self.fused and not (
                 plan.forward_path is self.path and plan.fused_settled())):
             return None
         y = ctx.empty(self.shape, self.dtype)
@@ -117,17 +126,18 @@ class BoundForward(_Bound):
             return None
         handle = _bound_handle(ctx)
         cand = self.algo
+        desc = plan.desc_for(cand)
         try:
             if self.fused:
                 bias = b if b else self.zero.arrays[0].data.ptr
                 z, alpha2 = (residual, 1.0) if residual else (y.ptr, 0.0)  # Note [z = y ...]
                 cudnn().convolutionBiasActivationForward(
-                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, self.desc, cand.algo, ws.ptr,
+                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc, cand.algo, ws.ptr,
                     ws.size, alpha2, plan.y_desc, z, plan.bias_desc, bias, plan.act_desc,
                     plan.y_desc, y.ptr)
             else:  # Note [nothing to fuse]
                 cudnn().convolutionForward(
-                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, self.desc, cand.algo, ws.ptr,
+                    handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc, cand.algo, ws.ptr,
                     ws.size, 0.0, plan.y_desc, y.ptr)
         except CudnnError:
             return None
@@ -141,21 +151,23 @@ class BoundBackward(_Bound):
     __slots__ = ()
 
     def __call__(self, ctx: ExecContext, a: int, b: int, out: int) -> bool:
-        if not self.current(ctx):
+        plan = self.current(ctx)
+        if plan is None:
             return False
         try:
             ws = Workspace(self.ws, ctx)
         except MemoryError:
             return False
-        plan, handle, cand = self.plan, _bound_handle(ctx), self.algo
+        handle, cand = _bound_handle(ctx), self.algo
+        desc = plan.desc_for(cand)
         try:
             if self.what == "conv_backward_data":
                 cudnn().convolutionBackwardData(
-                    handle, 1.0, plan.w_desc, b, plan.y_desc, a, self.desc, cand.algo, ws.ptr,
+                    handle, 1.0, plan.w_desc, b, plan.y_desc, a, desc, cand.algo, ws.ptr,
                     ws.size, 0.0, plan.x_desc, out)
             else:
                 cudnn().convolutionBackwardFilter(
-                    handle, 1.0, plan.x_desc, a, plan.y_desc, b, self.desc, cand.algo, ws.ptr,
+                    handle, 1.0, plan.x_desc, a, plan.y_desc, b, desc, cand.algo, ws.ptr,
                     ws.size, 0.0, plan.w_desc, out)
         except CudnnError:
             return False
@@ -169,13 +181,13 @@ class BoundBias:
     __slots__ = ("ctx", "eng", "flags", "plan", "stands_for")
 
     def __init__(self, eng: ModuleType, plan: ConvPlan, ctx: ExecContext) -> None:
-        self.eng, self.plan, self.ctx = eng, plan, ctx
+        self.eng, self.plan, self.ctx = eng, weakref.ref(plan), ctx
         self.flags = config.get()
         self.stands_for = eng.AS_IMPORTED["conv_backward_bias"]
 
     def __call__(self, ctx: ExecContext, dz: int, out: int) -> bool:
-        plan = self.plan
-        if (ctx is not self.ctx or config.get() is not self.flags
+        plan = self.plan()
+        if (plan is None or ctx is not self.ctx or config.get() is not self.flags
                 or plan.bias_grad_refusal is not None
                 or self.eng.conv_backward_bias is not self.stands_for
                 or not touch_conv_plan(plan)):
