@@ -447,3 +447,46 @@ def test_a_cleared_plan_is_not_kept_alive_by_its_bound_calls(cuda, entries):
         conv(x)  # the engine, then bound to the new plan
         conv(x)
     assert entries["conv_bias_act"] == 2
+
+
+@pytest.mark.parametrize("kwargs, act", [({}, None), ({"bias": False}, None), ({}, "relu")],
+                         ids=["identity-bias", "identity", "relu-bias"])
+def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act):
+    """A ConvTranspose2d's forward (G's data gradient, then the engine's bias + activation
+    pass) and its data and filter gradients: the engine's calls, with the tensors' own
+    addresses, from the second step on without the engine."""
+    from convfuse.ops.cudnn import conv_transpose as cudnn_transpose
+
+    counts = {"forward": 0, "backward_data": 0, "backward_filter": 0}
+    real = cudnn_transpose.get_transpose_plan
+
+    def counted(*a, **k):
+        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(cudnn_transpose, "get_transpose_plan", counted)
+    layer = cft.ConvTranspose2d(4, 6, 3, padding=1, **kwargs)
+    if act is not None:
+        layer.activation = act
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    stable = {x.data_ptr(): "x", layer.weight.data_ptr(): "w"}
+    if layer.bias is not None:
+        stable[layer.bias.data_ptr()] = "b"
+    _, first = _step(cuda, layer, x)
+    assert counts == {"forward": 1, "backward_data": 1, "backward_filter": 1}
+    for _ in range(2):
+        y, later = _step(cuda, layer, x)
+        assert _shape(later, stable) == _shape(first, stable)
+        [fwd] = [a for n, a in later if n == "convolutionBackwardData"]
+        assert (fwd[3], fwd[5], fwd[12]) == (layer.weight.data_ptr(), x.data_ptr(),
+                                            y.data_ptr())
+        [data] = [a for n, a in later if n == "convolutionForward"]
+        assert (data[5], data[12]) == (layer.weight.data_ptr(), x.grad.data_ptr())
+        [filt] = [a for n, a in later if n == "convolutionBackwardFilter"]
+        assert (filt[5], filt[12]) == (x.data_ptr(), layer.weight.grad.data_ptr())
+        epilogue = [a for n, a in later if n == "bias_act_forward"]
+        assert len(epilogue) == (layer.bias is not None or act is not None)
+        if epilogue and layer.bias is not None:
+            assert epilogue[0][0] == Launched(y.data_ptr())
+            assert epilogue[0][1] == Launched(layer.bias.data_ptr())
+    assert counts == {"forward": 1, "backward_data": 1, "backward_filter": 1}

@@ -25,7 +25,8 @@ from ._signature import _DIRECT, Prepared, validated_engine
 
 #: The ops the engine binds (Note [bound calls]): other callers skip this module's steps.
 BINDS = frozenset(("conv_bias_act", "conv_backward_filter", "conv_backward_data",
-                   "conv_backward_bias"))
+                   "conv_backward_bias", "conv_transpose_bias_act",
+                   "conv_transpose_backward_filter", "conv_transpose_backward_data"))
 
 
 def on_pointer_path(t: torch.Tensor) -> bool:

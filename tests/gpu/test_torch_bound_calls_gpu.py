@@ -135,3 +135,52 @@ def test_bound_calls_follow_the_stream_and_replay_under_a_cuda_graph(entries):
                                atol=2e-4)
     np.testing.assert_allclose(got_dx.cpu().double().numpy(), x.grad.numpy(), rtol=2e-3,
                                atol=2e-3)
+
+
+@pytest.mark.parametrize("bias, relu", [(True, False), (False, False), (True, True)],
+                         ids=["bias", "no-bias", "relu"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, channels_last):
+    """A ConvTranspose2d (stride 2, output_padding 1: not windowed) trained for four steps:
+    torch.nn's float64 numbers at every step, and from step 2 on no call of the engine
+    (its plan lookups are counted)."""
+    import convfuse.ops.cudnn.conv_transpose as cudnn_transpose
+    import convfuse.torch as ct
+
+    counts = {"forward": 0, "backward_data": 0, "backward_filter": 0}
+    real = cudnn_transpose.get_transpose_plan
+
+    def counted(*a, **k):
+        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(cudnn_transpose, "get_transpose_plan", counted)
+    torch.manual_seed(5)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    ref = torch.nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1,
+                                   bias=bias).double()
+    layer = ct.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1, bias=bias)
+    layer.load_state_dict(ref.state_dict())
+    if relu:
+        layer.activation = "relu"
+    layer = layer.to("cuda").to(memory_format=fmt)
+    for step in range(4):
+        x_ref = torch.randn(4, 8, 9, 9, dtype=torch.float64, requires_grad=True)
+        x = x_ref.detach().to("cuda", torch.float32).contiguous(memory_format=fmt)
+        x.requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        poison(4 * 16 * 18 * 18 * 4 * 8)
+        y = layer(x)
+        y.square().sum().backward()
+        y_ref = torch.relu(ref(x_ref)) if relu else ref(x_ref)
+        y_ref.square().sum().backward()
+        torch.cuda.synchronize()
+        _close(y, y_ref, 2e-4)
+        _close(x.grad, x_ref.grad, 2e-3)
+        _close(layer.weight.grad, ref.weight.grad, 2e-3)
+        if bias:
+            _close(layer.bias.grad, ref.bias.grad, 2e-3)
+        if step == 1:
+            ran = dict(counts)
+    assert counts == ran == {"forward": 1, "backward_data": 1, "backward_filter": 1}

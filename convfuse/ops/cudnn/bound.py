@@ -31,8 +31,10 @@ holds until the flags or the plan change, so the engine path pays no binding att
 call.
 It binds only what it reproduces exactly: conv_bias_act with relu or identity (the fused
 call, or Note [nothing to fuse]'s convolutionForward) and the three convolution
-backwards, with beta = 0, on a layout cuDNN runs directly (not Note [float64 runs
-channels-first]).
+backwards; conv_transpose_bias_act (G's data gradient, then the engine's bias +
+activation pass) and the transposed data and filter gradients, where G's output is the
+transposed one's (not windowed) and no pre-activation is kept; all with beta = 0, on a
+layout cuDNN runs directly (not Note [float64 runs channels-first]).
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ from ... import activations, config
 from ..._binding import cudnn
 from ...dtypes import name as dtype_name
 from ...errors import CudnnError
-from ...plan import ConvPlan, conv_plan_cached, get_plan, touch_conv_plan
+from ...plan import ConvPlan, conv_plan_cached, get_plan, get_transpose_plan, touch_conv_plan
 from ...plan.choice import Chosen
+from .. import elementwise
 from . import fused, layout
-from .device import ExecContext
+from .device import DeviceArray, ExecContext
 from .handle import Workspace, _bound_handle
 
 #: bind's answer for a signature it never binds (another activation, a channels-first
@@ -198,6 +201,102 @@ class BoundBias:
         except CudnnError:
             return False
         return True
+
+
+class BoundTransposeForward(_Bound):
+    """conv_transpose_bias_act's call for one signature, with residual_scale 1: G's data
+    gradient (cudnnConvolutionBackwardData) into a new y, then, with a bias, a residual or
+    an activation, the engine's bias + activation pass on it; (x, w, b, residual)
+    pointers -> y, or None. Only where y is G's output itself (not windowed)."""
+
+    __slots__ = ("act", "dtype", "epilogue", "shape")
+
+    def __init__(self, eng: ModuleType, plan: ConvPlan, chosen: Chosen, ctx: ExecContext,
+                 dtype: Any, tgeom: Any, act: str) -> None:
+        super().__init__(eng, plan, chosen, ctx, "conv_transpose_bias_act")
+        self.act, self.dtype, self.epilogue = act, dtype, tgeom.epilogue
+        self.shape = tgeom.conv.input_shape
+
+    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        plan = self.current(ctx)
+        if plan is None:
+            return None
+        y = ctx.empty(self.shape, self.dtype)
+        try:
+            ws = Workspace(self.ws, ctx)
+        except MemoryError:
+            return None
+        cand = self.algo
+        try:
+            cudnn().convolutionBackwardData(
+                _bound_handle(ctx), 1.0, plan.w_desc, w, plan.y_desc, x, plan.desc_for(cand),
+                cand.algo, ws.ptr, ws.size, 0.0, plan.x_desc, y.ptr)
+        except CudnnError:
+            return None
+        if b or residual or self.act != "identity":  # as conv_transpose_bias_act
+            epi = self.epilogue
+            bias = DeviceArray(b, epi.bias_shape, self.dtype, ctx, None) if b else None
+            res = DeviceArray(residual, self.shape, self.dtype, ctx, None) if residual \
+                else None
+            elementwise.bias_act_forward(y, bias, res, 1.0, self.act, epi)
+        return y
+
+
+class BoundTransposeBackward(_Bound):
+    """conv_transpose_backward_data's (dz, w, dx: G's forward) or _filter's (x, dz, dw:
+    G's filter gradient with the roles of x and dz swapped) cuDNN call into a caller's
+    output, beta = 0: True when it ran. Only where dz is G's output gradient itself."""
+
+    __slots__ = ()
+
+    def __call__(self, ctx: ExecContext, a: int, b: int, out: int) -> bool:
+        plan = self.current(ctx)
+        if plan is None:
+            return False
+        try:
+            ws = Workspace(self.ws, ctx)
+        except MemoryError:
+            return False
+        handle, cand = _bound_handle(ctx), self.algo
+        desc = plan.desc_for(cand)
+        try:
+            if self.what == "conv_transpose_backward_data":
+                cudnn().convolutionForward(
+                    handle, 1.0, plan.x_desc, a, plan.w_desc, b, desc, cand.algo, ws.ptr,
+                    ws.size, 0.0, plan.y_desc, out)
+            else:
+                cudnn().convolutionBackwardFilter(
+                    handle, 1.0, plan.x_desc, b, plan.y_desc, a, desc, cand.algo, ws.ptr,
+                    ws.size, 0.0, plan.w_desc, out)
+        except CudnnError:
+            return False
+        return True
+
+
+#: A transposed op's bound class and the slot of its plan (G's) it runs.
+_TRANSPOSED = {"conv_transpose_bias_act": "bwd_data", "conv_transpose_backward_data": "fwd",
+               "conv_transpose_backward_filter": "bwd_filter"}
+
+
+def bind_transpose(eng: ModuleType, name: str, tgeom: Any, dtype: Any, ctx: ExecContext,
+                   act: str = "identity") -> Any:
+    """bind's answer for a transposed convolution's op (ops/cudnn/conv_transpose.py's):
+    NEVER where the engine slices G's output (windowed), runs channels-first, or keeps a
+    pre-activation (silu, gelu: two outputs)."""
+    slot = _TRANSPOSED.get(name)
+    if (slot is None or tgeom.windowed or layout.runs_channels_first(tgeom, dtype)
+            or name not in eng.AS_IMPORTED):
+        return NEVER
+    act = activations.normalize(act)
+    if activations.saves(act) == "preactivation":
+        return NEVER
+    plan = get_transpose_plan(tgeom, dtype)
+    chosen = plan.settled(slot)
+    if chosen is None:
+        return None
+    if name == "conv_transpose_bias_act":
+        return BoundTransposeForward(eng, plan, chosen, ctx, dtype, tgeom, act)
+    return BoundTransposeBackward(eng, plan, chosen, ctx, name)
 
 
 def bind(eng: ModuleType, name: str, geom: Any, dtype: Any, ctx: ExecContext,

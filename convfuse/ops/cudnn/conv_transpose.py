@@ -16,6 +16,7 @@ activation passes and the bias gradient are convfuse's kernels, which read chann
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,3 +175,18 @@ def conv_transpose_activation_backward_bias(
     dz = None if activation == "identity" else ctx.empty(tuple(dy.shape), dy.dtype)
     elementwise.activation_backward_bias(dy, saved, activation, tgeom.epilogue, dz, db, b)
     return (dy if dz is None else dz), db
+
+
+def bind(name: str, tgeom: Any, dtype: Any, ctx: Any, act: str = "identity",
+         bias: bool = False, residual: bool = False) -> Any:  # pragma: gpu
+    """A call of this module's <name> bound to one signature (Note [bound calls] in
+    bound.py): None while the plan is still deciding, False for what is never bound."""
+    from . import bound  # it checks this module's functions, so it imports this one
+
+    return bound.bind_transpose(sys.modules[__name__], name, tgeom, dtype, ctx, act)
+
+
+#: The functions a bound call stands for, as defined here (Note [bound calls]).
+AS_IMPORTED = {name: globals()[name] for name in (
+    "conv_transpose_bias_act", "conv_transpose_backward_data",
+    "conv_transpose_backward_filter")}
