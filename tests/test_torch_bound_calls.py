@@ -8,8 +8,6 @@ refusal, an error, no memory, another stream, a spy."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -30,6 +28,7 @@ from convfuse.plan import (  # noqa: E402
 )
 from convfuse.plan.batchnorm import clear_batchnorm_plan_cache  # noqa: E402
 from convfuse.torch import _arrays  # noqa: E402
+from tests._engine_calls import count_plan_lookups  # noqa: E402
 from tests._fake_cuda import WS, Launched, forget_signatures, install  # noqa: E402
 
 FUSED = "convolutionBiasActivationForward"
@@ -46,18 +45,8 @@ def cuda(monkeypatch):
 
 @pytest.fixture
 def entries(monkeypatch):
-    """How often the engine ran each op (a bound call skips it): its calls of get_plan,
-    by the engine function asking (bind has its own get_plan, not counted)."""
-    counts = dict.fromkeys(ENTRIES, 0)
-    real = cudnn_conv.get_plan
-
-    def counted(*a, **k):
-        caller = sys._getframe(1).f_code.co_name.lstrip("_")
-        counts[caller] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(cudnn_conv, "get_plan", counted)
-    return counts
+    """How often the engine ran each op (a bound call skips it)."""
+    return count_plan_lookups(monkeypatch, cudnn_conv, "get_plan", ENTRIES)
 
 
 def _shape(calls, stable):
@@ -457,14 +446,8 @@ def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act):
     addresses, from the second step on without the engine."""
     from convfuse.ops.cudnn import conv_transpose as cudnn_transpose
 
-    counts = {"forward": 0, "backward_data": 0, "backward_filter": 0}
-    real = cudnn_transpose.get_transpose_plan
-
-    def counted(*a, **k):
-        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(cudnn_transpose, "get_transpose_plan", counted)
+    counts = count_plan_lookups(monkeypatch, cudnn_transpose, "get_transpose_plan",
+                                ("forward", "backward_data", "backward_filter"))
     layer = cft.ConvTranspose2d(4, 6, 3, padding=1, **kwargs)
     if act is not None:
         layer.activation = act

@@ -9,8 +9,6 @@ these has run yet.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
+from tests._engine_calls import count_plan_lookups  # noqa: E402
 from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_backward_data")
@@ -31,20 +30,10 @@ def _cuda_torch():
 
 @pytest.fixture
 def entries(monkeypatch):
-    """How often the engine ran each op (a bound call skips it): its calls of get_plan,
-    by the engine function asking. A spy on the ops themselves would see every call: a
-    bound call runs only while they are the ones defined."""
+    """How often the engine ran each op (a bound call skips it): tests/_engine_calls.py."""
     import convfuse.ops.cudnn.conv as cudnn_conv
 
-    counts = dict.fromkeys(ENTRIES, 0)
-    real = cudnn_conv.get_plan
-
-    def counted(*a, **k):
-        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(cudnn_conv, "get_plan", counted)
-    return counts
+    return count_plan_lookups(monkeypatch, cudnn_conv, "get_plan", ENTRIES)
 
 
 def _close(got, want, tol):
@@ -147,14 +136,8 @@ def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, channels
     import convfuse.ops.cudnn.conv_transpose as cudnn_transpose
     import convfuse.torch as ct
 
-    counts = {"forward": 0, "backward_data": 0, "backward_filter": 0}
-    real = cudnn_transpose.get_transpose_plan
-
-    def counted(*a, **k):
-        counts[sys._getframe(1).f_code.co_name.lstrip("_")] += 1
-        return real(*a, **k)
-
-    monkeypatch.setattr(cudnn_transpose, "get_transpose_plan", counted)
+    counts = count_plan_lookups(monkeypatch, cudnn_transpose, "get_transpose_plan",
+                                ("forward", "backward_data", "backward_filter"))
     torch.manual_seed(5)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     ref = torch.nn.ConvTranspose2d(8, 16, 3, stride=2, padding=1, output_padding=1,

@@ -103,6 +103,15 @@ class _Bound:
             return plan
         return None
 
+    def ready(self, plan: ConvPlan, ctx: ExecContext) -> tuple[Workspace, Any, Any] | None:
+        """(workspace, handle, convolution descriptor) for this call, or None where the
+        workspace cannot be allocated now (the engine's walk down the ranking decides)."""
+        try:
+            ws = Workspace(self.ws, ctx)
+        except MemoryError:
+            return None
+        return ws, _bound_handle(ctx), plan.desc_for(self.algo)
+
 
 class BoundForward(_Bound):
     """conv_bias_act's cuDNN call for one signature, with residual_scale 1 (the torch
@@ -123,13 +132,11 @@ class BoundForward(_Bound):
                 plan.forward_path is self.path and plan.fused_settled())):
             return None
         y = ctx.empty(self.shape, self.dtype)
-        try:
-            ws = Workspace(self.ws, ctx)
-        except MemoryError:  # the engine's walk down the ranking decides
+        got = self.ready(plan, ctx)
+        if got is None:
             return None
-        handle = _bound_handle(ctx)
+        ws, handle, desc = got
         cand = self.algo
-        desc = plan.desc_for(cand)
         try:
             if self.fused:
                 bias = b if b else self.zero.arrays[0].data.ptr
@@ -148,8 +155,11 @@ class BoundForward(_Bound):
 
 
 class BoundBackward(_Bound):
-    """conv_backward_data's (dz, w, dx) or conv_backward_filter's (x, dz, dw) cuDNN call
-    into a caller's output, beta = 0: True when it ran."""
+    """A gradient's cuDNN call into a caller's output, beta = 0, with pointers (a, b, out):
+    conv_backward_data's (dz, w, dx), conv_backward_filter's (x, dz, dw), and a transposed
+    convolution's through its G, where dz is G's output gradient itself (not windowed):
+    conv_transpose_backward_data's (dz, w, dx) is G's forward, _filter's (x, dz, dw) G's
+    filter gradient with the roles of x and dz swapped. True when it ran."""
 
     __slots__ = ()
 
@@ -157,21 +167,23 @@ class BoundBackward(_Bound):
         plan = self.current(ctx)
         if plan is None:
             return False
-        try:
-            ws = Workspace(self.ws, ctx)
-        except MemoryError:
+        got = self.ready(plan, ctx)
+        if got is None:
             return False
-        handle, cand = _bound_handle(ctx), self.algo
-        desc = plan.desc_for(cand)
+        ws, handle, desc = got
+        what, algo, lib = self.what, self.algo.algo, cudnn()
         try:
-            if self.what == "conv_backward_data":
-                cudnn().convolutionBackwardData(
-                    handle, 1.0, plan.w_desc, b, plan.y_desc, a, desc, cand.algo, ws.ptr,
-                    ws.size, 0.0, plan.x_desc, out)
-            else:
-                cudnn().convolutionBackwardFilter(
-                    handle, 1.0, plan.x_desc, a, plan.y_desc, b, desc, cand.algo, ws.ptr,
-                    ws.size, 0.0, plan.w_desc, out)
+            if what == "conv_backward_data":
+                lib.convolutionBackwardData(handle, 1.0, plan.w_desc, b, plan.y_desc, a, desc,
+                                            algo, ws.ptr, ws.size, 0.0, plan.x_desc, out)
+            elif what == "conv_transpose_backward_data":
+                lib.convolutionForward(handle, 1.0, plan.x_desc, a, plan.w_desc, b, desc, algo,
+                                       ws.ptr, ws.size, 0.0, plan.y_desc, out)
+            else:  # the filter gradient: G's x is the transposed convolution's dz
+                x, dz = (a, b) if what == "conv_backward_filter" else (b, a)
+                lib.convolutionBackwardFilter(handle, 1.0, plan.x_desc, x, plan.y_desc, dz,
+                                              desc, algo, ws.ptr, ws.size, 0.0, plan.w_desc,
+                                              out)
         except CudnnError:
             return False
         return True
@@ -222,15 +234,14 @@ class BoundTransposeForward(_Bound):
         if plan is None:
             return None
         y = ctx.empty(self.shape, self.dtype)
-        try:
-            ws = Workspace(self.ws, ctx)
-        except MemoryError:
+        got = self.ready(plan, ctx)
+        if got is None:
             return None
-        cand = self.algo
+        ws, handle, desc = got
         try:
             cudnn().convolutionBackwardData(
-                _bound_handle(ctx), 1.0, plan.w_desc, w, plan.y_desc, x, plan.desc_for(cand),
-                cand.algo, ws.ptr, ws.size, 0.0, plan.x_desc, y.ptr)
+                handle, 1.0, plan.w_desc, w, plan.y_desc, x, desc, self.algo.algo, ws.ptr,
+                ws.size, 0.0, plan.x_desc, y.ptr)
         except CudnnError:
             return None
         if b or residual or self.act != "identity":  # as conv_transpose_bias_act
@@ -240,37 +251,6 @@ class BoundTransposeForward(_Bound):
                 else None
             elementwise.bias_act_forward(y, bias, res, 1.0, self.act, epi)
         return y
-
-
-class BoundTransposeBackward(_Bound):
-    """conv_transpose_backward_data's (dz, w, dx: G's forward) or _filter's (x, dz, dw:
-    G's filter gradient with the roles of x and dz swapped) cuDNN call into a caller's
-    output, beta = 0: True when it ran. Only where dz is G's output gradient itself."""
-
-    __slots__ = ()
-
-    def __call__(self, ctx: ExecContext, a: int, b: int, out: int) -> bool:
-        plan = self.current(ctx)
-        if plan is None:
-            return False
-        try:
-            ws = Workspace(self.ws, ctx)
-        except MemoryError:
-            return False
-        handle, cand = _bound_handle(ctx), self.algo
-        desc = plan.desc_for(cand)
-        try:
-            if self.what == "conv_transpose_backward_data":
-                cudnn().convolutionForward(
-                    handle, 1.0, plan.x_desc, a, plan.w_desc, b, desc, cand.algo, ws.ptr,
-                    ws.size, 0.0, plan.y_desc, out)
-            else:
-                cudnn().convolutionBackwardFilter(
-                    handle, 1.0, plan.x_desc, b, plan.y_desc, a, desc, cand.algo, ws.ptr,
-                    ws.size, 0.0, plan.w_desc, out)
-        except CudnnError:
-            return False
-        return True
 
 
 #: A transposed op's bound class and the slot of its plan (G's) it runs.
@@ -296,7 +276,7 @@ def bind_transpose(eng: ModuleType, name: str, tgeom: Any, dtype: Any, ctx: Exec
         return None
     if name == "conv_transpose_bias_act":
         return BoundTransposeForward(eng, plan, chosen, ctx, dtype, tgeom, act)
-    return BoundTransposeBackward(eng, plan, chosen, ctx, name)
+    return BoundBackward(eng, plan, chosen, ctx, name)
 
 
 def bind(eng: ModuleType, name: str, geom: Any, dtype: Any, ctx: ExecContext,
