@@ -8,6 +8,7 @@ refusal, an error, no memory, another stream, a spy."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -16,7 +17,7 @@ cupy = pytest.importorskip("cupy")
 import convfuse.torch as cft  # noqa: E402
 from convfuse import config, ops  # noqa: E402
 from convfuse.errors import CudnnError  # noqa: E402
-from convfuse.ops import validated  # noqa: E402
+from convfuse.ops import elementwise, validated  # noqa: E402
 from convfuse.ops.cudnn import conv as cudnn_conv  # noqa: E402
 from convfuse.ops.cudnn import fused, handle  # noqa: E402
 from convfuse.plan import (  # noqa: E402
@@ -438,12 +439,8 @@ def test_a_cleared_plan_is_not_kept_alive_by_its_bound_calls(cuda, entries):
     assert entries["conv_bias_act"] == 2
 
 
-@pytest.mark.parametrize("kwargs, act", [({}, None), ({"bias": False}, None), ({}, "relu")],
-                         ids=["identity-bias", "identity", "relu-bias"])
-def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act):
-    """A ConvTranspose2d's forward (G's data gradient, then the engine's bias + activation
-    pass) and its data and filter gradients: the engine's calls, with the tensors' own
-    addresses, from the second step on without the engine."""
+def _transposed(monkeypatch, kwargs, act):
+    """A ConvTranspose2d, and how often the engine ran its three ops."""
     from convfuse.ops.cudnn import conv_transpose as cudnn_transpose
 
     counts = count_plan_lookups(monkeypatch, cudnn_transpose, "get_transpose_plan",
@@ -451,14 +448,51 @@ def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act):
     layer = cft.ConvTranspose2d(4, 6, 3, padding=1, **kwargs)
     if act is not None:
         layer.activation = act
+    return layer, counts
+
+
+@pytest.mark.parametrize("kwargs, act, residual", [
+    ({}, None, False), ({"bias": False}, None, False), ({}, "relu", False),
+    ({"bias": False}, "relu", False), ({}, None, True), ({"bias": False}, "relu", True)],
+    ids=["identity-bias", "identity", "relu-bias", "relu", "identity-bias-residual",
+         "relu-residual"])
+def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act, residual):
+    """A ConvTranspose2d's forward (G's data gradient, then the engine's bias + activation
+    pass, whose arrays' shapes and dtypes are recorded too) and its data and filter
+    gradients: the engine's calls, with the tensors' own addresses, from the second step on
+    without the engine."""
+    layer, counts = _transposed(monkeypatch, kwargs, act)
+    epilogues = []
+    recorded = elementwise.bias_act_forward  # the fake's recorder
+
+    def bias_act(y, bias, res, scale, activation, geom):
+        epilogues.append([None if a is None else (a.ptr, tuple(a.shape), a.dtype)
+                          for a in (y, bias, res)] + [scale, activation])
+        return recorded(y, bias, res, scale, activation, geom)
+
+    monkeypatch.setattr(elementwise, "bias_act_forward", bias_act)
     x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    r = torch.randn(2, 6, 5, 5) if residual else None
     stable = {x.data_ptr(): "x", layer.weight.data_ptr(): "w"}
     if layer.bias is not None:
         stable[layer.bias.data_ptr()] = "b"
-    _, first = _step(cuda, layer, x)
+    if r is not None:
+        stable[r.data_ptr()] = "r"
+
+    def step():
+        for t in (x, *layer.parameters()):
+            t.grad = None
+        cuda.gpu.calls.clear()
+        epilogues.clear()
+        y = layer(x) if r is None else layer(x, residual=r)
+        y.backward(torch.ones_like(y))
+        return y, list(cuda.gpu.calls)
+
+    _, first = step()
+    first_epilogues = list(epilogues)
     assert counts == {"forward": 1, "backward_data": 1, "backward_filter": 1}
     for _ in range(2):
-        y, later = _step(cuda, layer, x)
+        y, later = step()
         assert _shape(later, stable) == _shape(first, stable)
         [fwd] = [a for n, a in later if n == "convolutionBackwardData"]
         assert (fwd[3], fwd[5], fwd[12]) == (layer.weight.data_ptr(), x.data_ptr(),
@@ -467,9 +501,46 @@ def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act):
         assert (data[5], data[12]) == (layer.weight.data_ptr(), x.grad.data_ptr())
         [filt] = [a for n, a in later if n == "convolutionBackwardFilter"]
         assert (filt[5], filt[12]) == (x.data_ptr(), layer.weight.grad.data_ptr())
-        epilogue = [a for n, a in later if n == "bias_act_forward"]
-        assert len(epilogue) == (layer.bias is not None or act is not None)
-        if epilogue and layer.bias is not None:
-            assert epilogue[0][0] == Launched(y.data_ptr())
-            assert epilogue[0][1] == Launched(layer.bias.data_ptr())
+        # the epilogue: the engine's arrays (shape, dtype) on the tensors' own addresses
+        assert len(epilogues) == len(first_epilogues) == \
+            (layer.bias is not None or act is not None or r is not None)
+        for got, want in zip(epilogues, first_epilogues):
+            assert got[0][1:] == want[0][1:] and got[0][0] == y.data_ptr()
+            assert got[1:] == want[1:]
+            if layer.bias is not None:
+                assert got[1] == (layer.bias.data_ptr(), (6,), np.dtype(np.float32))
+            if r is not None:
+                assert got[2] == (r.data_ptr(), (2, 6, 5, 5), np.dtype(np.float32))
     assert counts == {"forward": 1, "backward_data": 1, "backward_filter": 1}
+
+
+@pytest.mark.parametrize("call", ["convolutionBackwardData", "convolutionForward",
+                                  "convolutionBackwardFilter"])
+def test_a_refused_transposed_algorithm_is_the_engines_to_handle(cuda, monkeypatch, call):
+    layer, counts = _transposed(monkeypatch, {}, None)
+    x = torch.randn(1, 4, 5, 5, requires_grad=True)
+    _step(cuda, layer, x)
+    cuda.gpu.fail[call] = [CudnnError(3000, call, "CUDNN_STATUS_NOT_SUPPORTED")] * 2
+    _, calls = _step(cuda, layer, x)  # bound: refused; the engine: refused, then algo 2
+    assert [a[7] for n, a in calls if n == call] == [6, 6, 2]
+    _, calls = _step(cuda, layer, x)
+    assert [a[7] for n, a in calls if n == call] == [2]
+    assert sum(counts.values()) == 4  # the first step's three, the refusal's one
+
+
+def test_a_spy_on_a_transposed_op_sees_every_call(cuda, monkeypatch):
+    from convfuse.ops.cudnn import conv_transpose as cudnn_transpose
+
+    layer = cft.ConvTranspose2d(4, 6, 3, padding=1)
+    x = torch.randn(1, 4, 5, 5, requires_grad=True)
+    _step(cuda, layer, x)
+    seen = []
+    names = ("conv_transpose_bias_act", "conv_transpose_backward_data",
+             "conv_transpose_backward_filter")
+    for name in names:
+        real = getattr(cudnn_transpose, name)
+        monkeypatch.setattr(cudnn_transpose, name, lambda *a, _r=real, _n=name, **k:
+                            seen.append(_n) or _r(*a, **k))
+    for _ in range(2):
+        _step(cuda, layer, x)
+    assert sorted(seen) == sorted(names * 2)

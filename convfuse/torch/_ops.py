@@ -117,7 +117,7 @@ def forward_parts(name: str, prep: Prepared, x: torch.Tensor, weight: torch.Tens
     with context(x):
         ctx = _bound.context(x) if name in _bound.BINDS and _bound.on_pointer_path(x) \
             else None
-        if ctx is not None:  # Note [bound calls]: relu and identity give no z
+        if ctx is not None:  # Note [bound calls]: nothing bound keeps a pre-activation z
             y = _bound.forward(prep, name, activation, ctx, xp, wp, bp, rp)
             if y is not None:
                 return logical(y, cl), None

@@ -126,10 +126,12 @@ def test_bound_calls_follow_the_stream_and_replay_under_a_cuda_graph(entries):
                                atol=2e-3)
 
 
-@pytest.mark.parametrize("bias, relu", [(True, False), (False, False), (True, True)],
-                         ids=["bias", "no-bias", "relu"])
+@pytest.mark.parametrize("bias, relu, residual", [
+    (True, False, False), (False, False, False), (True, True, False), (False, True, False),
+    (True, True, True)], ids=["bias", "no-bias", "relu", "relu-no-bias", "relu-residual"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, channels_last):
+def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, residual,
+                                               channels_last):
     """A ConvTranspose2d (stride 2, output_padding 1: not windowed) trained for four steps:
     torch.nn's float64 numbers at every step, and from step 2 on no call of the engine
     (its plan lookups are counted)."""
@@ -153,10 +155,16 @@ def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, channels
         x.requires_grad_()
         layer.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+        r_ref = torch.randn(4, 16, 18, 18, dtype=torch.float64) if residual else None
         poison(4 * 16 * 18 * 18 * 4 * 8)
-        y = layer(x)
+        if residual:
+            y = layer(x, residual=r_ref.to("cuda", torch.float32).contiguous(memory_format=fmt))
+            y_ref = ref(x_ref) + r_ref
+        else:
+            y = layer(x)
+            y_ref = ref(x_ref)
         y.square().sum().backward()
-        y_ref = torch.relu(ref(x_ref)) if relu else ref(x_ref)
+        y_ref = torch.relu(y_ref) if relu else y_ref
         y_ref.square().sum().backward()
         torch.cuda.synchronize()
         _close(y, y_ref, 2e-4)

@@ -192,7 +192,7 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
 
 
 def bind(name: str, geom: Any, dtype: Any, ctx: Any, act: str = "identity", bias: bool = False,
-         residual: bool = False) -> Any:  # pragma: gpu
+         residual: bool = False) -> Any:
     """A call of this module's <name> bound to one signature, for a caller that repeats it
     (Note [bound calls] in bound.py): None while the plan is still deciding, False for
     what is never bound."""

@@ -178,7 +178,7 @@ def conv_transpose_activation_backward_bias(
 
 
 def bind(name: str, tgeom: Any, dtype: Any, ctx: Any, act: str = "identity",
-         bias: bool = False, residual: bool = False) -> Any:  # pragma: gpu
+         bias: bool = False, residual: bool = False) -> Any:
     """A call of this module's <name> bound to one signature (Note [bound calls] in
     bound.py): None while the plan is still deciding, False for what is never bound."""
     from . import bound  # it checks this module's functions, so it imports this one
