@@ -41,6 +41,34 @@ def _close(got, want, tol):
                                rtol=tol, atol=tol)
 
 
+def _one_step(layer, ref, x_shape, fmt, relu, residual_shape=None):
+    """One training step of `layer` (on CUDA, float32) and of its float64 twin `ref` on
+    the CPU from the same random input (and residual), on NaN-poisoned memory: y and
+    every gradient compared."""
+    x_ref = torch.randn(*x_shape, dtype=torch.float64, requires_grad=True)
+    x = x_ref.detach().to("cuda", torch.float32).contiguous(memory_format=fmt)
+    x.requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    r_ref = None if residual_shape is None else torch.randn(*residual_shape,
+                                                             dtype=torch.float64)
+    poison(4 << 20)
+    if r_ref is None:
+        y, y_ref = layer(x), ref(x_ref)
+    else:
+        y = layer(x, residual=r_ref.to("cuda", torch.float32).contiguous(memory_format=fmt))
+        y_ref = ref(x_ref) + r_ref
+    y.square().sum().backward()
+    y_ref = torch.relu(y_ref) if relu else y_ref
+    y_ref.square().sum().backward()
+    torch.cuda.synchronize()
+    _close(y, y_ref, 2e-4)
+    _close(x.grad, x_ref.grad, 2e-3)
+    _close(layer.weight.grad, ref.weight.grad, 2e-3)
+    if layer.bias is not None:
+        _close(layer.bias.grad, ref.bias.grad, 2e-3)
+
+
 @pytest.mark.parametrize("kwargs", [{"activation": "relu"}, {}, {"bias": False},
                                     {"bias": False, "activation": "relu"}],
                          ids=["relu", "identity", "nothing-to-fuse", "relu-no-bias"])
@@ -56,23 +84,7 @@ def test_bound_steps_match_torch_nn(entries, kwargs, channels_last):
     layer = layer.to("cuda").to(memory_format=fmt)
     relu = kwargs.get("activation") == "relu"
     for step in range(4):
-        x_ref = torch.randn(4, 8, 12, 12, dtype=torch.float64, requires_grad=True)
-        x = x_ref.detach().to("cuda", torch.float32).contiguous(memory_format=fmt)
-        x.requires_grad_()
-        layer.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        poison(4 * 16 * 12 * 12 * 4 * 8)
-        y = layer(x)
-        y.square().sum().backward()
-        y_ref = ref(x_ref)
-        y_ref = torch.relu(y_ref) if relu else y_ref
-        y_ref.square().sum().backward()
-        torch.cuda.synchronize()
-        _close(y, y_ref, 2e-4)
-        _close(x.grad, x_ref.grad, 2e-3)
-        _close(layer.weight.grad, ref.weight.grad, 2e-3)
-        if layer.bias is not None:
-            _close(layer.bias.grad, ref.bias.grad, 2e-3)
+        _one_step(layer, ref, (4, 8, 12, 12), fmt, relu)
         if step == 1:
             ran = dict(entries)
     # steps 2 and 3 ran bound calls only: every one was bound after step 1 (the zero bias
@@ -150,28 +162,7 @@ def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, residual
         layer.activation = "relu"
     layer = layer.to("cuda").to(memory_format=fmt)
     for step in range(4):
-        x_ref = torch.randn(4, 8, 9, 9, dtype=torch.float64, requires_grad=True)
-        x = x_ref.detach().to("cuda", torch.float32).contiguous(memory_format=fmt)
-        x.requires_grad_()
-        layer.zero_grad(set_to_none=True)
-        ref.zero_grad(set_to_none=True)
-        r_ref = torch.randn(4, 16, 18, 18, dtype=torch.float64) if residual else None
-        poison(4 * 16 * 18 * 18 * 4 * 8)
-        if residual:
-            y = layer(x, residual=r_ref.to("cuda", torch.float32).contiguous(memory_format=fmt))
-            y_ref = ref(x_ref) + r_ref
-        else:
-            y = layer(x)
-            y_ref = ref(x_ref)
-        y.square().sum().backward()
-        y_ref = torch.relu(y_ref) if relu else y_ref
-        y_ref.square().sum().backward()
-        torch.cuda.synchronize()
-        _close(y, y_ref, 2e-4)
-        _close(x.grad, x_ref.grad, 2e-3)
-        _close(layer.weight.grad, ref.weight.grad, 2e-3)
-        if bias:
-            _close(layer.bias.grad, ref.bias.grad, 2e-3)
+        _one_step(layer, ref, (4, 8, 9, 9), fmt, relu, (4, 16, 18, 18) if residual else None)
         if step == 1:
             ran = dict(counts)
     assert counts == ran == {"forward": 1, "backward_data": 1, "backward_filter": 1}

@@ -99,18 +99,26 @@ class _Bound:
         if (plan is not None and ctx is self.ctx and self.chosen.holds(self.algo)
                 and config.get() is self.flags
                 and getattr(self.eng, self.what) is self.stands_for
-                and touch_conv_plan(plan)):
+                and self.still(plan) and touch_conv_plan(plan)):
             return plan
         return None
 
-    def ready(self, plan: ConvPlan, ctx: ExecContext) -> tuple[Workspace, Any, Any] | None:
-        """(workspace, handle, convolution descriptor) for this call, or None where the
-        workspace cannot be allocated now (the engine's walk down the ranking decides)."""
+    def still(self, plan: ConvPlan) -> bool:
+        """What else the engine decides per plan for this call (nothing, here)."""
+        return True
+
+    def ready(self, ctx: ExecContext) -> tuple[ConvPlan, Workspace, Any, Any] | None:
+        """(plan, workspace, handle, convolution descriptor) for this call, or None where
+        the engine would decide otherwise (`current`) or the workspace cannot be allocated
+        now (the engine's walk down the ranking decides)."""
+        plan = self.current(ctx)
+        if plan is None:
+            return None
         try:
             ws = Workspace(self.ws, ctx)
         except MemoryError:
             return None
-        return ws, _bound_handle(ctx), plan.desc_for(self.algo)
+        return plan, ws, _bound_handle(ctx), plan.desc_for(self.algo)
 
 
 class BoundForward(_Bound):
@@ -126,16 +134,16 @@ class BoundForward(_Bound):
         self.fused, self.path, self.zero = fused_call, plan.forward_path, zero
         self.shape, self.dtype = plan.key.geometry.output_shape, dtype
 
+    def still(self, plan: ConvPlan) -> bool:
+        """The fused call: still the path, with no fallback state."""
+        return not self.fused or (plan.forward_path is self.path and plan.fused_settled())
+
     def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
-        plan = self.current(ctx)
-        if plan is None or (self.fused and not (
-                plan.forward_path is self.path and plan.fused_settled())):
-            return None
-        y = ctx.empty(self.shape, self.dtype)
-        got = self.ready(plan, ctx)
+        got = self.ready(ctx)
         if got is None:
             return None
-        ws, handle, desc = got
+        plan, ws, handle, desc = got
+        y = ctx.empty(self.shape, self.dtype)
         cand = self.algo
         try:
             if self.fused:
@@ -164,13 +172,10 @@ class BoundBackward(_Bound):
     __slots__ = ()
 
     def __call__(self, ctx: ExecContext, a: int, b: int, out: int) -> bool:
-        plan = self.current(ctx)
-        if plan is None:
-            return False
-        got = self.ready(plan, ctx)
+        got = self.ready(ctx)
         if got is None:
             return False
-        ws, handle, desc = got
+        plan, ws, handle, desc = got
         what, algo, lib = self.what, self.algo.algo, cudnn()
         try:
             if what == "conv_backward_data":
@@ -230,14 +235,11 @@ class BoundTransposeForward(_Bound):
         self.shape = tgeom.conv.input_shape
 
     def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
-        plan = self.current(ctx)
-        if plan is None:
-            return None
-        y = ctx.empty(self.shape, self.dtype)
-        got = self.ready(plan, ctx)
+        got = self.ready(ctx)
         if got is None:
             return None
-        ws, handle, desc = got
+        plan, ws, handle, desc = got
+        y = ctx.empty(self.shape, self.dtype)
         try:
             cudnn().convolutionBackwardData(
                 handle, 1.0, plan.w_desc, w, plan.y_desc, x, desc, self.algo.algo, ws.ptr,
