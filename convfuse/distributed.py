@@ -27,7 +27,7 @@ On CuPy buffers the collective is issued with PyTorch's current stream set to Cu
 stream, so it is ordered after the backward that wrote the gradients and before the step
 that reads them, with no host synchronisation (NCCL averages natively, ReduceOp.AVG, so no
 extra kernel either; also under a backend per device type such as "cpu:gloo,cuda:nccl",
-where the CUDA buffers are NCCL's: `averages_natively`). Inside `convfuse.graph.capture`,
+where the CUDA buffers are NCCL's: `_averages_natively`). Inside `convfuse.graph.capture`,
 CuPy's current stream is the capturing stream, so the all-reduce is recorded into the graph
 where the backend allows it: PyTorch's NCCL process group supports CUDA-graph capture of
 collectives; gloo runs on the host and cannot be captured (nor does the CPU path have
@@ -133,7 +133,7 @@ def flat_gradients(optimizer: Any) -> list[Any]:
     return [g.grad for g in groups]
 
 
-def averages_natively(backend_name: str, on_gpu: bool) -> bool:
+def _averages_natively(backend_name: str, on_gpu: bool) -> bool:
     """Whether the backend that reduces a buffer on the GPU (`on_gpu`) or the CPU is NCCL,
     which averages natively: `backend_name` is torch.distributed.get_backend's answer,
     one backend ("nccl") or one per device type ("cpu:gloo,cuda:nccl")."""
@@ -157,7 +157,7 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
     world = dist.get_world_size(group)
     backend_name = str(dist.get_backend(group))
     for buf in buffers:
-        native_avg = average and averages_natively(backend_name, is_cupy(buf))
+        native_avg = average and _averages_natively(backend_name, is_cupy(buf))
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         with _on_cupy_stream(torch, buf):
             t = _as_tensor(buf)

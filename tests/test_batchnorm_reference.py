@@ -142,6 +142,31 @@ def test_forward_and_backward_match_torch_float64(rng, training, act, has_res, a
             np.testing.assert_array_equal(a, c)
 
 
+@pytest.mark.parametrize(("act", "has_res", "affine"), [
+    ("identity", False, True), ("relu", True, True), ("silu", False, False),
+    ("tanh", True, False)])
+@pytest.mark.parametrize("shape", ["N,C", "N,C,H,W", "N,C,D,H,W"])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_inference_without_statistics_matches_torch_float64(rng, act, has_res, affine, shape,
+                                                             layout):
+    """stats=False (Note [inference without statistics]): torch.nn.functional's
+    evaluation-mode batch norm in float64, inputs untouched, no statistics kept."""
+    x, w, b, rm, rv = make(rng, SHAPES[shape], affine, True)
+    res = rng.standard_normal(x.shape) if has_res else None
+    yt, *_ = _torch_case(x, w, b, rm, rv, False, 0.1, 1e-5, act, res)
+    L = lambda a: to_layout(a, layout) if a is not None else None  # noqa: E731
+    inputs = [L(x), w, b, rm, rv, L(res)]
+    copies = [a.copy() if a is not None else None for a in inputs]
+    y, saved = ops.batchnorm_forward_inference(L(x), w, b, rm, rv, layout, 1e-5, act, L(res),
+                                               stats=False)
+    np.testing.assert_allclose(from_layout(y, layout), yt.detach().numpy(), rtol=1e-10,
+                               atol=1e-12)
+    assert saved.mean is None and saved.invstd is None and not saved.training
+    for a, c in zip(inputs, copies, strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(a, c)
+
+
 @pytest.mark.parametrize("momentum", [0.1, 0.5, None])
 def test_running_statistics_follow_torch_over_steps(rng, momentum):
     bn = torch.nn.BatchNorm2d(3, momentum=momentum, dtype=torch.float64)

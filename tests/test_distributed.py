@@ -214,9 +214,9 @@ def test_helpers_refuse_without_a_process_group_or_a_convfuse_optimizer():
 def test_only_nccl_averages_natively(backend_name, on_gpu, native):
     """ReduceOp.AVG where NCCL reduces the buffer's device, also under a backend per device
     type; elsewhere a sum and one division."""
-    from convfuse.distributed import averages_natively
+    from convfuse.distributed import _averages_natively
 
-    assert averages_natively(backend_name, on_gpu) is native
+    assert _averages_natively(backend_name, on_gpu) is native
 
 def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
     """Under "cpu:gloo,cuda:nccl" a NumPy gradient buffer is reduced by gloo: SUM, then
