@@ -105,6 +105,36 @@ def install(monkeypatch: Any, record: bool = True) -> Cuda:
     return Cuda(gpu, made)
 
 
+def named_calls(calls: list, stable: dict[int, str]) -> list:
+    """Recorded calls with `stable`'s addresses named and every other one (fresh outputs,
+    workspace, dz; the allocator may reuse any of them) shown as "fresh": what a bound
+    call's step must share with the engine's (tests/test_torch_bound_*.py)."""
+    out = []
+    for name, args in calls:
+        shown = []
+        for a in args:
+            ptr = a.ptr if isinstance(a, Launched) else a
+            if type(ptr) is int and ptr > 1 << 20:  # an address, not an algo, mode or size
+                shown.append(stable.get(ptr, "fresh"))
+            else:
+                shown.append(a)
+        out.append((name, tuple(shown)))
+    return out
+
+
+def train_step(cuda: Cuda, layer: Any, x: torch.Tensor,
+               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+    """One forward + backward of `layer` with the gradients set to None first (so each one
+    is the very tensor cuDNN wrote); (y, the step's recorded calls)."""
+    for t in (x, residual, *layer.parameters()):
+        if t is not None:
+            t.grad = None
+    cuda.gpu.calls.clear()
+    y = layer(x) if residual is None else layer(x, residual)
+    y.backward(torch.ones_like(y))
+    return y, list(cuda.gpu.calls)
+
+
 def _nothing(*args: Any) -> None:
     return None
 

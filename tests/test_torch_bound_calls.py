@@ -30,7 +30,7 @@ from convfuse.plan import (  # noqa: E402
 from convfuse.plan.batchnorm import clear_batchnorm_plan_cache  # noqa: E402
 from convfuse.torch import _arrays  # noqa: E402
 from tests._engine_calls import count_plan_lookups  # noqa: E402
-from tests._fake_cuda import WS, Launched, forget_signatures, install  # noqa: E402
+from tests._fake_cuda import WS, forget_signatures, install, named_calls, train_step  # noqa: E402
 
 FUSED = "convolutionBiasActivationForward"
 ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_backward_data")
@@ -50,34 +50,6 @@ def entries(monkeypatch):
     return count_plan_lookups(monkeypatch, cudnn_conv, "get_plan", ENTRIES)
 
 
-def _shape(calls, stable):
-    """The calls with `stable`'s addresses named and every other one (fresh outputs,
-    workspace, dz; the allocator may reuse any of them) shown as "fresh"."""
-    out = []
-    for name, args in calls:
-        shown = []
-        for a in args:
-            ptr = a.ptr if isinstance(a, Launched) else a
-            if type(ptr) is int and ptr > 1 << 20:  # an address, not an algo or a size
-                shown.append(stable.get(ptr, "fresh"))
-            else:
-                shown.append(a)
-        out.append((name, tuple(shown)))
-    return out
-
-
-def _step(cuda, conv, x, residual=None):
-    """One forward + backward with the gradients set to None first (so each one is the
-    very tensor cuDNN wrote); (y, the step's binding calls)."""
-    for t in (x, residual, *conv.parameters()):
-        if t is not None:
-            t.grad = None
-    cuda.gpu.calls.clear()
-    y = conv(x) if residual is None else conv(x, residual)
-    y.backward(torch.ones_like(y))
-    return y, list(cuda.gpu.calls)
-
-
 @pytest.mark.parametrize("kwargs, bound_entries", [
     ({"activation": "relu"}, ("conv_bias_act", "conv_backward_filter", "conv_backward_data")),
     ({}, ENTRIES),
@@ -90,11 +62,11 @@ def test_later_calls_make_the_engines_cudnn_calls_without_the_engine(cuda, entri
     stable = {x.data_ptr(): "x", conv.weight.data_ptr(): "w"}
     if conv.bias is not None:
         stable[conv.bias.data_ptr()] = "b"
-    _, first = _step(cuda, conv, x)
+    _, first = train_step(cuda, conv, x)
     ran_first = dict(entries)
     for _ in range(2):
-        y, later = _step(cuda, conv, x)
-        assert _shape(later, stable) == _shape(first, stable)
+        y, later = train_step(cuda, conv, x)
+        assert named_calls(later, stable) == named_calls(first, stable)
         for name, args in later:  # the tensors' own addresses, fresh outputs included
             if name == FUSED:
                 assert (args[3], args[5], args[17]) == (x.data_ptr(), conv.weight.data_ptr(),
@@ -291,13 +263,13 @@ def test_a_fused_call_turned_off_by_another_signature_is_seen(cuda, entries):
 def test_a_refused_backward_algorithm_is_the_engines_to_handle(cuda, entries):
     conv = cft.Conv2d(2, 2, 3, padding=1)
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
-    _step(cuda, conv, x)
+    train_step(cuda, conv, x)
     bwd = "convolutionBackwardFilter"
     cuda.gpu.fail[bwd] = [CudnnError(3000, bwd, "CUDNN_STATUS_NOT_SUPPORTED")] * 2
-    _, calls = _step(cuda, conv, x)  # bound: refused; the engine: refused, then algo 2
+    _, calls = train_step(cuda, conv, x)  # bound: refused; the engine: refused, then algo 2
     assert [a[7] for n, a in calls if n == bwd] == [6, 6, 2]
     assert calls[-2][1][12] == conv.weight.grad.data_ptr()  # the engine's wrote the grad
-    _, calls = _step(cuda, conv, x)
+    _, calls = train_step(cuda, conv, x)
     assert [a[7] for n, a in calls if n == bwd] == [2]
     assert entries["conv_backward_filter"] == 2 and entries["conv_backward_data"] == 1
 
@@ -312,7 +284,7 @@ def test_spies_installed_before_the_first_call_see_every_call(cuda, monkeypatch)
     conv = cft.Conv2d(2, 2, 3, padding=1)
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
     for _ in range(3):
-        _step(cuda, conv, x)
+        train_step(cuda, conv, x)
     assert sorted(seen) == sorted(["conv_bias_act", "conv_backward_filter",
                                    "conv_backward_data"] * 3)
 
@@ -347,28 +319,28 @@ def test_a_workspace_back_off_runs_the_engine_until_its_retry(cuda, entries, mon
 def test_the_bias_gradient_follows_config_and_refusals(cuda, entries):
     conv = cft.Conv2d(2, 2, 3, padding=1)
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
-    _step(cuda, conv, x)
-    _step(cuda, conv, x)
+    train_step(cuda, conv, x)
+    train_step(cuda, conv, x)
     assert entries["conv_backward_bias"] == 1
     with config.flags(bias_grad="fused"):
         for step in range(2):  # the engine's kernel (it asks no plan), at every step
             hits = plan_cache_info().hits
-            _, calls = _step(cuda, conv, x)
+            _, calls = train_step(cuda, conv, x)
             names = [n for n, _ in calls]
             assert "activation_backward_bias" in names
             assert "convolutionBackwardBias" not in names
             if step:  # bound: forward, filter, data; the Declined's check counts no hit
                 assert plan_cache_info().hits - hits == 3
-    _step(cuda, conv, x)
-    _, calls = _step(cuda, conv, x)
+    train_step(cuda, conv, x)
+    _, calls = train_step(cuda, conv, x)
     assert "convolutionBackwardBias" in [n for n, _ in calls]
     assert entries["conv_backward_bias"] == 2  # back to cuDNN: bound again after one
     bias = "convolutionBackwardBias"
     cuda.gpu.fail[bias] = [CudnnError(3000, bias, "CUDNN_STATUS_NOT_SUPPORTED")] * 2
     with pytest.warns(BiasGradFallbackWarning):
-        _step(cuda, conv, x)
+        train_step(cuda, conv, x)
     for _ in range(2):
-        _, calls = _step(cuda, conv, x)
+        _, calls = train_step(cuda, conv, x)
         assert bias not in [n for n, _ in calls]  # the plan's refusal holds: the kernel
     assert entries["conv_backward_bias"] == 5  # the refusal's step and each after it
 
@@ -393,14 +365,14 @@ def test_each_stream_keeps_its_own_bound_calls(cuda, entries, monkeypatch):
 def test_spies_installed_after_binding_see_every_call(cuda, monkeypatch):
     conv = cft.Conv2d(2, 2, 3, padding=1)
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
-    _step(cuda, conv, x)
+    train_step(cuda, conv, x)
     seen = []
     for name in ("conv_bias_act", "conv_backward_bias", "conv_backward_filter"):
         real = getattr(cudnn_conv, name)
         monkeypatch.setattr(cudnn_conv, name, lambda *a, _r=real, _n=name, **k:
                             seen.append(_n) or _r(*a, **k))
     for _ in range(2):
-        _step(cuda, conv, x)
+        train_step(cuda, conv, x)
     assert sorted(seen) == sorted(["conv_bias_act", "conv_backward_bias",
                                    "conv_backward_filter"] * 2)
 
@@ -409,12 +381,12 @@ def test_a_bias_gradient_refused_for_another_signature_is_seen(cuda, entries):
     conv = cft.Conv2d(2, 2, 3, padding=1)
     x = torch.randn(1, 2, 4, 4, requires_grad=True)
     strided = torch.randn(1, 2, 4, 8)[..., ::2].requires_grad_()
-    _step(cuda, conv, x)
+    train_step(cuda, conv, x)
     bias = "convolutionBackwardBias"
     cuda.gpu.fail[bias] = [CudnnError(3000, bias, "CUDNN_STATUS_NOT_SUPPORTED")]
     with pytest.warns(BiasGradFallbackWarning):
-        _step(cuda, conv, strided)  # the engine, refused: the plan's kernel from now on
-    _, calls = _step(cuda, conv, x)  # x's bound bias call declines
+        train_step(cuda, conv, strided)  # the engine, refused: the plan's kernel from now on
+    _, calls = train_step(cuda, conv, x)  # x's bound bias call declines
     assert bias not in [n for n, _ in calls]
     assert "activation_backward_bias" in [n for n, _ in calls]
 
@@ -493,7 +465,7 @@ def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act, residual
     assert counts == {"forward": 1, "backward_data": 1, "backward_filter": 1}
     for _ in range(2):
         y, later = step()
-        assert _shape(later, stable) == _shape(first, stable)
+        assert named_calls(later, stable) == named_calls(first, stable)
         [fwd] = [a for n, a in later if n == "convolutionBackwardData"]
         assert (fwd[3], fwd[5], fwd[12]) == (layer.weight.data_ptr(), x.data_ptr(),
                                             y.data_ptr())
@@ -519,11 +491,11 @@ def test_transposed_calls_are_bound_too(cuda, monkeypatch, kwargs, act, residual
 def test_a_refused_transposed_algorithm_is_the_engines_to_handle(cuda, monkeypatch, call):
     layer, counts = _transposed(monkeypatch, {}, None)
     x = torch.randn(1, 4, 5, 5, requires_grad=True)
-    _step(cuda, layer, x)
+    train_step(cuda, layer, x)
     cuda.gpu.fail[call] = [CudnnError(3000, call, "CUDNN_STATUS_NOT_SUPPORTED")] * 2
-    _, calls = _step(cuda, layer, x)  # bound: refused; the engine: refused, then algo 2
+    _, calls = train_step(cuda, layer, x)  # bound: refused; the engine: refused, then algo 2
     assert [a[7] for n, a in calls if n == call] == [6, 6, 2]
-    _, calls = _step(cuda, layer, x)
+    _, calls = train_step(cuda, layer, x)
     assert [a[7] for n, a in calls if n == call] == [2]
     assert sum(counts.values()) == 4  # the first step's three, the refusal's one
 
@@ -533,7 +505,7 @@ def test_a_spy_on_a_transposed_op_sees_every_call(cuda, monkeypatch):
 
     layer = cft.ConvTranspose2d(4, 6, 3, padding=1)
     x = torch.randn(1, 4, 5, 5, requires_grad=True)
-    _step(cuda, layer, x)
+    train_step(cuda, layer, x)
     seen = []
     names = ("conv_transpose_bias_act", "conv_transpose_backward_data",
              "conv_transpose_backward_filter")
@@ -542,5 +514,5 @@ def test_a_spy_on_a_transposed_op_sees_every_call(cuda, monkeypatch):
         monkeypatch.setattr(cudnn_transpose, name, lambda *a, _r=real, _n=name, **k:
                             seen.append(_n) or _r(*a, **k))
     for _ in range(2):
-        _step(cuda, layer, x)
+        train_step(cuda, layer, x)
     assert sorted(seen) == sorted(names * 2)

@@ -239,6 +239,12 @@ def get_batchnorm_plan(geom: BatchNormGeometry, dtype: Any, activation: str | No
                        _batchnorm_key)
 
 
+def touch_batchnorm_plan(plan: BatchNormPlan) -> bool:
+    """Whether `plan` is still the cached plan of its key (get_batchnorm_plan would still
+    return it), refreshed as a hit when it is (a bound call's check)."""
+    return _plans.touch(plan.key, plan)
+
+
 def _batchnorm_key(_flags: Any, geom: BatchNormGeometry, dtype: Any, activation: str | None,
                    residual: bool, device: int) -> BatchNormPlanKey:
     return BatchNormPlanKey.create(geom, dtype, activation, residual, device)
@@ -255,5 +261,6 @@ def clear_batchnorm_plan_cache() -> None:
 __all__ = [
     "BatchNormGeometry", "BatchNormPlan", "BatchNormPlanKey", "BatchNormSizes",
     "FusedFallbackWarning", "batchnorm_plan_cache_info", "clear_batchnorm_plan_cache",
-    "fused_documented", "fused_ops_name", "get_batchnorm_plan", "training_mode_name",
+    "fused_documented", "fused_ops_name", "get_batchnorm_plan", "touch_batchnorm_plan",
+    "training_mode_name",
 ]

@@ -74,13 +74,18 @@ def _usable(t: torch.Tensor, cd: torch.dtype) -> bool:
         not t.is_cuda or t.data_ptr() % ALIGNMENT == 0)
 
 
+def _channel(t: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
+    """A (C,) tensor as convfuse takes it: itself when usable as is, else a copy of C
+    values in the compute dtype."""
+    if t is None or _usable(t, cd):  # its address is all convfuse reads of it
+        return t
+    return t.detach().to(cd, copy=True).contiguous()
+
+
 def _per_channel(t: torch.Tensor | None, cd: torch.dtype) -> Any:
-    """A (C,) tensor as a convfuse array in the compute dtype (a view when usable as is,
-    else a copy of C values)."""
-    if t is None:
-        return None
-    t = t.detach()
-    return to_array(t if _usable(t, cd) else t.to(cd, copy=True).contiguous())
+    """`_channel(t, cd)` as a convfuse array."""
+    c = _channel(t, cd)
+    return None if c is None else to_array(c.detach())
 
 
 def _layout(cl: bool) -> str:

@@ -44,7 +44,10 @@ backward's x, weight, bias and saved output come out of ctx.saved_tensors, whose
 checks then passed, so those arrays still hold what the tensors hold. The engine returns
 dweight and dbias itself, where on CUDA they are written into tensors allocated first
 (cuDNN accumulates into given outputs), and CUDA keeps _bn_ops' conversions, bound to the
-stream current at each call.
+stream current at each call; on CUDA's pointer path a training forward, its backward and
+an evaluation forward without statistics hand the engine's bound call addresses instead
+from the signature's second call (`_on_pointers`, `_backward_on_pointers`: Note [bound
+batch-norm calls] in convfuse/ops/cudnn/bound_batchnorm.py).
 `apply` is the autograd Function's C apply: outside functorch transforms, which the eager
 path excludes, Function.apply's Python wrapper only unwraps dead functorch wrappers, which
 the eager path does not take either (_eager.takes_eager_path).
@@ -61,14 +64,15 @@ from ..geometry import from_channels_first
 from ..ops import validated
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
-from . import _double, _eager
+from . import _bound, _double, _eager
 from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
-from ._bn_ops import _apart, _bump, _layout, _per_channel, _usable
+from ._bn_ops import _apart, _bump, _channel, _layout, _per_channel, _usable
 from ._host_arrays import HostArrays
 from ._ops import aligned, context, device_type
 from ._signature import Prepared, op, validated_engine
 
 _TRAINING, _BACKWARD = "batchnorm_forward_training", "batchnorm_backward"
+_INFERENCE = "batchnorm_forward_inference"
 
 #: What a forward keeps for its backward: mean and invstd (the engine's arrays), and on
 #: the CPU the arrays of x (or None), weight, bias and the saved tensor it handed over.
@@ -160,6 +164,12 @@ class BatchNormCall:
             v = _statistic(running_var, cd, cumulative)
             written = [s for s, t in ((m, running_mean), (v, running_var))
                        if s is not None and s is t]
+        if not host and (training or not keep) and _bound.on_pointer_path(x):
+            with context(x):  # Note [bound batch-norm calls]
+                y, saved = self._on_pointers(_bound.context(x), x.dtype, xp, rp, weight, bias,
+                                             m, v, running_mean, running_var, written)
+                out = self._result(y, saved, x, xp, None, None, None)
+            return self._written_back(out, running_mean, running_var, m, v, nbt)
         dev = "cpu" if host else device_type(x)
         with context(x):
             if host:  # Note [the host path]
@@ -198,17 +208,62 @@ class BatchNormCall:
                 y, saved = op(prep, dev, _TRAINING, xa, wa, ba, ma, va, self.layout, self.eps,
                               self.factor, self.act, ra, aligned=False)
             out = self._result(y, saved, x, xp, xa, wa, ba)
+        return self._written_back(out, running_mean, running_var, m, v, nbt)
+
+    def _written_back(self, out: Any, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, m: torch.Tensor | None,
+                      v: torch.Tensor | None, nbt: Any) -> Any:
+        """`out`, once the batch's statistics `m`, `v` the op wrote are in the running
+        ones: blended (the cumulative average) or copied back, unless written in place."""
         if self.stats_as_is:
             return out
-        if cumulative:
+        if self.cumulative:
+            cd = self.cd
             f = 1.0 / nbt.clamp(min=1).to(cd)
             for target, batch in ((running_mean, m), (running_var, v)):
+                assert target is not None and batch is not None  # part of `cumulative`
                 target.copy_(target.to(cd) * (1 - f) + batch * f)
         else:
             for target, s in ((running_mean, m), (running_var, v)):
                 if target is not None and s is not None and s is not target:
                     target.copy_(s)
         return out
+
+    def _on_pointers(self, ctx: Any, dtype: torch.dtype, xp: torch.Tensor,
+                     rp: torch.Tensor | None, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, m: torch.Tensor | None, v: torch.Tensor | None,
+                     running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                     written: list[torch.Tensor]) -> tuple[Any, Any]:
+        """(y, saved) of a training forward, or of an evaluation one without statistics,
+        on CUDA's pointer path: the signature's bound call (Note [bound batch-norm calls]
+        in convfuse/ops/cudnn/bound_batchnorm.py) from its second call, else `op` (then
+        bound for the next call). `m`, `v` are the statistics the training op writes."""
+        cd, prep, act, eps = self.cd, self.prep, self.act, self.eps
+        wt, bt = _channel(weight, cd), _channel(bias, cd)
+        residual = rp is not None
+        if self.training:
+            name, stats = _TRAINING, (m, v)
+            apart = not written or _apart(written, (xp, rp, weight, bias))
+            last: tuple[Any, ...] = (eps, self.factor)
+        else:
+            name, apart = _INFERENCE, True
+            stats = (_channel(running_mean, cd), _channel(running_var, cd))
+            last = (eps,)
+        if apart:
+            got = _bound.call(prep, (name, act, residual, ctx), ctx, xp.data_ptr(), _ptr(wt),
+                              _ptr(bt), _ptr(stats[0]), _ptr(stats[1]), _ptr(rp), *last)
+            if got is not None:
+                return got
+        arrays = [None if t is None else to_array(t) for t in (xp, wt, bt, *stats, rp)]
+        if self.training:
+            y, saved = op(prep, "cuda", name, *arrays[:5], self.layout, eps, self.factor, act,
+                          arrays[5], aligned=apart)
+        else:
+            y, saved = op(prep, "cuda", name, *arrays[:5], self.layout, eps, act, arrays[5],
+                          False)
+        if apart:
+            _bound.arm(prep, name, act, ctx, dtype, weight is not None, residual)
+        return y, saved
 
     def _stats_apart(self, running_mean: torch.Tensor, running_var: torch.Tensor,
                      *inputs: torch.Tensor | None) -> bool:
@@ -289,21 +344,58 @@ class BatchNormCall:
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
             db_t = torch.empty(weight.shape, dtype=cd, device=x.device)
         with context(x):
-            dya = to_array(dyp)
-            state = ops.BatchNormSaved(
-                mean, invstd, None if saved is None else to_array(physical(saved, cl)),
-                self.training)
-            dx, _, _, dres = op(
-                prep, device_type(x), "batchnorm_backward", dya,
-                to_array(physical(x, cl)), _per_channel(weight, cd), _per_channel(bias, cd),
-                state, self.layout, self.eps, self.act, need_dres, need_dx,
-                None if dw_t is None else to_array(dw_t),
-                None if db_t is None else to_array(db_t), 0.0,
-                aligned=_aligned_stats((mean, invstd)))
+            if self.training and _bound.on_pointer_path(x):
+                dx, dres = self._backward_on_pointers(_bound.context(x), dyp, x, weight, bias,
+                                                      saved, mean, invstd, dw_t, db_t,
+                                                      need_dres)
+                dx = dx if need_dx else None
+            else:
+                state = ops.BatchNormSaved(
+                    mean, invstd, None if saved is None else to_array(physical(saved, cl)),
+                    self.training)
+                dx, _, _, dres = op(
+                    prep, device_type(x), _BACKWARD, to_array(dyp),
+                    to_array(physical(x, cl)), _per_channel(weight, cd),
+                    _per_channel(bias, cd), state, self.layout, self.eps, self.act,
+                    need_dres, need_dx, None if dw_t is None else to_array(dw_t),
+                    None if db_t is None else to_array(db_t), 0.0,
+                    aligned=_aligned_stats((mean, invstd)))
             return (logical(to_tensor(dx), cl) if dx is not None else None,
                     None if dw_t is None or weight is None else dw_t.to(weight.dtype),
                     None if db_t is None or weight is None else db_t.to(weight.dtype),
                     logical(to_tensor(dres), cl) if dres is not None else None)
+
+    def _backward_on_pointers(self, ctx: Any, dyp: torch.Tensor, x: torch.Tensor,
+                              weight: torch.Tensor | None, bias: torch.Tensor | None,
+                              saved: torch.Tensor | None, mean: Any, invstd: Any,
+                              dw_t: torch.Tensor | None, db_t: torch.Tensor | None,
+                              need_dres: bool) -> tuple[Any, Any]:
+        """(dx, dres) of a training-mode backward on CUDA's pointer path, dweight and dbias
+        written into dw_t and db_t: the bound call (Note [bound batch-norm calls]) from the
+        signature's second backward, else `op` (then bound for the next one). dx is
+        computed whether asked or not, as cuDNN computes it."""
+        cd, cl, prep, act = self.cd, self.cl, self.prep, self.act
+        xp = physical(x, cl)
+        sp = None if saved is None else physical(saved, cl)
+        wt, bt = _channel(weight, cd), _channel(bias, cd)
+        got = _bound.call(prep, (_BACKWARD, act, need_dres, ctx), ctx, dyp.data_ptr(),
+                          xp.data_ptr(), _ptr(wt), _ptr(bt), _ptr(sp), mean, invstd,
+                          _ptr(dw_t), _ptr(db_t), self.eps)
+        if got is not None:
+            return got
+        state = ops.BatchNormSaved(mean, invstd, None if sp is None else to_array(sp), True)
+        dx, _, _, dres = op(
+            prep, "cuda", _BACKWARD, to_array(dyp), to_array(xp),
+            None if wt is None else to_array(wt), None if bt is None else to_array(bt), state,
+            self.layout, self.eps, act, need_dres, True,
+            None if dw_t is None else to_array(dw_t), None if db_t is None else to_array(db_t),
+            0.0, aligned=_aligned_stats((mean, invstd)))
+        _bound.arm(prep, _BACKWARD, act, ctx, x.dtype, weight is not None, need_dres)
+        return dx, dres
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _statistic(s: torch.Tensor | None, cd: torch.dtype, cumulative: bool) -> Any:

@@ -166,3 +166,69 @@ def test_bound_transposed_steps_match_torch_nn(monkeypatch, bias, relu, residual
         if step == 1:
             ran = dict(counts)
     assert counts == ran == {"forward": 1, "backward_data": 1, "backward_filter": 1}
+
+
+@pytest.mark.parametrize("relu, residual", [(False, False), (True, False), (True, True)],
+                         ids=["identity", "relu", "relu-residual"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_bound_batchnorm_steps_match_torch_nn(monkeypatch, relu, residual, channels_last):
+    """A BatchNorm2d trained for four steps (Note [bound batch-norm calls]): torch.nn's
+    float64 numbers at every step and in the running statistics after them, and from step
+    2 on no call of the engine's entries (their plan lookups are counted)."""
+    import convfuse.ops.cudnn.batchnorm as cudnn_batchnorm
+    import convfuse.torch as ct
+
+    counts = count_plan_lookups(monkeypatch, cudnn_batchnorm, "get_batchnorm_plan",
+                                ("batchnorm_forward_training", "training_backward"))
+    torch.manual_seed(6)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    ref = torch.nn.BatchNorm2d(16).double()
+    layer = ct.BatchNorm2d(16, activation="relu" if relu else None)
+    layer.load_state_dict(ref.state_dict())
+    layer = layer.to("cuda")
+    for step in range(4):
+        _one_step(layer, ref, (4, 16, 9, 9), fmt, relu, (4, 16, 9, 9) if residual else None)
+        if step == 1:
+            ran = dict(counts)
+    assert counts == ran == {"batchnorm_forward_training": 1, "training_backward": 1}
+    _close(layer.running_mean, ref.running_mean, 1e-4)
+    _close(layer.running_var, ref.running_var, 1e-4)
+    assert int(layer.num_batches_tracked) == 4
+
+
+def test_bound_fused_half_batchnorm_matches_torch_nn(monkeypatch):
+    """fp16 channels-last relu with a residual, C % 4 == 0: the forward's fused bnOps
+    (documented for it) or, where this cuDNN refuses them, the plain path; either way the
+    bound steps give torch.nn's float64 numbers to half precision."""
+    import convfuse.ops.cudnn.batchnorm as cudnn_batchnorm
+    import convfuse.torch as ct
+
+    counts = count_plan_lookups(monkeypatch, cudnn_batchnorm, "get_batchnorm_plan",
+                                ("batchnorm_forward_training", "training_backward"))
+    torch.manual_seed(7)
+    ref = torch.nn.BatchNorm2d(16).double()
+    layer = ct.BatchNorm2d(16, activation="relu")
+    layer.load_state_dict(ref.state_dict())
+    layer = layer.to("cuda")
+    for _ in range(4):
+        x_ref = torch.randn(4, 16, 9, 9, dtype=torch.float64)
+        r_ref = torch.randn(4, 16, 9, 9, dtype=torch.float64)
+        x = x_ref.to("cuda", torch.float16).contiguous(memory_format=torch.channels_last)
+        r = r_ref.to("cuda", torch.float16).contiguous(memory_format=torch.channels_last)
+        x_ref = x.detach().cpu().double().requires_grad_()  # the half input's own values
+        r_ref = r.detach().cpu().double()
+        x.requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        poison(4 << 20)
+        y = layer(x, residual=r)
+        y.float().square().sum().backward()
+        y_ref = torch.relu(ref(x_ref) + r_ref)
+        y_ref.square().sum().backward()
+        torch.cuda.synchronize()
+        _close(y, y_ref, 2e-2)
+        _close(x.grad, x_ref.grad, 5e-2)
+        _close(layer.weight.grad, ref.weight.grad, 1e-1)
+    assert counts == {"batchnorm_forward_training": 1, "training_backward": 1}
+    _close(layer.running_mean, ref.running_mean, 1e-3)
+    _close(layer.running_var, ref.running_var, 1e-3)

@@ -52,6 +52,7 @@ normalises with the batch's own statistics and cannot be split so; PyTorch's bou
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -115,8 +116,8 @@ def _where(plan: BatchNormPlan, what: str) -> str:
 
 
 def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None:
-    # stacklevel 6: _warn_fallback < _fused_forward/_training_backward < engine
-    # < ops.validated < ops < caller
+    # stacklevel 7: _warn_fallback < _fused_forward < training_forward (training_backward
+    # < _training_backward) < engine < ops.validated < ops < caller
     if plan.refuse_fused(refusal):
         warnings.warn(
             f"cuDNN refused the fused batch normalization ({stage}) with "
@@ -124,7 +125,7 @@ def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None
             "batch normalization plus convfuse's add and ReLU kernels instead. This path "
             "launches extra kernels; the plan remembers the refusal and does not try again."
             + (f" cuDNN said: {refusal.detail}" if refusal.detail else ""),
-            FusedFallbackWarning, stacklevel=6)
+            FusedFallbackWarning, stacklevel=7)
 
 
 def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> None:
@@ -134,7 +135,7 @@ def _warn_out_of_memory(plan: BatchNormPlan, err: MemoryError, stage: str) -> No
             f"({type(err).__name__}: {err}) for {plan.describe()}; running plain batch "
             "normalization plus convfuse's add and ReLU kernels instead. The fused calls are "
             "retried after a back-off, as memory may come back.",
-            FusedFallbackWarning, stacklevel=7)  # one frame more: _allocate
+            FusedFallbackWarning, stacklevel=8)  # one frame more: _allocate
 
 
 def _allocate(plan: BatchNormPlan, sizes: list[tuple[str, int]],
@@ -179,6 +180,16 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
     ctx = context_of(x)
     handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
+    return training_forward(plan, handle, ctx, x, weight, bias, running_mean, running_var,
+                            eps, factor, act, residual)
+
+
+def training_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, weight: Any,
+                     bias: Any, running_mean: Any, running_var: Any, eps: float, factor: float,
+                     act: str, residual: Any) -> tuple[Any, ...]:  # pragma: gpu
+    """batchnorm_forward_training once its plan and handle are found (a bound call's too:
+    Note [bound batch-norm calls] in bound_batchnorm.py)."""
+    g: BatchNormGeometry = plan.key.geometry
     cd = compute_dtype(x.dtype)
     scale, shift = _scale_shift(weight, bias, g, cd, ctx)
     y = ctx.empty(g.shape, x.dtype)
@@ -243,18 +254,28 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
     ctx = context_of(x)
     handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual is not None)
-    cd = compute_dtype(x.dtype)
-    scale, shift = _scale_shift(weight, bias, g, cd, ctx)
-    y = ctx.empty(g.shape, x.dtype)
-    _inference_calls(plan, handle, x, y, scale, shift, running_mean, running_var, eps)
-    y, saved = _finish_forward(plan, handle, ctx, y, residual, act)
+    y, saved = inference_forward(plan, handle, ctx, x, weight, bias, running_mean, running_var,
+                                 eps, act, residual)
     if not stats:
         return y, saved, None, None
     import cupy as cp
 
+    cd = compute_dtype(x.dtype)
     mean = running_mean.copy()
     invstd = 1.0 / cp.sqrt(running_var + cd.type(eps))
     return y, saved, mean, invstd.astype(cd, copy=False)
+
+
+def inference_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, weight: Any,
+                      bias: Any, running_mean: Any, running_var: Any, eps: float, act: str,
+                      residual: Any) -> tuple[Any, Any]:  # pragma: gpu
+    """(y, saved) of batchnorm_forward_inference once its plan and handle are found (a
+    bound call's too)."""
+    g: BatchNormGeometry = plan.key.geometry
+    scale, shift = _scale_shift(weight, bias, g, compute_dtype(x.dtype), ctx)
+    y = ctx.empty(g.shape, x.dtype)
+    _inference_calls(plan, handle, x, y, scale, shift, running_mean, running_var, eps)
+    return _finish_forward(plan, handle, ctx, y, residual, act)
 
 
 #: The largest batch one cuDNN inference call gets (Note [cuDNN's inference batch]).
@@ -310,6 +331,16 @@ def _training_backward(ctx: ExecContext, dy: Any, x: Any, weight: Any, bias: Any
                        db: Any, pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
     handle = get_handle(ctx)
     plan = get_batchnorm_plan(g, x.dtype, act, residual)
+    return training_backward(plan, handle, ctx, dy, x, weight, bias, saved, eps, act, residual,
+                             dw, db, pbeta)
+
+
+def training_backward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, dy: Any, x: Any,
+                      weight: Any, bias: Any, saved: Any, eps: float, act: str, residual: bool,
+                      dw: Any, db: Any, pbeta: float) -> tuple[Any, Any]:  # pragma: gpu
+    """(dx, dres) of a training-mode backward once its plan and handle are found (a bound
+    call's too)."""
+    g: BatchNormGeometry = plan.key.geometry
     lib = plan.lib
     cd = compute_dtype(x.dtype)
     scale, shift = _scale_shift(weight, bias, g, cd, ctx)
@@ -380,3 +411,20 @@ def _eval_backward(dy: Any, x: Any, weight: Any, saved: Any, g: BatchNormGeometr
         dx = (dzc * (w * invstd)).astype(x.dtype)
     dres = (dz.copy() if dz is dy else dz) if residual else None
     return dx, dres
+
+
+def bind(name: str, geom: BatchNormGeometry, dtype: Any, ctx: ExecContext,
+         act: str = "identity", bias: bool = False, residual: bool = False) -> Any:
+    """A call of this module's <name> bound to one signature, for a caller that repeats it
+    (Note [bound batch-norm calls] in bound_batchnorm.py); False for what is never bound.
+    `bias` is not read (affine or not, the body decides); for batchnorm_backward
+    `residual` is whether the residual's gradient is asked for."""
+    from . import bound_batchnorm  # it checks this module's functions
+
+    return bound_batchnorm.bind(sys.modules[__name__], name, geom, dtype, ctx, act, residual)
+
+
+#: The functions a bound call stands for, as defined here: a bound call runs only while the
+#: module attribute is still this one, so a spy sees every call.
+AS_IMPORTED = {name: globals()[name] for name in (
+    "batchnorm_forward_training", "batchnorm_forward_inference", "batchnorm_backward")}

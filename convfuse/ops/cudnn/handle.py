@@ -4,9 +4,8 @@ that name the call's shapes."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ..._binding import cudnn
@@ -65,10 +64,20 @@ class Workspace:
         self.ptr = self.mem.ptr if self.mem is not None else 0
 
 
-@contextlib.contextmanager
-def context(describe: Callable[[], str]) -> Iterator[None]:
-    """Re-raise a CudnnError from the binding with `describe()` (shapes, dtype, algorithm)."""
-    try:
-        yield
-    except CudnnError as err:
-        raise err.with_context(describe()) from None
+class context:  # lower case: used as a function, `with context(describe):`
+    """Re-raise a CudnnError from the binding with `describe()` (shapes, dtype, algorithm).
+    A class, not a generator context manager: it wraps calls on every step's path, where
+    contextlib's generator costs several times as much."""
+
+    __slots__ = ("describe",)
+
+    def __init__(self, describe: Callable[[], str]) -> None:
+        self.describe = describe
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: Any) -> None:
+        if kind is not None and issubclass(kind, CudnnError):
+            raise err.with_context(self.describe()) from None  # type: ignore[union-attr]
