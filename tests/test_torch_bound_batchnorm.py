@@ -26,7 +26,7 @@ from convfuse.plan.batchnorm import clear_batchnorm_plan_cache  # noqa: E402
 from convfuse.torch import _arrays  # noqa: E402
 from tests._engine_calls import count_plan_lookups  # noqa: E402
 from tests._fake_cuda import forget_signatures, install, named_calls, train_step  # noqa: E402
-from tests.test_batchnorm_cudnn_wiring import BWD, FWD, FWD_EX  # noqa: E402
+from tests.test_batchnorm_cudnn_wiring import BWD, BWD_EX, FWD, FWD_EX  # noqa: E402
 
 ENTRIES = ("batchnorm_forward_training", "batchnorm_forward_inference", "training_backward")
 INFER = "batchNormalizationForwardInference"
@@ -73,17 +73,24 @@ def test_later_steps_make_the_engines_calls_without_the_engine(cuda, entries, ca
     _, first = train_step(cuda, bn, x, res)
     assert entries == {"batchnorm_forward_training": 1, "batchnorm_forward_inference": 0,
                        "training_backward": 1}
-    fwd = FWD_EX if case == "fused-half-nhwc" else FWD
-    assert [n for n, _ in first if n in (fwd, BWD)] == [fwd, BWD]
+    fused = case == "fused-half-nhwc"
+    fwd, bwd = (FWD_EX, BWD_EX) if fused else (FWD, BWD)
+    assert [n for n, _ in first if n in (fwd, bwd)] == [fwd, bwd]
     for _ in range(2):
         y, later = train_step(cuda, bn, x, res)
         assert named_calls(later, stable) == named_calls(first, stable)
         a = dict(later)[fwd]
         if fwd == FWD:  # silu's y is a new tensor after the call's own output z
             assert a[5] == x.data_ptr() and (case == "silu" or a[7] == y.data_ptr())
-        b = dict(later)[BWD]
-        assert (b[7], b[11]) == (x.data_ptr(), x.grad.data_ptr())
-        if bn.weight is not None:
+        b = dict(later)[bwd]
+        if fused:  # Note [the fused backward on the eager path]: the forward's reserve
+            assert (b[8], b[16], b[14]) == (x.data_ptr(), x.grad.data_ptr(),
+                                            res.grad.data_ptr())
+            assert (b[20], b[21]) == (bn.weight.grad.data_ptr(), bn.bias.grad.data_ptr())
+            assert (b[28], b[29]) == (a[23], 4096) and "activation_backward" not in \
+                dict(later)
+        else:
+            assert (b[7], b[11]) == (x.data_ptr(), x.grad.data_ptr())
             assert (b[14], b[15]) == (bn.weight.grad.data_ptr(), bn.bias.grad.data_ptr())
     assert entries == {"batchnorm_forward_training": 1, "batchnorm_forward_inference": 0,
                        "training_backward": 1}  # bound from the second step on
@@ -91,7 +98,7 @@ def test_later_steps_make_the_engines_calls_without_the_engine(cuda, entries, ca
         int(bn.num_batches_tracked) == 3
 
 
-def test_the_fused_call_gets_workspace_and_reserve_from_torch_eachtrain_step(cuda, entries):
+def test_the_fused_call_gets_workspace_and_reserve_from_torch_each_step(cuda, entries):
     """fp16 channels-last relu with a residual: cudnnBatchNormalizationForwardTrainingEx,
     given a fresh workspace and reserve space of the sizes the plan asked once."""
     bn = cft.BatchNorm2d(4, activation="relu")
@@ -128,7 +135,7 @@ def test_inference_without_statistics_is_bound(cuda, entries):
     assert entries["batchnorm_forward_inference"] == 1
 
 
-def test_a_half_layers_parameters_cross_as_copies_eachtrain_step(cuda, entries):
+def test_a_half_layers_parameters_cross_as_copies_each_step(cuda, entries):
     """A .half() layer's weight and bias are not in the compute dtype: each step hands the
     bound call fresh float32 copies, as the engine path hands the op."""
     bn = cft.BatchNorm2d(4).half()
@@ -243,3 +250,28 @@ def test_a_bound_call_declines_another_context_before_running_anything(cuda):
     assert cuda.names() == [FWD] and cuda.call(FWD)[7] == y.ptr and saved.training
     assert bound_batchnorm.bind(bn_engine, "batchnorm_forward_inference_stats", None, None,
                                 ctx, "identity", False) is bound_batchnorm.NEVER
+
+
+@pytest.mark.parametrize("residual_grad", [True, False], ids=["its-gradient", "no-gradient"])
+def test_a_fused_forwards_backward_is_fused_only_with_the_forwards_bnops(cuda, entries,
+                                                                          residual_grad):
+    """Note [the fused backward on the eager path]: after BN_ADD_ACTIVATION's forward, a
+    backward that wants the residual's gradient runs BackwardEx with the forward's own
+    reserve space; one that does not (the backward's plan is BN_ACTIVATION's) runs the
+    ReLU kernel's backward and the plain call, as before."""
+    bn = cft.BatchNorm2d(4, activation="relu")
+    x = torch.randn(2, 4, 3, 3).half().contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    res = torch.randn(2, 4, 3, 3).half().contiguous(memory_format=torch.channels_last)
+    res.requires_grad_(residual_grad)
+    for _ in range(3):
+        _, calls = train_step(cuda, bn, x, res)
+        names = [n for n, _ in calls]
+        if residual_grad:
+            assert names == [FWD_EX, BWD_EX]
+            assert dict(calls)[BWD_EX][28] == dict(calls)[FWD_EX][23]
+            assert dict(calls)[BWD_EX][14] == res.grad.data_ptr()
+        else:
+            assert names == [FWD_EX, "activation_backward", BWD]
+            assert res.grad is None
+    assert entries["training_backward"] == 1

@@ -22,7 +22,9 @@ backward op hands them back to convfuse.ops.batchnorm_backward, so no statistic 
 recomputed. The cuDNN engine's private state of a fused forward (its reserve space) is
 not carried across: it is no tensor of a size known before the call, which a fake
 implementation must give. The backward then takes cuDNN's plain path, which is exact after
-a fused forward too (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
+a fused forward too (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py). The
+eager path's autograd node, which is no custom op, carries it (Note [the fused backward on
+the eager path] in _bn_plan.py).
 
 Note [the cumulative average on the device]
 With momentum=None, PyTorch's running statistics are the cumulative average, factor

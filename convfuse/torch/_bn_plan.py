@@ -48,6 +48,20 @@ stream current at each call; on CUDA's pointer path a training forward, its back
 an evaluation forward without statistics hand the engine's bound call addresses instead
 from the signature's second call (`_on_pointers`, `_backward_on_pointers`: Note [bound
 batch-norm calls] in convfuse/ops/cudnn/bound_batchnorm.py).
+Note [the fused backward on the eager path]
+The custom ops cannot carry a fused forward's engine state to their backward (Note [what
+the backward reuses] in _bn_ops.py), but this module's BatchNormFunction is no custom op:
+a forward that ran cuDNN's fused bnOps (fp16 channels-last relu, Note [BatchNorm in cuDNN])
+keeps its engine state, the reserve space with it, in `kept`, and the backward hands it on,
+so the engine runs cudnnBatchNormalizationBackwardEx: dx, dweight, dbias and the
+residual's gradient in one call, where the plain backward launches the ReLU kernel's
+backward first (one more pass over the tensor). Only where the backward's plan is the
+forward's: its residual flag is whether the residual's gradient is asked for, so a forward
+with a residual whose gradient is not wanted takes the plain backward (BN_ADD_ACTIVATION's
+reserve space is not BN_ACTIVATION's). The reserve space lives as long as the node's
+saved state, as PyTorch's own cuDNN batch norm keeps its reserve in the graph; a refusal
+or an out-of-memory of the fused backward falls back to the plain one within the step
+(Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
 `apply` is the autograd Function's C apply: outside functorch transforms, which the eager
 path excludes, Function.apply's Python wrapper only unwraps dead functorch wrappers, which
 the eager path does not take either (_eager.takes_eager_path).
@@ -74,9 +88,10 @@ from ._signature import Prepared, op, validated_engine
 _TRAINING, _BACKWARD = "batchnorm_forward_training", "batchnorm_backward"
 _INFERENCE = "batchnorm_forward_inference"
 
-#: What a forward keeps for its backward: mean and invstd (the engine's arrays), and on
-#: the CPU the arrays of x (or None), weight, bias and the saved tensor it handed over.
-Kept = tuple[Any, Any, Any]
+#: What a forward keeps for its backward: mean and invstd (the engine's arrays); on the
+#: CPU the arrays of x (or None), weight, bias and the saved tensor it handed over; on
+#: CUDA the engine's state of a fused forward (Note [the fused backward on the eager path]).
+Kept = tuple[Any, Any, Any, Any]
 
 
 class BatchNormCall:
@@ -85,8 +100,8 @@ class BatchNormCall:
     update factor handed to the op (0 with nothing to update); `cumulative`: momentum=None
     with a count, the op filling fresh statistics blended on the device afterwards."""
 
-    __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "host",
-                 "identity", "layout", "nbytes", "params", "prep", "reads", "saves",
+    __slots__ = ("act", "cd", "cl", "count", "cumulative", "eps", "factor", "has_residual",
+                 "host", "identity", "layout", "nbytes", "params", "prep", "reads", "saves",
                  "stats_as_is", "training", "viewed", "x_as_is")
 
     def __init__(self, x: torch.Tensor, training: bool, eps: float, act: str,
@@ -122,6 +137,7 @@ class BatchNormCall:
         # the sizes _stats_apart compares (in the key: shapes and dtypes)
         self.nbytes = tuple(0 if t is None else t.numel() * t.element_size()
                             for t in (running_mean, running_var, x, residual, weight, bias))
+        self.has_residual = residual is not None
         # the layer's: whether it counts the batch, and passes its running statistics
         self.count, self.reads = False, True
 
@@ -296,12 +312,16 @@ class BatchNormCall:
             z = saved.saved
             zt = logical(to_tensor(z), cl) if z is not None and z is not y \
                 else x.new_empty(0)
-        arrays = None
+        arrays = state = None
         if not x.is_cuda:  # CUDA arrays are bound to the stream current when made
             own = xp is x or xp.data_ptr() == x.data_ptr()
             arrays = (xa if own else None, wa, ba,
                       None if self.saves == "none" else saved.saved)
-        return yt, zt, (saved.mean, saved.invstd, arrays)
+        else:
+            state = saved.engine_state
+            if state is not None and not state.fused:
+                state = None
+        return yt, zt, (saved.mean, saved.invstd, arrays, state)
 
     def backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, saved: torch.Tensor | None, kept: Kept,
@@ -311,7 +331,7 @@ class BatchNormCall:
         ctx.saved_tensors, whose version checks passed: the forward's arrays of them in
         `kept` still hold their values."""
         cd, cl, prep = self.cd, self.cl, self.prep
-        mean, invstd, arrays = kept
+        mean, invstd, arrays, state = kept
         dyp = physical(dy, cl)
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
             dya = dyp.numpy(force=True) if self.host else to_array(dyp)
@@ -343,16 +363,18 @@ class BatchNormCall:
         if weight is not None:  # written by convfuse through weight_grad/bias_grad
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
             db_t = torch.empty(weight.shape, dtype=cd, device=x.device)
+        # Note [the fused backward on the eager path]: only with the forward's own bnOps
+        fused = state if need_dres == self.has_residual else None
         with context(x):
             if self.training and _bound.on_pointer_path(x):
                 dx, dres = self._backward_on_pointers(_bound.context(x), dyp, x, weight, bias,
-                                                      saved, mean, invstd, dw_t, db_t,
+                                                      saved, mean, invstd, fused, dw_t, db_t,
                                                       need_dres)
                 dx = dx if need_dx else None
             else:
                 state = ops.BatchNormSaved(
                     mean, invstd, None if saved is None else to_array(physical(saved, cl)),
-                    self.training)
+                    self.training, fused)
                 dx, _, _, dres = op(
                     prep, device_type(x), _BACKWARD, to_array(dyp),
                     to_array(physical(x, cl)), _per_channel(weight, cd),
@@ -368,22 +390,24 @@ class BatchNormCall:
     def _backward_on_pointers(self, ctx: Any, dyp: torch.Tensor, x: torch.Tensor,
                               weight: torch.Tensor | None, bias: torch.Tensor | None,
                               saved: torch.Tensor | None, mean: Any, invstd: Any,
-                              dw_t: torch.Tensor | None, db_t: torch.Tensor | None,
-                              need_dres: bool) -> tuple[Any, Any]:
+                              fused: Any, dw_t: torch.Tensor | None,
+                              db_t: torch.Tensor | None, need_dres: bool) -> tuple[Any, Any]:
         """(dx, dres) of a training-mode backward on CUDA's pointer path, dweight and dbias
         written into dw_t and db_t: the bound call (Note [bound batch-norm calls]) from the
         signature's second backward, else `op` (then bound for the next one). dx is
-        computed whether asked or not, as cuDNN computes it."""
+        computed whether asked or not, as cuDNN computes it. `fused`: the fused forward's
+        engine state, or None."""
         cd, cl, prep, act = self.cd, self.cl, self.prep, self.act
         xp = physical(x, cl)
         sp = None if saved is None else physical(saved, cl)
         wt, bt = _channel(weight, cd), _channel(bias, cd)
         got = _bound.call(prep, (_BACKWARD, act, need_dres, ctx), ctx, dyp.data_ptr(),
-                          xp.data_ptr(), _ptr(wt), _ptr(bt), _ptr(sp), mean, invstd,
+                          xp.data_ptr(), _ptr(wt), _ptr(bt), _ptr(sp), mean, invstd, fused,
                           _ptr(dw_t), _ptr(db_t), self.eps)
         if got is not None:
             return got
-        state = ops.BatchNormSaved(mean, invstd, None if sp is None else to_array(sp), True)
+        state = ops.BatchNormSaved(mean, invstd, None if sp is None else to_array(sp), True,
+                                   fused)
         dx, _, _, dres = op(
             prep, "cuda", _BACKWARD, to_array(dyp), to_array(xp),
             None if wt is None else to_array(wt), None if bt is None else to_array(bt), state,
@@ -484,7 +508,7 @@ class BatchNormFunction(torch.autograd.Function):
                 if arrays is not None:  # x's and the output's memory go when autograd
                     # frees the saved tensors, not when the graph goes (retain_graph: the
                     # next backward makes the arrays again)
-                    ctx.kept = (kept[0], kept[1], (None, arrays[1], arrays[2], None))
+                    ctx.kept = (kept[0], kept[1], (None, arrays[1], arrays[2], None), None)
             else:  # a subclass gradient: the op, as _bn_ops.BatchNormFunction does
                 mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
                 dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(

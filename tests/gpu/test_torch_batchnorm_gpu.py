@@ -120,8 +120,10 @@ def test_channels_last_is_zero_copy_on_the_gpu(monkeypatch):
 
 def test_fused_forward_then_exact_plain_backward_half_nhwc(monkeypatch):
     """float16 NHWC relu with C % 4 == 0 is cuDNN's documented fused BN case: the forward
-    may run BN_ADD_ACTIVATION; the bridge carries no reserve space, so the backward runs the
-    plain path (engine_state None), which must still be exact."""
+    may run BN_ADD_ACTIVATION; the residual's gradient is not asked for, so the backward's
+    plan is not the forward's and the bridge hands it no reserve space (Note [the fused
+    backward on the eager path]): the plain path (engine_state None), which must still be
+    exact."""
     import convfuse.ops.cudnn.batchnorm as cudnn_bn
     import convfuse.torch as ct
 
@@ -142,7 +144,7 @@ def test_fused_forward_then_exact_plain_backward_half_nhwc(monkeypatch):
     xa, g = calls[0]["args"][0], calls[0]["args"][5]
     plan = get_batchnorm_plan(g, xa.dtype, "relu", True)
     assert fused != plan.fell_back  # fused, or cuDNN refused / memory ran short (recorded)
-    assert calls[1]["args"][4].engine_state is None  # the saved state crossed as tensors
+    assert calls[1]["args"][4].engine_state is None  # the plain backward
     torch.testing.assert_close(y.double().cpu(), want[0][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(xx.grad.double().cpu(), want[0][1], rtol=5e-2, atol=5e-2)
     torch.testing.assert_close(layer.running_var.double().cpu(), ref.running_var,

@@ -196,10 +196,13 @@ def test_bound_batchnorm_steps_match_torch_nn(monkeypatch, relu, residual, chann
     assert int(layer.num_batches_tracked) == 4
 
 
-def test_bound_fused_half_batchnorm_matches_torch_nn(monkeypatch):
-    """fp16 channels-last relu with a residual, C % 4 == 0: the forward's fused bnOps
-    (documented for it) or, where this cuDNN refuses them, the plain path; either way the
-    bound steps give torch.nn's float64 numbers to half precision."""
+@pytest.mark.parametrize("residual", [True, False], ids=["add-relu", "relu"])
+def test_bound_fused_half_batchnorm_matches_torch_nn(monkeypatch, residual):
+    """fp16 channels-last relu (with a residual whose gradient is asked for, or none), C %
+    4 == 0: the forward's fused bnOps (documented for it) and BackwardEx with its reserve
+    space (Note [the fused backward on the eager path]) or, where this cuDNN refuses
+    them, the plain path; either way the bound steps give torch.nn's float64 numbers to
+    half precision, the residual's gradient included."""
     import convfuse.ops.cudnn.batchnorm as cudnn_batchnorm
     import convfuse.torch as ct
 
@@ -210,25 +213,28 @@ def test_bound_fused_half_batchnorm_matches_torch_nn(monkeypatch):
     layer = ct.BatchNorm2d(16, activation="relu")
     layer.load_state_dict(ref.state_dict())
     layer = layer.to("cuda")
+    cl = torch.channels_last
     for _ in range(4):
-        x_ref = torch.randn(4, 16, 9, 9, dtype=torch.float64)
-        r_ref = torch.randn(4, 16, 9, 9, dtype=torch.float64)
-        x = x_ref.to("cuda", torch.float16).contiguous(memory_format=torch.channels_last)
-        r = r_ref.to("cuda", torch.float16).contiguous(memory_format=torch.channels_last)
-        x_ref = x.detach().cpu().double().requires_grad_()  # the half input's own values
-        r_ref = r.detach().cpu().double()
+        x = torch.randn(4, 16, 9, 9, device="cuda").half().contiguous(memory_format=cl)
+        r = torch.randn(4, 16, 9, 9, device="cuda").half().contiguous(memory_format=cl)
+        x_ref = x.detach().cpu().double().requires_grad_()  # the half inputs' own values
+        r_ref = r.detach().cpu().double().requires_grad_()
         x.requires_grad_()
+        r.requires_grad_()
         layer.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
         poison(4 << 20)
-        y = layer(x, residual=r)
+        y = layer(x, residual=r) if residual else layer(x)
         y.float().square().sum().backward()
-        y_ref = torch.relu(ref(x_ref) + r_ref)
+        y_ref = torch.relu(ref(x_ref) + r_ref) if residual else torch.relu(ref(x_ref))
         y_ref.square().sum().backward()
         torch.cuda.synchronize()
         _close(y, y_ref, 2e-2)
         _close(x.grad, x_ref.grad, 5e-2)
+        if residual:
+            _close(r.grad, r_ref.grad, 5e-2)
         _close(layer.weight.grad, ref.weight.grad, 1e-1)
+        _close(layer.bias.grad, ref.bias.grad, 1e-1)
     assert counts == {"batchnorm_forward_training": 1, "training_backward": 1}
     _close(layer.running_mean, ref.running_mean, 1e-3)
     _close(layer.running_var, ref.running_var, 1e-3)

@@ -118,15 +118,16 @@ class BoundInference(_BoundBatchNorm):
 
 class BoundBackward(_BoundBatchNorm):
     """batchnorm_backward after a training forward, beta = 0: (dy, x, weight, bias, the
-    activation's saved tensor) pointers, the forward's mean and invstd (its arrays), the
-    dweight and dbias outputs' pointers (0 without weight: scratch then, as the engine)
-    and eps -> (dx, dres) (dres None unless the plan's residual asks), or None. The plan's
-    `residual` is the caller's need for the residual's gradient."""
+    activation's saved tensor) pointers, the forward's mean and invstd (its arrays) and
+    engine state (a fused forward's, for BackwardEx; or None), the dweight and dbias
+    outputs' pointers (0 without weight: scratch then, as the engine) and eps -> (dx, dres)
+    (dres None unless the plan's residual asks), or None. The plan's `residual` is the
+    caller's need for the residual's gradient."""
 
     __slots__ = ()
 
     def __call__(self, ctx: ExecContext, dy: int, x: int, w: int, b: int, saved: int,
-                 mean: Any, invstd: Any, dw: int, db: int, eps: float) -> Any:
+                 mean: Any, invstd: Any, state: Any, dw: int, db: int, eps: float) -> Any:
         got = self.ready(ctx)
         if got is None:
             return None
@@ -136,10 +137,10 @@ class BoundBackward(_BoundBatchNorm):
             dwa, dba = ch(dw, ctx), ch(db, ctx)
         else:
             dwa, dba = ctx.empty((self.channels,), self.cd), ctx.empty((self.channels,), self.cd)
-        state = BatchNormSaved(mean, invstd, self.array(saved, ctx), True)
+        kept = BatchNormSaved(mean, invstd, self.array(saved, ctx), True, state)
         return self.eng.training_backward(
             plan, handle, ctx, self.array(dy, ctx), self.array(x, ctx), ch(w, ctx), ch(b, ctx),
-            state, eps, self.act, self.residual, dwa, dba, 0.0)
+            kept, eps, self.act, self.residual, dwa, dba, 0.0)
 
 
 _CLASSES = {"batchnorm_forward_training": BoundTraining,
