@@ -78,6 +78,12 @@ class ArrayTooLargeError(ConvfuseError, MemoryError):
     (by default the device's total memory); raised before allocating, naming the bytes."""
 
 
+class TensorTooLargeError(ConvfuseError, ValueError):
+    """A tensor a cuDNN call would describe has more than 2**31 - 1 elements, the most
+    cuDNN's descriptors index (their dimensions, strides and sizes are 32-bit); raised
+    before any cuDNN call on it, naming the tensor and its shape."""
+
+
 def renamed(exc: BaseException, name: str) -> BaseException:
     """`exc` re-labelled `name: ...` (an op's own `op_name: ` prefix dropped), same type,
     attributes and traceback; `exc` itself when it already names `name`."""

@@ -177,6 +177,7 @@ class BatchNormPlan(FusedFallbackState):
         self.inference_mode = lib.CUDNN_BATCHNORM_SPATIAL
         ops = fused_ops_name(key.activation, key.residual)
         self.fused_ops = getattr(lib, ops) if ops and fused_documented(geom, dtype) else None
+        d.check_elements("x", geom.shape_cf, self.describe)
         try:
             self.x_desc = d.tensor_descriptor(lib, dtype, geom.lifted_cf, geom.channels_last)
             self.bn_desc_training = lib.TensorDescriptor()

@@ -13,13 +13,32 @@ tests/test_plan.py: getConvolutionNdForwardOutputDim answers (N, K, 1, W_out).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from ..dtypes import canonical
 from ..dtypes import name as dtype_name
+from ..errors import TensorTooLargeError
 from ..geometry import ConvGeometry
+
+#: The most elements a cuDNN descriptor indexes: its dims, strides and sizes are int32.
+MAX_ELEMENTS = 2**31 - 1
+
+
+def check_elements(what: str, dims: Sequence[int], describe: Callable[[], str]) -> None:
+    """Refuse a tensor of `dims` that cuDNN cannot describe, before any cuDNN call on it
+    (where setNd would fail with NOT_SUPPORTED, or a stride would not fit an int at all).
+    PyTorch's cuDNN convolutions split such a batch into parts; convfuse does not yet."""
+    n = math.prod(int(v) for v in dims)
+    if n > MAX_ELEMENTS:
+        shape = " x ".join(str(int(v)) for v in dims)
+        raise TensorTooLargeError(
+            f"{describe()}: {what} ({shape}, channels first) has {n:,} elements; cuDNN "
+            f"indexes at most "
+            f"{MAX_ELEMENTS:,} per tensor (32-bit descriptors), so the cuDNN engine cannot "
+            "run it: use a smaller batch (or run this layer on the CPU engine)")
 
 _DATA_TYPES = {
     "float32": "CUDNN_DATA_FLOAT",

@@ -56,6 +56,8 @@ class PoolPlan:
         self.lib = lib = cudnn()
         g = key.geometry
         window, pads, strides = _lifted_window(g)
+        for what, dims in (("x", g.input_shape_cf), ("y", g.output_shape_cf)):
+            d.check_elements(what, dims, self.describe)
         try:
             self.x_desc = d.tensor_descriptor(lib, key.dtype, g.input_shape_cf, g.channels_last)
             self.y_desc = d.tensor_descriptor(lib, key.dtype, g.output_shape_cf, g.channels_last)
