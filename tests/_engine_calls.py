@@ -23,3 +23,16 @@ def count_plan_lookups(monkeypatch: Any, module: Any, getter: str,
 
     monkeypatch.setattr(module, getter, counted)
     return counts
+
+
+def forget_signatures() -> None:
+    """Drop the torch bridge's per-signature decisions, and the bound calls they hold: on
+    the fake device (tests/_fake_cuda.py) they are keyed by the CPU, so none may cross
+    between fake CUDA calls and other tests; on a GPU, a test that counts the engine's
+    calls from a signature's first call needs its signatures new."""
+    from convfuse.torch import _bn_ops, _ops
+    from convfuse.torch import batchnorm as torch_batchnorm
+    from convfuse.torch import conv as torch_conv
+
+    for cache in (torch_conv.CALLS, torch_batchnorm.CALLS, _ops._PREPARED, _bn_ops._PREPARED):
+        cache.clear()

@@ -18,9 +18,8 @@ from convfuse.ops.cudnn import batchnorm as bn_engine
 from convfuse.ops.cudnn import fused
 from convfuse.ops.cudnn.device import DeviceArray
 from convfuse.plan.batchnorm import clear_batchnorm_plan_cache
-from convfuse.torch import _arrays, _bn_ops, _ops
-from convfuse.torch import batchnorm as torch_batchnorm
-from convfuse.torch import conv as torch_conv
+from convfuse.torch import _arrays
+from tests._engine_calls import forget_signatures
 from tests.test_batchnorm_cudnn_wiring import BN_CALLS, SIZES
 from tests.test_ops_cudnn_wiring import FakeGpu
 
@@ -47,13 +46,6 @@ class Cuda:
     def call(self, name: str) -> tuple:
         [args] = [a for n, a in self.gpu.calls if n == name]
         return args
-
-
-def forget_signatures() -> None:
-    """The bridge's per-signature decisions are keyed by the tensors' device, which is the
-    CPU's here: none may cross between fake CUDA calls and other tests."""
-    for cache in (torch_conv.CALLS, torch_batchnorm.CALLS, _ops._PREPARED, _bn_ops._PREPARED):
-        cache.clear()
 
 
 def install(monkeypatch: Any, record: bool = True) -> Cuda:

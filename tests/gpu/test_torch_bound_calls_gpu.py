@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from tests._engine_calls import count_plan_lookups  # noqa: E402
+from tests._engine_calls import count_plan_lookups, forget_signatures  # noqa: E402
 from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
 
 ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_backward_data")
@@ -24,6 +24,7 @@ ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_
 
 @pytest.fixture(autouse=True)
 def _cuda_torch():
+    forget_signatures()  # the counts below start at each signature's first call
     with exact_cuda():
         yield
 
