@@ -8,6 +8,9 @@ refusal, an error, no memory, another stream, a spy."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -516,3 +519,53 @@ def test_a_spy_on_a_transposed_op_sees_every_call(cuda, monkeypatch):
     for _ in range(2):
         train_step(cuda, layer, x)
     assert sorted(seen) == sorted(names * 2)
+
+
+@pytest.mark.parametrize("kind", ["conv", "transpose"])
+def test_short_of_memory_a_bound_forward_allocates_as_the_engine_does(cuda, monkeypatch, kind):
+    """With room for the large workspace of the bound algorithm, or for y and the small one,
+    but not for y and the large one: the bound forward allocates y first, as the engine
+    does, declines when the workspace does not fit, and the engine walks down to the small
+    workspace with a warning. Allocating the workspace first, it would fail on y with
+    PyTorch's out-of-memory, which nothing catches."""
+    import cupy as cp
+
+    lib = cuda.gpu.lib
+    cuda.gpu.perfs = [lib.AlgoPerf(a, 0, 1.0, ws, lib.CUDNN_DETERMINISTIC,
+                                   lib.CUDNN_DEFAULT_MATH) for a, ws in ((6, 4096), (2, 512))]
+    live = {"bytes": 0, "cap": 1 << 40}
+    real_allocate, real_empty = _arrays.TorchContext.allocate, _arrays.TorchContext.empty
+
+    def take(owner, nbytes, error):
+        if live["bytes"] + nbytes > live["cap"]:
+            raise error
+        live["bytes"] += nbytes
+        weakref.finalize(owner, lambda: live.__setitem__("bytes", live["bytes"] - nbytes))
+
+    def allocate(self, nbytes):
+        block = real_allocate(self, nbytes)
+        take(block.tensor, nbytes, cp.cuda.memory.OutOfMemoryError(nbytes, 0, 0))
+        return block
+
+    def empty(self, shape, dtype):
+        a = real_empty(self, shape, dtype)
+        take(a.owner, a.nbytes, torch.OutOfMemoryError("fake: no room for an output"))
+        return a
+
+    monkeypatch.setattr(_arrays.TorchContext, "allocate", allocate)
+    monkeypatch.setattr(_arrays.TorchContext, "empty", empty)
+    layer = cft.Conv2d(2, 2, 3, padding=1, activation="relu") if kind == "conv" else \
+        cft.ConvTranspose2d(2, 2, 3, padding=1)
+    x = torch.randn(1, 2, 4, 4)
+    with torch.no_grad():
+        layer(x)
+        layer(x)  # bound from here
+        gc.collect()
+        y_bytes = 2 * 4 * 4 * 4
+        live["cap"] = live["bytes"] + y_bytes + 4096 - 64
+        cuda.gpu.calls.clear()
+        with pytest.warns(WorkspaceFallbackWarning):
+            y = layer(x)
+    want = "convolutionBiasActivationForward" if kind == "conv" else "convolutionBackwardData"
+    [args] = [a for n, a in cuda.gpu.calls if n == want]  # the engine's one call
+    assert (args[7], args[9]) == (2, 512) and args[-1] == y.data_ptr()

@@ -103,7 +103,9 @@ def arm(prep: Prepared, name: str, activation: str | None, ctx: Any, dtype: torc
         return
     bound = validated.bound_call(eng, name, prep.geom, _arrays._NUMPY_DTYPES[dtype], ctx,
                                  activation or "identity", bias, residual)
-    if bound is not None:
+    if bound is None:  # not yet (ask again after a later engine call): a stale Declined goes
+        prep.bound.pop(key, None)
+    else:
         if len(prep.bound) >= _MAX_BOUND:  # streams made and dropped in a loop
             prep.bound.clear()
         prep.bound[key] = bound

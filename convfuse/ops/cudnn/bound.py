@@ -139,11 +139,13 @@ class BoundForward(_Bound):
         return not self.fused or (plan.forward_path is self.path and plan.fused_settled())
 
     def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        # y before the workspace, as the engine allocates them: short of memory, the engine
+        # walks down to a smaller workspace after y, where this order would fail on y
+        y = ctx.empty(self.shape, self.dtype)
         got = self.ready(ctx)
         if got is None:
             return None
         plan, ws, handle, desc = got
-        y = ctx.empty(self.shape, self.dtype)
         cand = self.algo
         try:
             if self.fused:
@@ -235,11 +237,11 @@ class BoundTransposeForward(_Bound):
         self.shape = tgeom.conv.input_shape
 
     def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        y = ctx.empty(self.shape, self.dtype)  # before the workspace: BoundForward's order
         got = self.ready(ctx)
         if got is None:
             return None
         plan, ws, handle, desc = got
-        y = ctx.empty(self.shape, self.dtype)
         try:
             cudnn().convolutionBackwardData(
                 handle, 1.0, plan.w_desc, w, plan.y_desc, x, desc, self.algo.algo, ws.ptr,
