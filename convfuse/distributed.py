@@ -5,9 +5,12 @@
     for each step: forward, backward, allreduce_gradients(optimizer), optimizer.step()
 
 Tear down with `torch.distributed.destroy_process_group()` once nothing holds the group any
-more; mixing in DistributedDataParallel, import `torch.distributed.nn` before
-`init_process_group` (examples/train_ddp.py, Note [process-group teardown]: otherwise the
-group's gloo threads outlive it, and a rank can abort at exit).
+more (a `convfuse.graph.CapturedStep` whose graph holds an NCCL collective included: drop
+it, and let it be collected, first; NCCL's teardown waits for every graph that references
+the communicator to be destroyed); mixing in DistributedDataParallel, import
+`torch.distributed.nn` before `init_process_group` (examples/train_ddp.py, Note
+[process-group teardown]: otherwise the group's gloo threads outlive it, and a rank can
+abort at exit).
 
 PyTorch is needed only when these functions are called (`import convfuse` never imports
 it). Buffers cross to torch.distributed with no copy: NumPy buffers through
@@ -81,9 +84,19 @@ def _on_cupy_stream(torch: Any, a: Any) -> Iterator[None]:
     import cupy  # pragma: gpu
 
     with cupy.cuda.Device(a.device.id):  # pragma: gpu
-        stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
+        stream = _torch_stream(torch, cupy.cuda.get_current_stream().ptr, a.device.id)
         with torch.cuda.stream(stream):
             yield
+
+
+def _torch_stream(torch: Any, ptr: int, device: int) -> Any:
+    """PyTorch's stream for CuPy's stream `ptr` on `device`. CuPy's null stream (0) is the
+    legacy default stream, PyTorch's default stream; ExternalStream(0) would be a new
+    stream from PyTorch's pool instead, which the null stream does not wait for: the step
+    after the collective could read the gradients before the average is written."""
+    if ptr == 0:
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(ptr, device=device)
 
 
 def _parameters(model: Any) -> list[Parameter]:
@@ -133,14 +146,26 @@ def flat_gradients(optimizer: Any) -> list[Any]:
     return [g.grad for g in groups]
 
 
-def _averages_natively(backend_name: str, on_gpu: bool) -> bool:
+def _averages_natively(backend_name: str, on_gpu: bool, group: Any = None) -> bool:
     """Whether the backend that reduces a buffer on the GPU (`on_gpu`) or the CPU is NCCL,
     which averages natively: `backend_name` is torch.distributed.get_backend's answer,
-    one backend ("nccl") or one per device type ("cpu:gloo,cuda:nccl")."""
-    if ":" not in backend_name:
-        return backend_name == "nccl"
-    pairs = dict(p.strip().split(":", 1) for p in backend_name.split(",") if ":" in p)
-    return pairs.get("cuda" if on_gpu else "cpu") == "nccl"
+    one backend ("nccl") or one per device type ("cpu:gloo,cuda:nccl"). A group made by
+    init_process_group() without a backend answers "undefined" there while CUDA tensors
+    go to NCCL: then the group's backend for the device is asked (`group`, a process
+    group; a private PyTorch method, so anything unexpected means no: a sum and one
+    division are right everywhere)."""
+    if ":" in backend_name:
+        pairs = dict(p.strip().split(":", 1) for p in backend_name.split(",") if ":" in p)
+        return pairs.get("cuda" if on_gpu else "cpu") == "nccl"
+    if backend_name == "undefined" and group is not None:
+        try:
+            import torch
+
+            backend = group._get_backend(torch.device("cuda" if on_gpu else "cpu"))
+        except Exception:
+            return False
+        return type(backend).__name__ == "ProcessGroupNCCL"
+    return backend_name == "nccl"
 
 
 def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None) -> None:
@@ -156,8 +181,11 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
     buffers = flat_gradients(optimizer)
     world = dist.get_world_size(group)
     backend_name = str(dist.get_backend(group))
+    pg = group
+    if backend_name == "undefined" and pg is None:  # asked of the group: _averages_natively
+        pg = dist.distributed_c10d._get_default_group()
     for buf in buffers:
-        native_avg = average and _averages_natively(backend_name, is_cupy(buf))
+        native_avg = average and _averages_natively(backend_name, is_cupy(buf), pg)
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         with _on_cupy_stream(torch, buf):
             t = _as_tensor(buf)

@@ -16,7 +16,10 @@ real training steps. Memory allocated while capturing comes from a private pool 
 as long as the returned `CapturedStep`: keep it alive as long as you use the step's outputs.
 Only device-resident values can change between replays: the learning rate and step count
 (and the inputs). Hyperparameters passed by value (momentum, betas, eps, weight decay,
-residual_scale) are fixed at capture; capture again after changing them.
+residual_scale) are fixed at capture; capture again after changing them. A step whose
+graph holds an NCCL collective (convfuse.distributed.allreduce_gradients) must be dropped,
+and collected, before `torch.distributed.destroy_process_group()`: NCCL's teardown waits
+for every graph that references its communicator to be destroyed.
 """
 
 from __future__ import annotations

@@ -218,6 +218,62 @@ def test_only_nccl_averages_natively(backend_name, on_gpu, native):
 
     assert _averages_natively(backend_name, on_gpu) is native
 
+def test_a_group_without_a_backend_name_is_asked_for_its_devices_backend(tmp_path):
+    """init_process_group() without a backend: get_backend says "undefined", CUDA tensors
+    go to NCCL, CPU ones to gloo; the group's own backend for the device decides (asked on
+    this PyTorch's real group for the CPU; a stand-in group for CUDA, which this build
+    lacks), and anything unexpected means a sum and one division."""
+    import torch.distributed as dist
+
+    from convfuse.distributed import _averages_natively
+
+    class ProcessGroupNCCL:
+        pass
+
+    class Group:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def _get_backend(self, device):
+            if isinstance(self.backend, Exception):
+                raise self.backend
+            return self.backend
+
+    assert _averages_natively("undefined", True, Group(ProcessGroupNCCL()))
+    assert not _averages_natively("undefined", True, Group(object()))
+    assert not _averages_natively("undefined", True, Group(RuntimeError("no cuda backend")))
+    assert not _averages_natively("undefined", True, None)
+    assert _averages_natively("nccl", True, Group(RuntimeError("not asked")))
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        assert str(dist.get_backend()) == "undefined"
+        group = dist.distributed_c10d._get_default_group()
+        assert not _averages_natively("undefined", False, group)  # gloo: no AVG
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cupys_null_stream_is_pytorchs_default_stream():
+    """The collective runs on PyTorch's stream for CuPy's current one: for CuPy's null
+    stream (pointer 0) PyTorch's default stream, not ExternalStream(0), which would be a
+    new stream from PyTorch's pool that the null stream never waits for."""
+    from types import SimpleNamespace
+
+    from convfuse.distributed import _torch_stream
+
+    made = []
+    cuda = SimpleNamespace(
+        default_stream=lambda device: made.append(("default", device)) or "default",
+        ExternalStream=lambda ptr, device: made.append(("external", ptr, device)) or "ext")
+    torch_ns = SimpleNamespace(cuda=cuda)
+    assert _torch_stream(torch_ns, 0, 1) == "default"
+    assert _torch_stream(torch_ns, 0x7F00, 1) == "ext"
+    assert made == [("default", 1), ("external", 0x7F00, 1)]
+
+
 def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
     """Under "cpu:gloo,cuda:nccl" a NumPy gradient buffer is reduced by gloo: SUM, then
     one division by the world size (NCCL's AVG is for CUDA buffers only)."""

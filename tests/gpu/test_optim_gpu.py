@@ -137,7 +137,7 @@ def test_one_launch_per_dtype_group_per_step(rng, monkeypatch, kind):
     prefix = opt._kernel
     for step in range(1, 4):
         opt.step()
-        assert sorted(calls) == sorted(f"{prefix}_{s}" for s in ("f32", "f16", "f64")) * step
+        assert sorted(calls) == sorted([f"{prefix}_{s}" for s in ("f32", "f16", "f64")] * step)
     calls.clear()
     opt.zero_grad()
     opt.lr = 0.5
