@@ -136,7 +136,9 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
     if notice:
         print(notice, flush=True)
     with cf.config.flags(benchmark=engine.is_gpu and not args.heuristics):
-        used_peaks, peaks_info = peaks.resolve(engine, args.quick)
+        floors = (set(args.sections) - {"host-overhead"} or args.torch_convert
+                  or args.resnet or not args.no_conv_transpose)
+        used_peaks, peaks_info = peaks.resolve(engine, args.quick, measure=bool(floors))
         torch_side, torch_note = torch_cmp.load(engine, args.no_torch)
         ctx = Context(engine, used_peaks, args.quick, budget_for(engine, args.quick), args.seed,
                       log, torch_side, torch_note, args.precisions, args.layouts)

@@ -254,10 +254,11 @@ def read_status(status_file: Path) -> list[tuple[str, int, float, str]]:
 
 def failed_parts(out: Path, rows: list[tuple[str, int, float, str]]) -> list[str]:
     """The parts that count as failures: not passed, not skipped, and not a chunk its cap
-    cut before it found anything wrong."""
+    cut before it found anything wrong; a part that exited 0 counts where its verdict
+    reads its output as a failure (the sync counter exits 0 and reports its numbers)."""
     return [name for name, rc, *_ in rows
-            if rc == 126 or (rc not in (0, *SKIP_CODES)
-                             and not verdict(name, rc, out).startswith("CUT"))]
+            if rc == 126 or (rc not in SKIP_CODES
+                             and verdict(name, rc, out).startswith("FAIL"))]
 
 
 def _utc(epoch: float) -> str:

@@ -7,10 +7,27 @@ import pytest
 
 from convfuse.backend import gpu_unavailable_reason
 
+#: A test whose own timeout marker allows more than this compiles on a cold cache
+#: (Inductor, dynamo): tens of seconds.
+COLD_COMPILE_S = 60
+
+
+def cold_compiles_last(items: list) -> None:
+    """Move the tests with a timeout marker above COLD_COMPILE_S to the end, the rest in
+    order: a compile that outruns its timeout ends the pytest process (pytest-timeout's
+    thread method), and in the GPU acceptance run's chunks (scripts/acceptance_plan.py)
+    nothing may come after it, not even the quick tests of its own file."""
+    def cold(item) -> bool:
+        mark = item.get_closest_marker("timeout")
+        return bool(mark and mark.args and float(mark.args[0]) > COLD_COMPILE_S)
+
+    items[:] = sorted(items, key=cold)  # stable
+
 
 def pytest_collection_modifyitems(config, items):
     reason = gpu_unavailable_reason()
     if reason is None:
+        cold_compiles_last(items)
         return
     skip = pytest.mark.skip(reason=f"GPU test: {reason}")
     for item in items:

@@ -93,3 +93,20 @@ def test_h100_floor_of_the_v100_bias_case():
     assert work.bytes == 4 * (128 * 64 * 74 * 74 + 64)
     assert p.floor(work, "fp32") == pytest.approx(work.bytes / 3.35e12)  # ~53.6 us
 
+
+
+def test_a_gpu_in_the_datasheet_is_not_measured_when_no_section_has_a_floor(monkeypatch):
+    """host-overhead alone reads no peak: the datasheet's are recorded, and the copy and
+    GEMM runs (seconds of the acceptance run's capped host part) are not made."""
+    from types import SimpleNamespace
+
+    def measured(*_):
+        raise AssertionError("measured a peak no section reads")
+
+    monkeypatch.setattr(peaks, "measured_gpu", measured)
+    engine = SimpleNamespace(is_gpu=True, info={"name": "NVIDIA H100 80GB HBM3"})
+    used, info = peaks.resolve(engine, True, measure=False)
+    assert used.source.startswith("H100 SXM5") and not used.measured
+    assert info["measured"] is None and info["datasheet"] == used.to_json()
+    with pytest.raises(AssertionError, match="no section reads"):
+        peaks.resolve(engine, True)

@@ -333,7 +333,7 @@ def test_summary_reads_each_part(tmp_path):
     assert "resnet18_step_b8: skipped" in host
     assert "SKIP (tool missing)" in rows[t("sanitizer")] and "not on PATH" in rows[t("sanitizer")]
     assert "| not reached |" in rows["extra"]
-    assert "Failed parts: smoke, gpu-core." in text
+    assert "Failed parts: smoke, gpu-core, syncs." in text
     running = acceptance_summary.render(tmp_path, status, "2", ["extra"], running="extra",
                                         since=time.time() - 5, gpu_reason="no driver")
     assert "**running: extra since" in running and "| RUNNING |" in running

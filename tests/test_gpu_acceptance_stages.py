@@ -257,3 +257,43 @@ def test_files_that_compile_with_inductor_come_last_in_their_chunk():
     tail = [f.split("/")[-1] for f in rest.files[-len(plan.COMPILE_LAST):]]
     assert sorted(tail) == sorted(plan.COMPILE_LAST)
     assert "tests/gpu/test_zzz_after_them_gpu.py" in rest.files
+
+
+def test_a_part_that_exits_zero_but_reads_as_failed_is_a_failed_part(tmp_path):
+    """The sync counter exits 0 and reports its numbers: a failed capture probe, or a sync
+    per step where the target is zero, is a failure of the stage, not a PASS footnote."""
+    status = tmp_path / "status"
+    status.write_text("syncs 0 10\nhost 0 30\n")
+    (tmp_path / "syncs.json").write_text(json.dumps({
+        "method": "capture-probe", "capture_probe": "fail: cudaErrorStreamCaptureUnsupported",
+        "convfuse eager step": {"syncs_per_step": None, "d2h_copies_per_step": None},
+        "convfuse captured step": {"syncs_per_step": None, "d2h_copies_per_step": None}}))
+    rows = acceptance_summary.read_status(status)
+    assert acceptance_summary.failed_parts(tmp_path, rows) == ["syncs"]
+    text = acceptance_summary.write(tmp_path, status, "2", ["syncs", "host"])
+    assert "FAIL (capture probe)" in text and "Failed parts: syncs" in text
+    (tmp_path / "syncs.json").write_text(json.dumps({
+        "method": "capture-probe", "capture_probe": "pass",
+        "convfuse eager step": {"syncs_per_step": 0.0, "d2h_copies_per_step": 0.0},
+        "convfuse captured step": {"syncs_per_step": 0.0, "d2h_copies_per_step": 0.0}}))
+    assert acceptance_summary.failed_parts(tmp_path, rows) == []
+
+
+def test_tests_that_compile_on_a_cold_cache_run_last_on_a_gpu():
+    """tests/conftest.py's cold_compiles_last: a test with a timeout marker above 60 s (an
+    Inductor compile) moves to the end, after the quick tests of its own file, which keep
+    their order."""
+    from types import SimpleNamespace
+
+    from tests.conftest import cold_compiles_last
+
+    def item(name, timeout=None):
+        mark = None if timeout is None else SimpleNamespace(args=(timeout,))
+        return SimpleNamespace(name=name, get_closest_marker=lambda m, _k=mark:
+                               _k if m == "timeout" else None)
+
+    items = [item("compile_a", 240), item("quick_1"), item("quick_2", 30),
+             item("compile_b", 240), item("quick_3")]
+    cold_compiles_last(items)
+    assert [i.name for i in items] == ["quick_1", "quick_2", "quick_3", "compile_a",
+                                       "compile_b"]

@@ -161,18 +161,26 @@ def _copy_bandwidth(engine: Engine, nbytes: int, budget: Budget) -> float:  # pr
     return 2 * nbytes / copy.min  # each byte is read once and written once
 
 
-def resolve(engine: Engine, quick: bool) -> tuple[Peaks, dict[str, Any]]:
-    """The peaks floors use, and a JSON record of how they were obtained."""
+def resolve(engine: Engine, quick: bool,
+            measure: bool = True) -> tuple[Peaks, dict[str, Any]]:
+    """The peaks floors use, and a JSON record of how they were obtained. Without
+    `measure` (no chosen section has a floor: host-overhead alone) a GPU in the datasheet
+    is not measured: its copy and GEMM runs would take seconds of a capped part."""
     if engine.is_gpu:  # pragma: gpu
-        return _resolve_gpu(engine, quick)
+        return _resolve_gpu(engine, quick, measure)
     peaks = measured_cpu()
     return peaks, {"used": peaks.to_json(), "datasheet": None, "measured": peaks.to_json()}
 
 
-def _resolve_gpu(engine: Engine, quick: bool) -> tuple[Peaks, dict[str, Any]]:  # pragma: gpu
+def _resolve_gpu(engine: Engine, quick: bool,
+                 measure: bool) -> tuple[Peaks, dict[str, Any]]:  # pragma: gpu
     name = engine.info["name"]
-    measured, notes = measured_gpu(engine, quick)
     entry = datasheet_entry(name)
+    if not measure and entry is not None:
+        used = entry.peaks(name)
+        return used, {"used": used.to_json(), "datasheet": used.to_json(), "measured": None,
+                      "measurement_notes": "not measured: no chosen section has a floor"}
+    measured, notes = measured_gpu(engine, quick)
     used = entry.peaks(name) if entry else measured
     return used, {"used": used.to_json(),
                   "datasheet": entry.peaks(name).to_json() if entry else None,

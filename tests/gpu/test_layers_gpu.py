@@ -28,13 +28,14 @@ def with_device_saved(ctx, saved_dev):
     """The reference context `ctx` with the device's own saved tensor (in float64), so the
     reference backward reads exactly what the device's backward reads.
 
-    In float16 and bfloat16 a pre-activation within rounding of a kink (ReLU's 0, ReLU6's
-    6) can land on the other side on the device, most of all when cuDNN refuses the fused
-    call and the unfused fallback rounds conv(x) before adding the bias (Note [unfused
-    fallback]). The forward check bounds that difference by the rounding, but the
-    backward's mask then differs by a whole dy element, which the sums over the batch
-    carry into dx and dweight. So for activations whose backward reads the output, the
-    reference backward reads the device's output, and measures the backward alone."""
+    In float16 and bfloat16 (and, rarely, float32: within ~3e-7 of 0) a pre-activation
+    within rounding of a kink (ReLU's 0, ReLU6's 6) can land on the other side on the
+    device, most of all when cuDNN refuses the fused call and the unfused fallback rounds
+    conv(x) before adding the bias (Note [unfused fallback]). The forward check bounds that
+    difference by the rounding, but the backward's mask then differs by a whole dy
+    element, which the sums over the batch carry into dx and dweight. So for activations
+    whose backward reads the output, the reference backward reads the device's output,
+    and measures the backward alone."""
     import dataclasses
 
     return dataclasses.replace(ctx, saved=saved_dev.get().astype(np.float64))
@@ -78,7 +79,7 @@ def test_conv2d_gpu_matches_reference(dtype, act, layout, residual):
         close(y, y_ref, dtype)
         r = rng.standard_normal(out_shape).astype(gpu.dtype)
         g = gpu.backward(cp.asarray(r))
-        if dtype in ("float16", "bfloat16") and activations.saves(act) == "output":
+        if dtype != "float64" and activations.saves(act) == "output":
             g_ref, dw_ref, db_ref = backward_reference(
                 ref, x.astype(np.float64), None if z is None else z.astype(np.float64), y,
                 r.astype(np.float64), act, layout)
@@ -130,8 +131,10 @@ def test_fused_forward_is_one_cudnn_call(act, monkeypatch):
     for name in ("convolutionBiasActivationForward", "convolutionForward", "addTensor",
                  "activationForward"):
         original = getattr(lib, name)
+        # recorded once the call returns: a ranked algorithm cuDNN refuses (the engine
+        # then tries the next) is no call of the path
         monkeypatch.setattr(
-            lib, name, lambda *a, _n=name, _f=original: (calls.append(_n), _f(*a))[1]
+            lib, name, lambda *a, _n=name, _f=original: (_f(*a), calls.append(_n))[0]
         )
     monkeypatch.setattr(elementwise, "activation_forward",
                         lambda *a, **k: pytest.fail("no activation kernel may run for " + act))

@@ -74,12 +74,15 @@ def test_conv_under_cuda_autocast(monkeypatch, dtype_name, act, channels_last):
     z = F.conv2d(rounded(x), rounded(ours.weight), rounded(ours.bias), padding=1) + rounded(r)
     mag = F.conv2d(x.abs().double().cpu(), ours.weight.abs().double().cpu(),
                    ours.bias.abs().double().cpu(), padding=1) + r.abs().double().cpu()
+    c = F.conv2d(rounded(x), rounded(ours.weight), None, padding=1)
     ref = TORCH_ACT[act](z)
     err = (y.double().cpu() - ref).abs()
     # One rounding of y; for activations applied after the fused call (not identity or
-    # relu) one of the pre-activation too, through |act'| <= 1.13; float32 accumulation
-    # (any cuDNN algorithm, TF32 off) within 2^-16 of the sum of |terms|.
-    tol = u * ref.abs() + 1.13 * u * z.abs() + 2.0 ** -16 * mag
+    # relu) one of the pre-activation too, through |act'| <= 1.13; where cuDNN refuses the
+    # fused call for this dtype (Note [unfused fallback]: bfloat16 is not in its documented
+    # set), one more of the bare convolution before the bias and residual are added; float32
+    # accumulation (any cuDNN algorithm, TF32 off) within 2^-16 of the sum of |terms|.
+    tol = u * ref.abs() + 1.13 * u * (z.abs() + c.abs()) + 2.0 ** -16 * mag
     assert bool((err <= tol).all()), float((err - tol).max())
     y.float().square().sum().backward()
     assert xg.grad.dtype == torch.float32 and ours.weight.grad.dtype == torch.float32
