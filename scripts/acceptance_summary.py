@@ -70,7 +70,12 @@ def _host_case(c: dict) -> str:
         return f"{c.get('case')}: {c.get('status')}"
     verdict = "" if not goal else (f" (goal <= {goal.get('target')}: "
                                    f"{'met' if goal.get('met') else 'NOT met'})")
-    return f"{c.get('case')}: {ratio:.2f}x{verdict}"
+    extra = [f"{k} {v:.2f}x" for k, v in (c.get("ratios") or {}).items()
+             if k != "convfuse/pytorch" and isinstance(v, (int, float))]
+    # a form that could not be measured (a CUDA-graph capture that failed) is a finding
+    extra += [f"{form}: {how}" for form, how in (c.get("forms") or {}).items()
+              if how != "measured"]
+    return f"{c.get('case')}: {ratio:.2f}x{verdict}" + "".join(f", {e}" for e in extra)
 
 
 def _jsonl(path: Path) -> list[dict]:

@@ -297,3 +297,14 @@ def test_tests_that_compile_on_a_cold_cache_run_last_on_a_gpu():
     cold_compiles_last(items)
     assert [i.name for i in items] == ["quick_1", "quick_2", "quick_3", "compile_a",
                                        "compile_b"]
+
+
+def test_the_host_row_shows_graph_ratios_and_forms_that_were_not_measured():
+    row = {"case": "resnet18_step_b8", "status": "ok",
+           "ratios": {"convfuse/pytorch": 1.1, "convfuse_graph/torch_graph": 0.9},
+           "forms": {"convfuse_eager": "measured", "torch_graph": "measured",
+                     "convfuse_graph": "error: CaptureError: a sync inside the capture"}}
+    text = acceptance_summary._host_case(row)
+    assert text.startswith("resnet18_step_b8: 1.10x")
+    assert "convfuse_graph/torch_graph 0.90x" in text
+    assert "convfuse_graph: error: CaptureError: a sync inside the capture" in text
