@@ -56,7 +56,7 @@ def documented(message: str) -> bool:
     bn = _BN_PLAN.search(message)
     if bn is not None:
         shape = [int(v) for v in bn["shape"].split(",")]
-        return (bn["layout"] == "NHWC" and len(shape) >= 3 and shape[-1] % 4 == 0
+        return (bn["layout"] == "NHWC" and 3 <= len(shape) <= 4 and shape[-1] % 4 == 0
                 and bn["dtype"] == "float16" and bn["act"] == "relu")
     m = _PLAN.search(message)
     if m is None:

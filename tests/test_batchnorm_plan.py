@@ -61,6 +61,9 @@ def test_fused_ops_choice():
     assert not fused_documented(g, "float32") and not fused_documented(g, "bfloat16")
     assert not fused_documented(BatchNormGeometry.create((2, 8, 3, 3)), "float16")
     assert not fused_documented(BatchNormGeometry.create((2, 3, 3, 6), "NHWC"), "float16")
+    # 4-d as cuDNN sees it: (N, L, C) lifts to NHWC; NDHWC is not NHWC
+    assert fused_documented(BatchNormGeometry.create((2, 30, 8), "NHWC"), "float16")
+    assert not fused_documented(BatchNormGeometry.create((2, 3, 4, 5, 8), "NHWC"), "float16")
     assert get_batchnorm_plan(g, "float16", "relu", True).fused_ops == \
         lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION
     assert get_batchnorm_plan(g, "float16", "relu").fused_ops == \

@@ -445,6 +445,7 @@ def test_fusion_strict_counts_dilation_as_undocumented():
     ((2, 3, 3, 8), "NHWC", "bfloat16", "relu", False),
     ((2, 3, 3, 8), "NHWC", "float16", "identity", False),
     ((4, 8), "NHWC", "float16", "relu", False),  # (N, C): no channels-last
+    ((2, 3, 4, 3, 8), "NHWC", "float16", "relu", False),  # NDHWC: 5-d, not NHWC
 ])
 def test_fusion_strict_knows_where_batchnorm_fusion_is_documented(shape, layout, dtype, act,
                                                                   documented):

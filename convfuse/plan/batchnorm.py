@@ -15,9 +15,12 @@ Note [BatchNorm in cuDNN]
   CUDNN_BATCHNORM_OPS_BN_ACTIVATION (relu(bn(x))) and ..._BN_ADD_ACTIVATION
   (relu(bn(x) + z)). The cuDNN API reference (cuDNN 8.x, unchanged in 9) supports them
   only for fully packed NHWC tensors of CUDNN_DATA_HALF with C a multiple of 4, in
-  SPATIAL_PERSISTENT mode, with a RELU activation descriptor. A plan whose configuration
-  meets those rules tries the fused calls; any other configuration runs the plain calls
-  plus convfuse's add/activation kernels without a warning (nothing was refused). If cuDNN
+  SPATIAL_PERSISTENT mode, with a RELU activation descriptor. NHWC read as 4-d: a 5-d
+  NDHWC batch (BatchNorm3d) runs the plain calls, where PyTorch, which never asks for the
+  fused bnOps at all, would too (no refusal to meet there on the first GPU). A plan whose
+  configuration meets those rules tries the fused calls; any other configuration runs the
+  plain calls plus convfuse's add/activation kernels without a warning (nothing was
+  refused). If cuDNN
   refuses a fused call it was documented to take (any NOT_SUPPORTED status, at the size
   query or at the call), the plan remembers, warns once (FusedFallbackWarning) and runs
   the plain path from then on (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
@@ -133,9 +136,10 @@ def fused_ops_name(activation: str, residual: bool) -> str | None:
 
 def fused_documented(geom: BatchNormGeometry, dtype: Any) -> bool:
     """Whether cuDNN documents the fused bnOps for this configuration (Note [BatchNorm in
-    cuDNN]): packed NHWC half data, C % 4 == 0, SPATIAL_PERSISTENT."""
+    cuDNN]): packed NHWC half data, C % 4 == 0, SPATIAL_PERSISTENT, as cuDNN sees it 4-d
+    (NHWC itself, or (N, L, C) lifted; not NDHWC)."""
     return (geom.channels_last and canonical(dtype).name == "float16"
-            and geom.channels % 4 == 0
+            and geom.channels % 4 == 0 and len(geom.lifted_cf) == 4
             and training_mode_name(geom, dtype) == "CUDNN_BATCHNORM_SPATIAL_PERSISTENT")
 
 

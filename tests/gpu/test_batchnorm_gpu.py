@@ -56,7 +56,8 @@ def spy(monkeypatch):
     calls = []
     for name in BN_CALLS:
         real = getattr(lib, name)
-        monkeypatch.setattr(lib, name, lambda *a, _r=real, _n=name: (calls.append(_n), _r(*a))[1])
+        # recorded once the call returns: a refused call is no call of the path
+        monkeypatch.setattr(lib, name, lambda *a, _r=real, _n=name: (_r(*a), calls.append(_n))[0])
     return calls
 
 
@@ -125,7 +126,7 @@ def test_training_matches_reference(monkeypatch, rng, spy, dtype, shape, layout,
 
 
 @pytest.mark.parametrize("residual", [True, False])
-@pytest.mark.parametrize("shape", [(4, 5, 6, 8), (2, 3, 4, 5, 16)])
+@pytest.mark.parametrize("shape", [(4, 5, 6, 8), (4, 30, 8)])  # NHWC; (N, L, C) lifted
 def test_documented_fused_config_runs_fused_without_warning(monkeypatch, rng, spy, residual,
                                                            shape):
     k = Case(rng, shape, "NHWC", "float16", residual)

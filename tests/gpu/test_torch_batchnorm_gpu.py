@@ -34,14 +34,16 @@ def _spy(monkeypatch, module, name, record):
     real = getattr(module, name)
 
     def wrapped(*args, **kwargs):
+        from convfuse.ops.cudnn import handle
         from convfuse.ops.cudnn.device import context_of
-        from convfuse.ops.cudnn.handle import get_handle
 
         ctx = context_of(args[0])  # the stream the engine runs on, either path
-        record.append({"name": name, "stream": ctx.stream_ptr,
-                       "handle_stream": get_handle(ctx).getStream(), "args": args})
+        record.append({"name": name, "stream": ctx.stream_ptr, "args": args})
         out = real(*args, **kwargs)
         record[-1]["out"] = out
+        # the stream the engine left this thread's handle on, read after the call (asking
+        # get_handle(ctx) first would bind it to ctx's stream itself)
+        record[-1]["handle_stream"] = handle._local.bound[ctx.device][0].getStream()
         return out
 
     monkeypatch.setattr(module, name, wrapped)

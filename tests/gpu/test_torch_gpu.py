@@ -39,19 +39,27 @@ def _reference(layer, x, residual=None):
     return y.detach(), xr.grad, ref
 
 
+def _thread_handle(device):
+    """This thread's cuDNN handle for `device`, as the engine left it (handle.py keeps one
+    per device and thread), without rebinding its stream."""
+    from convfuse.ops.cudnn import handle
+
+    return handle._local.bound[device][0]
+
+
 def _spy(monkeypatch, module, name, record):
     real = getattr(module, name)
 
     def wrapped(*args, **kwargs):
         from convfuse.ops.cudnn.device import context_of
-        from convfuse.ops.cudnn.handle import get_handle
 
         ctx = context_of(args[0])  # the stream the engine runs on, either path
-        record.append({"stream": ctx.stream_ptr,
-                       "handle_stream": get_handle(ctx).getStream(), "args": args,
-                       "kwargs": kwargs})
+        record.append({"stream": ctx.stream_ptr, "args": args, "kwargs": kwargs})
         out = real(*args, **kwargs)
         record[-1]["out"] = out
+        # the stream the engine left this thread's handle on: read after the call (asking
+        # get_handle(ctx) before it would bind the handle to ctx's stream itself)
+        record[-1]["handle_stream"] = _thread_handle(ctx.device).getStream()
         return out
 
     monkeypatch.setattr(module, name, wrapped)
