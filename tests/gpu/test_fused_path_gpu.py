@@ -198,7 +198,10 @@ def test_benchmark_times_both_identity_paths_and_keeps_the_faster(monkeypatch, r
         warnings.simplefilter("error", FusedFallbackWarning)
         with poison_outputs(monkeypatch):
             y, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "tanh")
-        assert_close(y, y_ref, dtype, "y (timed call)")
+        # benchmark mode's search may pick an FFT or Winograd algorithm for the unfused
+        # path: the transform algorithms' float32 tolerance (tests/gpu/_binding_gpu_helpers)
+        rtol = 1e-4 if dtype == "float32" else None
+        assert_close(y, y_ref, dtype, "y (timed call)", rtol)
         plan = get_plan(geom, dtype, "tanh")
         path = plan.forward_path
         assert path.reason == "timed" and path.fused_ms > 0 and path.unfused_ms > 0
@@ -206,5 +209,5 @@ def test_benchmark_times_both_identity_paths_and_keeps_the_faster(monkeypatch, r
         spied["fused"].clear()
         with poison_outputs(monkeypatch):
             y2, _ = ops.conv_bias_act(x.dev, w.dev, b.dev, geom, "tanh")
-    assert_close(y2, y_ref, dtype, "y (after the choice)")
+    assert_close(y2, y_ref, dtype, "y (after the choice)", rtol)
     assert bool(spied["fused"]) == (path.path == "fused")

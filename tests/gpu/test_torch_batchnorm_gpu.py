@@ -38,12 +38,15 @@ def _spy(monkeypatch, module, name, record):
         from convfuse.ops.cudnn.device import context_of
 
         ctx = context_of(args[0])  # the stream the engine runs on, either path
-        record.append({"name": name, "stream": ctx.stream_ptr, "args": args})
+        # its own entry: an engine function that calls itself again through the module
+        # (on_cupy) appends the inner call's entry after this one
+        entry = {"name": name, "stream": ctx.stream_ptr, "args": args}
+        record.append(entry)
         out = real(*args, **kwargs)
-        record[-1]["out"] = out
+        entry["out"] = out
         # the stream the engine left this thread's handle on, read after the call (asking
         # get_handle(ctx) first would bind it to ctx's stream itself)
-        record[-1]["handle_stream"] = handle._local.bound[ctx.device][0].getStream()
+        entry["handle_stream"] = handle._local.bound[ctx.device][0].getStream()
         return out
 
     monkeypatch.setattr(module, name, wrapped)
