@@ -233,7 +233,10 @@ chunk() {  # chunk NAME EXPECTED FILES...: one pytest chunk, streamed per test, 
 }
 
 sanitizer() {
-  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 100 \
+  # memory errors only: a CUDA API call that fails and is handled (a library probing a
+  # feature, the sync counter's capture probe) is no finding of memcheck's
+  compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+    --print-limit 100 \
     "$PY" scripts/count_syncs.py --worker --steps 1
 }
 export -f offline_install build_stamp merge_junit chunk sanitizer

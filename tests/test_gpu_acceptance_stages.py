@@ -308,3 +308,18 @@ def test_the_host_row_shows_graph_ratios_and_forms_that_were_not_measured():
     assert text.startswith("resnet18_step_b8: 1.10x")
     assert "convfuse_graph/torch_graph 0.90x" in text
     assert "convfuse_graph: error: CaptureError: a sync inside the capture" in text
+
+
+def test_a_benchmark_cut_by_its_cap_keeps_its_streamed_sections(tmp_path):
+    """host and bench stream each finished section: cut by the cap with sections written,
+    the part is CUT, not failed; cut before any, it failed."""
+    status = tmp_path / "status"
+    status.write_text("bench 124 250\n")
+    rows = acceptance_summary.read_status(status)
+    assert acceptance_summary.verdict("bench", 124, tmp_path) == "FAIL (time cap reached)"
+    assert acceptance_summary.failed_parts(tmp_path, rows) == ["bench"]
+    (tmp_path / "bench.jsonl").write_text(json.dumps({"section": "forward", "results": []})
+                                          + "\n")
+    assert acceptance_summary.verdict("bench", 124, tmp_path).startswith("CUT")
+    assert acceptance_summary.failed_parts(tmp_path, rows) == []
+    assert acceptance_summary.verdict("smoke", 124, tmp_path) == "FAIL (time cap reached)"

@@ -37,7 +37,9 @@ class Precision:
 
 
 PRECISIONS: dict[str, Precision] = {
-    "fp32": Precision("fp32", "float32", allow_tf32=False, tol=1e-4),
+    # 3e-4: with the algorithm search on, fused, unfused and PyTorch may each pick an FFT
+    # or Winograd algorithm, each within ~1e-4 of the exact result (tests/gpu's bound)
+    "fp32": Precision("fp32", "float32", allow_tf32=False, tol=3e-4),
     "tf32": Precision("tf32", "float32", allow_tf32=True, tol=2e-2),
     "fp16": Precision("fp16", "float16", allow_tf32=False, tol=2e-2),
     "bf16": Precision("bf16", "bfloat16", allow_tf32=False, tol=6e-2),
