@@ -170,3 +170,47 @@ def test_chart_has_parity_line_values_whiskers_and_a_legend_off_the_bars(tmp_pat
     plt.close(fig)
     for section, pairs in plot.RATIOS["cpu"].items():
         assert all("cuDNN" not in label and "CUDA" not in label for _, label in pairs), section
+
+
+def test_gpu_timers_bracket_several_calls_per_sample_when_asked():
+    """Note [a GPU sample starts from an idle queue]: with `calls`, one event pair brackets
+    that many consecutive calls (input sets rotating on) and the sample is per call."""
+    fake_cuda = types.SimpleNamespace(
+        Event=_FakeEvent, get_elapsed_time=lambda a, b: (b.at - a.at) * 1e3,
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
+        synchronize=lambda: None)
+    fake = types.SimpleNamespace(cuda=fake_cuda)
+    for timer in (timing.CupyEventTimer(fake), timing.TorchEventTimer(fake)):
+        seen = []
+
+        def work(i, seen=seen):
+            seen.append(i)
+            time.sleep(0.002)
+
+        samples = timer.sample(work, n_sets=2, start=1, reps=2, calls=3)
+        assert seen == [1, 0, 1, 0, 1, 0] and len(samples) == 2
+        assert all(0.0015 < t < 0.2 for t in samples)  # per call, not per bracket
+
+
+def test_interleaved_gpu_samples_bracket_enough_calls_and_cpu_ones_one():
+    """A GPU form whose call takes 1e-4 s gets ceil(GPU_SAMPLE_S / 1e-4) = 5 calls per
+    sample (from a pilot); a CPU form one; a slow GPU form one."""
+    class Fake:
+        def __init__(self, kind, per_call):
+            self.kind, self.per_call, self.asked = kind, per_call, []
+
+        def sync(self):
+            pass
+
+        def sample(self, fn, n_sets, start, reps, calls=1):
+            self.asked.append((reps, calls))
+            return [self.per_call] * reps
+
+    gpu, cpu, slow = Fake("gpu: fake", 1e-4), Fake("cpu: fake", 1e-4), Fake("gpu: fake", 1e-2)
+    forms = {"gpu": (gpu, lambda i: None), "cpu": (cpu, lambda i: None),
+             "slow": (slow, lambda i: None)}
+    stats = timing.measure_interleaved(forms, 1, timing.Budget(0, 3, 3, 10.0))
+    assert gpu.asked == [(timing.PILOT_REPS, 1)] + [(1, 5)] * 3
+    assert cpu.asked == [(1, 1)] * 3
+    assert slow.asked == [(timing.PILOT_REPS, 1)] + [(1, 1)] * 3
+    assert stats["gpu"].median == 1e-4

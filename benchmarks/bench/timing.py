@@ -17,6 +17,15 @@ and the host does not wait between repetitions: the events measure device time, 
 gap the host leaves by launching more slowly than the device runs (which is the real cost
 of a launch-bound eager step). On the CPU, perf_counter brackets each call.
 
+Note [a GPU sample starts from an idle queue]
+An interleaved round waits for each form's sample before the next form's (the rotation is
+the point), so each GPU sample starts with nothing queued: its begin event fires at once
+and the device then idles through the host's Python for the first launch, which a
+device-bound call in a running step never pays. So in interleaved rounds a GPU sample
+brackets `calls` consecutive calls, as many as bring a sample's time (from a pilot) to
+GPU_SAMPLE_S, at most MAX_CALLS, and counts its time divided by them: the first launch's
+latency is spread over them, and a launch-bound call still shows its host gap per call.
+
 `fn(i)` runs the operation on input set `i`; the caller passes how many sets it made so
 consecutive repetitions read different memory when one set would sit in cache.
 """
@@ -31,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 PILOT_REPS = 3
+GPU_SAMPLE_S = 5e-4  # Note [a GPU sample starts from an idle queue]
+MAX_CALLS = 32
 TARGET_SPREAD = 0.05
 UNSTABLE_SPREAD = 0.10
 UNSTABLE_RATIO_SPREAD = 0.20
@@ -109,6 +120,9 @@ class Timer(Protocol):
     def sync(self) -> None: ...
 
     def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        """Seconds per call of `reps` calls of fn on input sets start, start + 1, ... (mod
+        n_sets); the GPU timers also take `calls`: each sample then brackets that many
+        consecutive calls (Note [a GPU sample starts from an idle queue])."""
         ...
 
 
@@ -138,15 +152,17 @@ class CupyEventTimer:  # pragma: gpu
     def sync(self) -> None:
         self._cp.cuda.get_current_stream().synchronize()
 
-    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int,
+               calls: int = 1) -> list[float]:
         cp = self._cp
         pairs = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
         for r, (begin, end) in enumerate(pairs):
             begin.record()
-            fn((start + r) % n_sets)
+            for c in range(calls):
+                fn((start + r * calls + c) % n_sets)
             end.record()
         pairs[-1][1].synchronize()
-        return [cp.cuda.get_elapsed_time(begin, end) / 1e3 for begin, end in pairs]
+        return [cp.cuda.get_elapsed_time(begin, end) / 1e3 / calls for begin, end in pairs]
 
 
 class TorchEventTimer:  # pragma: gpu
@@ -160,16 +176,18 @@ class TorchEventTimer:  # pragma: gpu
     def sync(self) -> None:
         self._torch.cuda.synchronize()
 
-    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int,
+               calls: int = 1) -> list[float]:
         cuda = self._torch.cuda
         pairs = [(cuda.Event(enable_timing=True), cuda.Event(enable_timing=True))
                  for _ in range(reps)]
         for r, (begin, end) in enumerate(pairs):
             begin.record()
-            fn((start + r) % n_sets)
+            for c in range(calls):
+                fn((start + r * calls + c) % n_sets)
             end.record()
         pairs[-1][1].synchronize()
-        return [begin.elapsed_time(end) / 1e3 for begin, end in pairs]
+        return [begin.elapsed_time(end) / 1e3 / calls for begin, end in pairs]
 
 
 def measure(timer: Timer, fn: Callable[[int], Any], n_sets: int, budget: Budget) -> Stats:
@@ -200,11 +218,13 @@ def measure_interleaved(forms: dict[str, Form], n_sets: int, budget: Budget,
     if not forms:
         raise ValueError("no forms to measure")
     names = list(forms)
+    calls: dict[str, int] = {}
     for name in names:
         timer, fn = forms[name]
         for i in range(budget.warmup):
             fn(i % n_sets)
         timer.sync()
+        calls[name] = _calls_per_sample(timer, fn, n_sets, budget.warmup)
     samples: dict[str, list[float]] = {name: [] for name in names}
     start = clock()
     rounds = 0
@@ -212,7 +232,12 @@ def measure_interleaved(forms: dict[str, Form], n_sets: int, budget: Budget,
         order = names[rounds % len(names):] + names[:rounds % len(names)]
         for name in order:
             timer, fn = forms[name]
-            samples[name] += timer.sample(fn, n_sets, budget.warmup + rounds, 1)
+            k = calls[name]
+            if k == 1:
+                samples[name] += timer.sample(fn, n_sets, budget.warmup + rounds, 1)
+            else:  # Note [a GPU sample starts from an idle queue]
+                samples[name] += timer.sample(fn, n_sets, budget.warmup + rounds * k, 1,
+                                              calls=k)  # type: ignore[call-arg]
         rounds += 1
         if rounds < budget.min_reps:
             continue
@@ -221,6 +246,17 @@ def measure_interleaved(forms: dict[str, Form], n_sets: int, budget: Budget,
         if all(summarize(v).spread <= TARGET_SPREAD for v in samples.values()):
             break
     return {name: summarize(v) for name, v in samples.items()}
+
+
+def _calls_per_sample(timer: Timer, fn: Callable[[int], Any], n_sets: int, start: int) -> int:
+    """1 off the GPU; on it, the calls that bring a sample to GPU_SAMPLE_S, from a pilot
+    (Note [a GPU sample starts from an idle queue])."""
+    if not timer.kind.startswith("gpu"):
+        return 1
+    per_call = statistics.median(timer.sample(fn, n_sets, start, PILOT_REPS))
+    if per_call <= 0:
+        return MAX_CALLS
+    return max(1, min(MAX_CALLS, math.ceil(GPU_SAMPLE_S / per_call)))
 
 
 def ratio_interval(a: Stats, b: Stats) -> tuple[float, float, float, bool]:
