@@ -54,3 +54,28 @@ def test_quick_cpu_run_checks_and_times_every_form():
     table = conv_transpose.format_table(result)
     assert "ConvTranspose (U-Net decoder layers)" in table
     assert "nothing here is a GPU result" in table
+
+
+def test_a_case_that_raises_is_recorded_and_the_run_goes_on(monkeypatch):
+    """One case's exception (a cuDNN error on a GPU) ends no run: it is the case's record,
+    the other cases are measured, and the table names it; the peaks say their GEMM math."""
+    pytest.importorskip("torch")
+    real = conv_transpose._case
+    cases = []
+
+    def first_raises(eng, torch, case, layout, peaks, quick):
+        cases.append(case.name)
+        if len(cases) == 1:
+            raise RuntimeError("cudnnConvolutionBackwardData failed (stand-in)")
+        return real(eng, torch, case, layout, peaks, quick)
+
+    monkeypatch.setattr(conv_transpose, "_case", first_raises)
+    result = conv_transpose.run(quick=True)
+    if result["device"] != "cpu":  # pragma: gpu
+        pytest.skip("the CPU run is what this test checks")
+    first, *rest = result["cases"]
+    assert first["status"] == "error" and "stand-in" in first["error"]
+    assert len(rest) == 5 and all(r["status"] == "measured" for r in rest)
+    assert "error: RuntimeError: cudnnConvolutionBackwardData" in \
+        conv_transpose.format_table(result)
+    assert result["peaks"]["gemm_math"] == "fp32"  # the CPU's GEMM has no TF32

@@ -25,11 +25,13 @@ Self-contained like torch_convert.py: the entry is `run(quick) -> dict`, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,17 +102,39 @@ class Engine:
         src = xp.ones(1 << (26 if self.gpu else 24), np.uint8)
         dst = xp.empty_like(src)
         best_mm = best_cp = math.inf
-        for _ in range(5):
-            self.sync()
-            t0 = time.perf_counter()
-            a @ a
-            self.sync()
-            best_mm = min(best_mm, time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            dst[...] = src
-            self.sync()
-            best_cp = min(best_cp, time.perf_counter() - t0)
-        return {"gemm_flops": 2 * n ** 3 / best_mm, "copy_bytes": 2 * src.nbytes / best_cp}
+        with _gemm_math(self.gpu) as math_name:
+            for _ in range(5):
+                self.sync()
+                t0 = time.perf_counter()
+                a @ a
+                self.sync()
+                best_mm = min(best_mm, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dst[...] = src
+                self.sync()
+                best_cp = min(best_cp, time.perf_counter() - t0)
+        return {"gemm_flops": 2 * n ** 3 / best_mm, "copy_bytes": 2 * src.nbytes / best_cp,
+                "gemm_math": math_name}
+
+
+@contextlib.contextmanager
+def _gemm_math(gpu: bool) -> Iterator[str]:
+    """The math the GEMM peak runs in: TF32 on a GPU where convfuse's config allows it (the
+    cases' convolutions run in it; a plain-fp32 peak would put their compute floors some
+    8x too high), fp32 otherwise; CuPy's compute type restored after."""
+    import convfuse as cf
+
+    if not gpu or not cf.config.get().allow_tf32:
+        yield "fp32"
+        return
+    from cupy._core import _routines_linalg as linalg  # pragma: gpu
+
+    previous = linalg.get_compute_type(np.float32)  # pragma: gpu
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32)  # pragma: gpu
+    try:  # pragma: gpu
+        yield "tf32"
+    finally:
+        linalg.set_compute_type(np.float32, previous)
 
 
 def _forms(eng: Engine, torch: Any, case: Case, layout: str) -> tuple[dict, dict, dict]:
@@ -239,6 +263,17 @@ def _work(geom: Any) -> dict[str, dict[str, float]]:
             "backward": {"flops": 2 * flops, "bytes": 2 * y + x + w + x + w + b}}
 
 
+def _guarded(eng: Engine, torch: Any, case: Case, layout: str, peaks: dict,
+             quick: bool) -> dict:
+    """_case, or a record of its error: one case that fails ends no run (the sections
+    after this one, the final JSON)."""
+    try:
+        return _case(eng, torch, case, layout, peaks, quick)
+    except Exception as exc:  # reported, as records.guarded reports a section's case
+        return {"name": case.name, "layout": layout, "shape": case.describe(),
+                "status": "error", "error": f"{type(exc).__name__}: {exc}"}
+
+
 def _case(eng: Engine, torch: Any, case: Case, layout: str, peaks: dict, quick: bool) -> dict:
     rec: dict[str, Any] = {"name": case.name, "layout": layout, "shape": case.describe()}
     fwd, bwd, info = _forms(eng, torch, case, layout)
@@ -287,7 +322,8 @@ def run(quick: bool) -> dict:
         cases = [c.scaled(2, 16, 8) if quick else c.scaled(4, 8, 4) for c in cases]
     peaks = eng.peaks()
     with cf.config.flags(benchmark=eng.gpu):
-        records = [_case(eng, torch, c, lay, peaks, quick) for c in cases for lay in layouts]
+        records = [_guarded(eng, torch, c, lay, peaks, quick) for c in cases
+                   for lay in layouts]
     return {"schema": SCHEMA, "status": "measured", "device": "cuda" if eng.gpu else "cpu",
             "label": eng.label, "quick": quick, "peaks": peaks,
             "torch": None if torch is None else torch.__version__,
@@ -306,7 +342,8 @@ def format_table(result: dict) -> str:
         f"{f:>12}" for f in FORMS) + f"{'floor':>10}{'x unfused':>11}{'x torch':>9}")
     for rec in result["cases"]:
         if rec["status"] != "measured":
-            lines.append(f"{rec['name']:<28}{rec['layout']:<7}{rec['status']}: {rec['check']}")
+            why = rec.get("error", rec.get("check"))
+            lines.append(f"{rec['name']:<28}{rec['layout']:<7}{rec['status']}: {why}")
             continue
         for phase in ("forward", "backward"):
             t = rec[phase]
