@@ -62,21 +62,29 @@ class _FakeEvent:
         return (end.at - self.at) * 1e3
 
 
-def test_gpu_event_timers_bracket_each_call_and_report_seconds():
-    # The GPU timers' logic (one event pair per call, ms -> s) on fake event objects.
+def _fake_gpu_timers():
+    """CupyEventTimer and TorchEventTimer on a module whose `cuda` has fake events."""
     fake_cuda = types.SimpleNamespace(
         Event=_FakeEvent, get_elapsed_time=lambda a, b: (b.at - a.at) * 1e3,
         get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
         synchronize=lambda: None)
     fake = types.SimpleNamespace(cuda=fake_cuda)
-    for timer in (timing.CupyEventTimer(fake), timing.TorchEventTimer(fake)):
+    return timing.CupyEventTimer(fake), timing.TorchEventTimer(fake)
+
+
+def _sleeper(seen):
+    """A 2 ms call that records the input set it was given."""
+    def work(i):
+        seen.append(i)
+        time.sleep(0.002)
+    return work
+
+
+def test_gpu_event_timers_bracket_each_call_and_report_seconds():
+    # The GPU timers' logic (one event pair per call, ms -> s) on fake event objects.
+    for timer in _fake_gpu_timers():
         seen = []
-
-        def work(i, seen=seen):
-            seen.append(i)
-            time.sleep(0.002)
-
-        samples = timer.sample(work, n_sets=2, start=1, reps=3)
+        samples = timer.sample(_sleeper(seen), n_sets=2, start=1, reps=3)
         assert seen == [1, 0, 1]
         assert all(0.0015 < t < 0.5 for t in samples)
         timer.sync()
@@ -175,19 +183,9 @@ def test_chart_has_parity_line_values_whiskers_and_a_legend_off_the_bars(tmp_pat
 def test_gpu_timers_bracket_several_calls_per_sample_when_asked():
     """Note [a GPU sample starts from an idle queue]: with `calls`, one event pair brackets
     that many consecutive calls (input sets rotating on) and the sample is per call."""
-    fake_cuda = types.SimpleNamespace(
-        Event=_FakeEvent, get_elapsed_time=lambda a, b: (b.at - a.at) * 1e3,
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=lambda: None),
-        synchronize=lambda: None)
-    fake = types.SimpleNamespace(cuda=fake_cuda)
-    for timer in (timing.CupyEventTimer(fake), timing.TorchEventTimer(fake)):
+    for timer in _fake_gpu_timers():
         seen = []
-
-        def work(i, seen=seen):
-            seen.append(i)
-            time.sleep(0.002)
-
-        samples = timer.sample(work, n_sets=2, start=1, reps=2, calls=3)
+        samples = timer.sample(_sleeper(seen), n_sets=2, start=1, reps=2, calls=3)
         assert seen == [1, 0, 1, 0, 1, 0] and len(samples) == 2
         assert all(0.0015 < t < 0.2 for t in samples)  # per call, not per bracket
 

@@ -48,6 +48,7 @@ stream current at each call; on CUDA's pointer path a training forward, its back
 an evaluation forward without statistics hand the engine's bound call addresses instead
 from the signature's second call (`_on_pointers`, `_backward_on_pointers`: Note [bound
 batch-norm calls] in convfuse/ops/cudnn/bound_batchnorm.py).
+
 Note [the fused backward on the eager path]
 The custom ops cannot carry a fused forward's engine state to their backward (Note [what
 the backward reuses] in _bn_ops.py), but this module's BatchNormFunction is no custom op:
@@ -331,7 +332,7 @@ class BatchNormCall:
         ctx.saved_tensors, whose version checks passed: the forward's arrays of them in
         `kept` still hold their values."""
         cd, cl, prep = self.cd, self.cl, self.prep
-        mean, invstd, arrays, state = kept
+        mean, invstd, arrays, engine_state = kept
         dyp = physical(dy, cl)
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
             dya = dyp.numpy(force=True) if self.host else to_array(dyp)
@@ -364,7 +365,7 @@ class BatchNormCall:
             dw_t = torch.empty(weight.shape, dtype=cd, device=x.device)
             db_t = torch.empty(weight.shape, dtype=cd, device=x.device)
         # Note [the fused backward on the eager path]: only with the forward's own bnOps
-        fused = state if need_dres == self.has_residual else None
+        fused = engine_state if need_dres == self.has_residual else None
         with context(x):
             if self.training and _bound.on_pointer_path(x):
                 dx, dres = self._backward_on_pointers(_bound.context(x), dyp, x, weight, bias,

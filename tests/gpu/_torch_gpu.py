@@ -1,5 +1,5 @@
-"""What the convfuse.torch GPU tests share: the test's CUDA setting and NaN poisoning of
-PyTorch's caching allocator."""
+"""What the convfuse.torch GPU tests share: the test's CUDA setting, NaN poisoning of
+PyTorch's caching allocator, and a captured step's replay on a new input."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def poison(nbytes: int = 64 << 20) -> None:
     current stream likely reuse it, so an output read before it is written shows."""
     block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
     del block
+
+
+def replay_on_new_input(graph, static_x, static_y):
+    """Copy a new random input into a captured training step's static input, replay the
+    graph, and return (the new input, copies of y and of x's gradient)."""
+    new_x = torch.randn_like(static_x)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return new_x, static_y.detach().clone(), static_x.grad.detach().clone()

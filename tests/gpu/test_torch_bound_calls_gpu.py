@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 from tests._engine_calls import count_plan_lookups, forget_signatures  # noqa: E402
-from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+from tests.gpu._torch_gpu import exact_cuda, poison, replay_on_new_input  # noqa: E402
 
 ENTRIES = ("conv_bias_act", "conv_backward_bias", "conv_backward_filter", "conv_backward_data")
 
@@ -123,12 +123,7 @@ def test_bound_calls_follow_the_stream_and_replay_under_a_cuda_graph(entries):
         static_y = layer(static_x)
         static_y.square().sum().backward()
     assert entries["conv_bias_act"] == bound_from["conv_bias_act"]  # captured bound
-    new_x = torch.randn_like(static_x)
-    with torch.no_grad():
-        static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
-    got_y, got_dx = static_y.detach().clone(), static_x.grad.detach().clone()
+    new_x, got_y, got_dx = replay_on_new_input(graph, static_x, static_y)
     ref = layer.cpu().double()
     x = new_x.detach().cpu().double().requires_grad_()
     y = torch.relu(torch.nn.functional.conv2d(x, ref.weight, ref.bias, padding=1))

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 torch = pytest.importorskip("torch")
 
-from tests.gpu._torch_gpu import exact_cuda, poison  # noqa: E402
+from tests.gpu._torch_gpu import exact_cuda, poison, replay_on_new_input  # noqa: E402
 
 PATHS = ["pointer", "cupy"]
 
@@ -218,12 +218,7 @@ def test_pointer_path_under_torch_cuda_graph_capture(path_spy):
     with torch.cuda.graph(graph):
         static_y = layer(static_x)
         static_y.square().sum().backward()
-    new_x = torch.randn_like(static_x)
-    with torch.no_grad():
-        static_x.copy_(new_x)
-    graph.replay()
-    torch.cuda.synchronize()
-    got_y, got_dx = static_y.detach().clone(), static_x.grad.detach().clone()
+    new_x, got_y, got_dx = replay_on_new_input(graph, static_x, static_y)
     x = new_x.detach().clone().requires_grad_()
     y = layer(x)
     y.square().sum().backward()
