@@ -249,7 +249,12 @@ def verdict(name: str, rc: int, out: Path) -> str:
                   for m in ("syncs_per_step", "d2h_copies_per_step")]
         if any(c for c in counts if c is not None):
             return "FAIL (target is zero)"
-        if str(d.get("capture_probe", "pass")).startswith("fail"):
+        if d.get("error"):
+            # nsys itself failed: no step ran under it, so nothing was counted
+            return "FAIL (the sync counter's profiler failed)"
+        if "capture_probe" not in d:
+            return "FAIL (no capture probe ran)"
+        if str(d["capture_probe"]).startswith("fail"):
             return "FAIL (capture probe)"
     return "PASS"
 

@@ -277,6 +277,14 @@ def test_a_part_that_exits_zero_but_reads_as_failed_is_a_failed_part(tmp_path):
         "convfuse eager step": {"syncs_per_step": 0.0, "d2h_copies_per_step": 0.0},
         "convfuse captured step": {"syncs_per_step": 0.0, "d2h_copies_per_step": 0.0}}))
     assert acceptance_summary.failed_parts(tmp_path, rows) == []
+    # with nsys on PATH, a profiler that failed counted nothing: no counts is not zero
+    (tmp_path / "syncs.json").write_text(json.dumps({"method": "nsys", "error": "boom"}))
+    assert acceptance_summary.failed_parts(tmp_path, rows) == ["syncs"]
+    assert "profiler failed" in acceptance_summary.verdict("syncs", 0, tmp_path)
+    (tmp_path / "syncs.json").write_text(json.dumps({
+        "method": "nsys", "convfuse eager step": {"syncs_per_step": 0.0},
+        "convfuse captured step": {"syncs_per_step": 0.0}}))
+    assert acceptance_summary.verdict("syncs", 0, tmp_path) == "FAIL (no capture probe ran)"
 
 
 def test_tests_that_compile_on_a_cold_cache_run_last_on_a_gpu():
