@@ -30,15 +30,26 @@ MAX_ELEMENTS = 2**31 - 1
 def check_elements(what: str, dims: Sequence[int], describe: Callable[[], str]) -> None:
     """Refuse a tensor of `dims` that cuDNN cannot describe, before any cuDNN call on it
     (where setNd would fail with NOT_SUPPORTED, or a stride would not fit an int at all).
-    PyTorch's cuDNN convolutions split such a batch into parts; convfuse does not yet."""
+    The convolution ops split a batch too large into parts whose plans fit (Note [batch
+    split] in ops/cudnn/split.py); what reaches this is a weight, a single sample, or a
+    batch norm's or a pooling's tensor too large."""
     n = math.prod(int(v) for v in dims)
     if n > MAX_ELEMENTS:
         shape = " x ".join(str(int(v)) for v in dims)
+        per_sample = math.prod(int(v) for v in dims[1:])
+        if what == "w":
+            hint = "a weight is not split: use fewer channels or a smaller kernel"
+        elif per_sample > MAX_ELEMENTS:
+            hint = (f"even one sample has {per_sample:,}: use a smaller spatial size or "
+                    "fewer channels (or run this layer on the CPU engine)")
+        else:
+            hint = ("the convolution ops split such a batch into parts; this plan is one "
+                    "call: use a smaller batch (or run this layer on the CPU engine)")
         raise TensorTooLargeError(
             f"{describe()}: {what} ({shape}, channels first) has {n:,} elements; cuDNN "
-            f"indexes at most "
-            f"{MAX_ELEMENTS:,} per tensor (32-bit descriptors), so the cuDNN engine cannot "
-            "run it: use a smaller batch (or run this layer on the CPU engine)")
+            f"indexes at most {MAX_ELEMENTS:,} per tensor (32-bit descriptors), so the "
+            f"cuDNN engine cannot run it: {hint}")
+
 
 _DATA_TYPES = {
     "float32": "CUDNN_DATA_FLOAT",

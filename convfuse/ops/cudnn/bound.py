@@ -34,7 +34,8 @@ call, or Note [nothing to fuse]'s convolutionForward) and the three convolution
 backwards; conv_transpose_bias_act (G's data gradient, then the engine's bias +
 activation pass) and the transposed data and filter gradients, where G's output is the
 transposed one's (not windowed) and no pre-activation is kept; all with beta = 0, on a
-layout cuDNN runs directly (not Note [float64 runs channels-first]).
+layout cuDNN runs directly (not Note [float64 runs channels-first]), in one call (not
+Note [batch split]).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .. import elementwise
 from . import fused, layout
 from .device import DeviceArray, ExecContext
 from .handle import Workspace, _bound_handle
+from .split import parts
 
 #: bind's answer for a signature it never binds (another activation, a channels-first
 #: run, another op); None means "not now" (the plan is still deciding).
@@ -269,7 +271,7 @@ def bind_transpose(eng: ModuleType, name: str, tgeom: Any, dtype: Any, ctx: Exec
     pre-activation (silu, gelu: two outputs)."""
     slot = _TRANSPOSED.get(name)
     if (slot is None or tgeom.windowed or layout.runs_channels_first(tgeom, dtype)
-            or name not in eng.AS_IMPORTED):
+            or name not in eng.AS_IMPORTED or parts(tgeom) is not None):
         return NEVER
     act = activations.normalize(act)
     if activations.saves(act) == "preactivation":
@@ -291,7 +293,7 @@ def bind(eng: ModuleType, name: str, geom: Any, dtype: Any, ctx: ExecContext,
     what is not bound."""
     if layout.runs_channels_first(geom, dtype):  # Note [float64 runs channels-first]
         return NEVER
-    if name not in eng.AS_IMPORTED:
+    if name not in eng.AS_IMPORTED or parts(geom) is not None:  # Note [batch split]
         return NEVER
     if name == "conv_bias_act":
         return _bind_forward(eng, geom, dtype, ctx, activations.normalize(act), bias,

@@ -37,6 +37,7 @@ from . import fused, layout
 from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, refused, run_ranked, where
+from .split import parts, rows
 
 __all__ = ["AS_IMPORTED", "bind", "conv_backward_bias", "conv_backward_data",
            "conv_backward_filter", "conv_bias_act", "conv_forward", "refused"]
@@ -68,13 +69,17 @@ def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual:
     act = activations.normalize(activation)
     ctx = context_of(x)
     handle = get_handle(ctx)
-    plan = get_plan(geom, x.dtype, act, residual is not None)
+    has_res = residual is not None
+    split = parts(geom)
+    plans = [get_plan(geom, x.dtype, act, has_res)] if split is None else \
+        [get_plan(g, x.dtype, act, has_res) for g, _, _ in split]  # Note [batch split]
     conv_out = ctx.empty(geom.output_shape, x.dtype)
-    if b is None and residual is None and plan.key.activation == "identity":
-        forward_into(plan, handle, ctx, x, w, conv_out, "conv_bias_act")  # Note [nothing to fuse]
+    if split is None:
+        _fused_into(plans[0], handle, ctx, x, w, b, residual, residual_scale, conv_out)
     else:
-        fused.fused_forward(plan, handle, ctx, x, w, b, residual, float(residual_scale),
-                            conv_out)
+        for plan, (_, i, j) in zip(plans, split):
+            _fused_into(plan, handle, ctx, rows(x, i, j), w, b, rows(residual, i, j),
+                        residual_scale, rows(conv_out, i, j))
     if act in activations.FUSED_IN_CUDNN:
         return conv_out, None
     if activations.saves(act) == "preactivation":
@@ -83,6 +88,14 @@ def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual:
         return y, conv_out
     elementwise.activation_forward(conv_out, act, conv_out)
     return conv_out, None
+
+
+def _fused_into(plan: Any, handle: Any, ctx: Any, x: Any, w: Any, b: Any, residual: Any,
+                residual_scale: float, out: Any) -> None:  # pragma: gpu
+    if b is None and residual is None and plan.key.activation == "identity":
+        forward_into(plan, handle, ctx, x, w, out, "conv_bias_act")  # Note [nothing to fuse]
+    else:
+        fused.fused_forward(plan, handle, ctx, x, w, b, residual, float(residual_scale), out)
 
 
 def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
@@ -95,9 +108,15 @@ def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
         return layout.to_channels_last(y_cf)
     ctx = context_of(x)
     handle = get_handle(ctx)
-    plan = get_plan(geom, x.dtype)
+    split = parts(geom)
+    plans = [get_plan(geom, x.dtype)] if split is None else \
+        [get_plan(g, x.dtype) for g, _, _ in split]  # Note [batch split]
     y = ctx.empty(geom.output_shape, x.dtype)
-    forward_into(plan, handle, ctx, x, w, y, "conv_forward")
+    if split is None:
+        forward_into(plans[0], handle, ctx, x, w, y, "conv_forward")
+        return y
+    for plan, (_, i, j) in zip(plans, split):
+        forward_into(plan, handle, ctx, rows(x, i, j), w, rows(y, i, j), "conv_forward")
     return y
 
 
@@ -114,10 +133,21 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
         return layout.to_channels_last(dx_cf, out)
     ctx = context_of(dz)
     handle = get_handle(ctx)
-    plan = get_plan(geom, dz.dtype)
+    split = parts(geom)
+    plans = [get_plan(geom, dz.dtype)] if split is None else \
+        [get_plan(g, dz.dtype) for g, _, _ in split]  # Note [batch split]
     dx = out if out is not None else ctx.empty(geom.input_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
+    if split is None:
+        _data_into(plans[0], handle, ctx, w, dz, dx, beta)
+        return dx
+    for plan, (_, i, j) in zip(plans, split):  # each part writes its rows
+        _data_into(plan, handle, ctx, w, rows(dz, i, j), rows(dx, i, j), beta)
+    return dx
 
+
+def _data_into(plan: Any, handle: Any, ctx: Any, w: Any, dz: Any, dx: Any,
+               beta: float) -> None:  # pragma: gpu
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardData(
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
@@ -125,7 +155,6 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
 
     run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), ctx, call,
                "conv_backward_data")
-    return dx
 
 
 def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
@@ -141,10 +170,22 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
         return layout.to_channels_last(dw_cf, out)
     ctx = context_of(x)
     handle = get_handle(ctx)
-    plan = get_plan(geom, x.dtype)
+    split = parts(geom)
+    plans = [get_plan(geom, x.dtype)] if split is None else \
+        [get_plan(g, x.dtype) for g, _, _ in split]  # Note [batch split]
     dw = out if out is not None else ctx.empty(geom.weight_shape, x.dtype)
     beta = float(beta) if out is not None else 0.0
+    if split is None:
+        _filter_into(plans[0], handle, ctx, x, dz, dw, beta)
+        return dw
+    for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
+        _filter_into(plan, handle, ctx, rows(x, i, j), rows(dz, i, j), dw,
+                     beta if i == 0 else 1.0)
+    return dw
 
+
+def _filter_into(plan: Any, handle: Any, ctx: Any, x: Any, dz: Any, dw: Any,
+                 beta: float) -> None:  # pragma: gpu
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardFilter(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
@@ -152,7 +193,6 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
 
     run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), ctx, call,
                "conv_backward_filter")
-    return dw
 
 
 def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
@@ -167,7 +207,9 @@ def conv_backward_bias(dz: Any, geom: Any, out: Any = None,
     ctx = context_of(dz)
     db = out if out is not None else ctx.empty(geom.bias_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
-    if config.get().bias_grad == "fused":
+    if config.get().bias_grad == "fused" or parts(geom) is not None:
+        # a batch too large for one descriptor (Note [batch split]) sums in the kernel,
+        # which indexes in 64 bits, in one launch rather than one cuDNN call per part
         elementwise.activation_backward_bias(dz, None, "identity", geom, None, db, beta)
         return db
     handle = get_handle(ctx)

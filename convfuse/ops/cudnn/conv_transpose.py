@@ -30,6 +30,7 @@ from . import layout
 from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, run_ranked
+from .split import parts, rows
 
 
 @contextlib.contextmanager
@@ -63,10 +64,20 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
 
     ctx = context_of(x)
     handle = get_handle(ctx)
-    plan = get_transpose_plan(tgeom, x.dtype)
-    g = tgeom.conv
-    core = ctx.empty(g.input_shape, x.dtype)
+    split = parts(tgeom)
+    plans = [get_transpose_plan(tgeom, x.dtype)] if split is None else \
+        [get_transpose_plan(t, x.dtype) for t, _, _ in split]  # Note [batch split]
+    core = ctx.empty(tgeom.conv.input_shape, x.dtype)
+    if split is None:
+        _forward_into(plans[0], handle, ctx, x, w, core)
+    else:
+        for plan, (_, i, j) in zip(plans, split):
+            _forward_into(plan, handle, ctx, rows(x, i, j), w, rows(core, i, j))
+    return tgeom.from_conv_output(core, cp)
 
+
+def _forward_into(plan: Any, handle: Any, ctx: Any, x: Any, w: Any,
+                  core: Any) -> None:  # pragma: gpu
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardData(
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, x.data.ptr,
@@ -75,7 +86,6 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
 
     run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), ctx, call,
                "conv_transpose_forward")
-    return tgeom.from_conv_output(core, cp)
 
 
 def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry,
@@ -112,13 +122,25 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
 
     ctx = context_of(dz)
     handle = get_handle(ctx)
-    plan = get_transpose_plan(tgeom, dz.dtype)
+    split = parts(tgeom)
+    plans = [get_transpose_plan(tgeom, dz.dtype)] if split is None else \
+        [get_transpose_plan(t, dz.dtype) for t, _, _ in split]  # Note [batch split]
     dx = out if out is not None else ctx.empty(tgeom.input_shape, dz.dtype)
     src = tgeom.to_conv_output(dz, cp)
-    if out is None or float(beta) == 0.0:
+    b = float(beta) if out is not None else 0.0
+    if split is None:
+        _data_into(plans[0], handle, ctx, src, w, dx, b)
+    else:
+        for plan, (_, i, j) in zip(plans, split):  # each part writes its rows
+            _data_into(plan, handle, ctx, rows(src, i, j), w, rows(dx, i, j), b)
+    return dx
+
+
+def _data_into(plan: Any, handle: Any, ctx: Any, src: Any, w: Any, dx: Any,
+               b: float) -> None:  # pragma: gpu
+    if b == 0.0:
         forward_into(plan, handle, ctx, src, w, dx, "conv_transpose_backward_data")
-        return dx
-    b = float(beta)
+        return
 
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionForward(
@@ -127,7 +149,6 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
 
     run_ranked(plan, "fwd", handle, (src.data.ptr, w.data.ptr), ctx, call,
                "conv_transpose_backward_data")
-    return dx
 
 
 def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry,
@@ -147,11 +168,23 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
 
     ctx = context_of(x)
     handle = get_handle(ctx)
-    plan = get_transpose_plan(tgeom, x.dtype)
+    split = parts(tgeom)
+    plans = [get_transpose_plan(tgeom, x.dtype)] if split is None else \
+        [get_transpose_plan(t, x.dtype) for t, _, _ in split]  # Note [batch split]
     dw = out if out is not None else ctx.empty(tgeom.weight_shape, x.dtype)
     b = float(beta) if out is not None else 0.0
     src = tgeom.to_conv_output(dz, cp)
+    if split is None:
+        _filter_into(plans[0], handle, ctx, x, src, dw, b)
+    else:
+        for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
+            _filter_into(plan, handle, ctx, rows(x, i, j), rows(src, i, j), dw,
+                         b if i == 0 else 1.0)
+    return dw
 
+
+def _filter_into(plan: Any, handle: Any, ctx: Any, x: Any, src: Any, dw: Any,
+                 b: float) -> None:  # pragma: gpu
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardFilter(
             handle, 1.0, plan.x_desc, src.data.ptr, plan.y_desc, x.data.ptr,
@@ -159,7 +192,6 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
 
     run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), ctx, call,
                "conv_transpose_backward_filter")
-    return dw
 
 
 def conv_transpose_activation_backward_bias(

@@ -156,10 +156,10 @@ def _fall_back(plan: ConvPlan, reason: Exception, permanent: bool) -> bool:  # p
     else:
         warn = plan.fused_out_of_memory()
     if warn:
-        # _fall_back < _try_fused < fused_forward < conv._conv_bias_act < engine
-        # < ops.validated < ops dispatch < the caller
+        # _fall_back < _try_fused < fused_forward < conv._fused_into < conv._conv_bias_act
+        # < engine < ops.validated < ops dispatch < the caller
         warnings.warn(_fallback_message(plan, reason, permanent), FusedFallbackWarning,
-                      stacklevel=8)
+                      stacklevel=9)
     return False
 
 
