@@ -10,8 +10,26 @@ Handle::Handle() {
   check(withoutGil([this] { return cudnnCreate(&handle_); }), "cudnnCreate");
 }
 
+namespace {
+
+// At interpreter exit the handles (kept for the process by convfuse/ops/cudnn/handle.py)
+// die with their module, after CuPy's and torch's exit hooks may have torn the CUDA
+// context down; cudnnDestroy then synchronises a dead context, holding the GIL. PyTorch
+// never destroys its cuDNN handles for this reason (aten/src/ATen/cudnn/Handle.cpp); the
+// process's exit frees them.
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+}  // namespace
+
 Handle::~Handle() {
-  if (handle_ != nullptr) (void)cudnnDestroy(handle_);  // a destructor must not throw
+  // a destructor must not throw
+  if (handle_ != nullptr && !finalizing()) (void)cudnnDestroy(handle_);
 }
 
 void Handle::setStream(std::uintptr_t stream) {
