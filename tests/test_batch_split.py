@@ -70,6 +70,18 @@ def test_a_batch_splits_into_the_largest_parts_that_fit(n, expect):
     assert len({g for g, _, _ in parts}) == len({j - i for _, i, j in parts})
 
 
+def test_parts_start_on_16_byte_boundaries():
+    """99,980,001 elements a sample (odd): 21 samples would fit a part, 16 keep every
+    part's offset a multiple of 16 bytes in x and y for any itemsize."""
+    geom = ConvGeometry.create((40, 1, 9999, 9999), (1, 1, 3, 3), padding=1)
+    parts = split.parts(geom)
+    assert [(i, j) for _, i, j in parts] == [(0, 16), (16, 32), (32, 40)]
+    assert all(i * math.prod(geom.input_shape[1:]) % 16 == 0 for _, i, _ in parts)
+    # too large a sample for 16 of them in a part: as many as fit, unaligned
+    wide = ConvGeometry.create((7, 1, 20001, 20001), (1, 1, 1, 1))
+    assert [(i, j) for _, i, j in split.parts(wide)] == [(0, 5), (5, 7)]
+
+
 def test_the_larger_of_x_and_y_sets_the_part():
     # y has twice x's channels: y's 2**30 elements a sample allow one sample a part
     geom = ConvGeometry.create((3, 8, 8192, 8192), (16, 8, 1, 1))

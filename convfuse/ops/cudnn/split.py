@@ -11,8 +11,9 @@ contiguous in either layout) with a plan of its own:
   beta != 0 blends into, row by row);
 - the filter and the bias gradients sum over the batch: the first part blends with the
   caller's beta, the later ones accumulate (beta = 1).
-A part holds as many samples as fit, so a convolution has at most two part geometries (a
-full part and the remainder), hence at most two plans. PyTorch splits its cuDNN
+A part holds as many samples as fit (rounded down so that every part starts on a 16-byte
+boundary of x and y, where that leaves it a sample), so a convolution has at most two part
+geometries (a full part and the remainder), hence at most two plans. PyTorch splits its cuDNN
 convolutions the same way (split_batch_dim_to_32bit_out in aten/src/ATen/native/cudnn/
 Conv_v7.cpp). Not split, and still refused by the plan with TensorTooLargeError: a weight
 too large, and a single sample too large (splitting spatial dims changes the arithmetic at
@@ -68,6 +69,13 @@ def _split(geom: Any) -> Parts | None:
             or math.prod(g.weight_shape) > MAX_ELEMENTS):
         return None
     step = MAX_ELEMENTS // per_sample
+    # parts start 16-byte aligned in x and in y, whatever the itemsize, as the ops require
+    # of their arrays (ops/_checks.py) and cuDNN's vectorised kernels assume; where a part
+    # holds too few samples for that, it holds as many as fit
+    align = math.lcm(*(16 // math.gcd(16, math.prod(s[1:]))
+                       for s in (g.input_shape, g.output_shape)))
+    if step >= align:
+        step -= step % align
     out: list[tuple[Any, int, int]] = []
     kinds: dict[int, Any] = {}
     for start in range(0, n, step):
