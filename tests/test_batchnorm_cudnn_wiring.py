@@ -112,6 +112,24 @@ def test_documented_config_runs_fused_forward_and_backward(gpu):
     assert dw is gw and db is gb
 
 
+@pytest.mark.parametrize("forward_residual", [True, False])
+def test_a_backward_of_other_bnops_than_its_forwards_takes_the_plain_call(gpu,
+                                                                          forward_residual):
+    """BackwardEx reads the reserve space its own bnOps' forward wrote: after
+    BN_ADD_ACTIVATION's forward, a backward that does not ask for the residual's gradient
+    (BN_ACTIVATION's plan), or the other way round, runs the ReLU kernel's backward and the
+    plain call, never BackwardEx on the other bnOps' reserve space."""
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16", residual=forward_residual)
+    _, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-3, 0.25, "relu", res)
+    assert saved.engine_state.fused
+    gpu.calls.clear()
+    dy = gpu.array(FUSED_SHAPE, "float16")
+    *_, dres = ops.batchnorm_backward(dy, x, w, b, saved, "NHWC", 1e-3, "relu",
+                                      not forward_residual)
+    assert names(gpu.calls) == ["activation_backward", BWD]
+    assert (dres is not None) == (not forward_residual)
+
+
 @pytest.mark.parametrize(("dtype", "shape", "layout", "act"), [
     ("float16", (2, 8, 3, 3), "NCHW", "relu"),  # channels-first
     ("float32", (2, 3, 3, 8), "NHWC", "relu"),  # not half
@@ -304,6 +322,24 @@ def test_eval_backward_is_the_reference_engines_with_numpy_standing_in(monkeypat
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=what)
     assert got_saved == ([] if act == "identity" else [saved.saved])
     assert act == "identity" or got_saved[0] is not None
+
+
+@pytest.mark.parametrize("shape", [(65543, 3), (65543, 5, 1, 1)])
+def test_inference_parts_start_on_16_byte_boundaries_within_cudnns_bound(gpu, shape):
+    """Note [cuDNN's inference batch] at the real bound: a BatchNorm1d(3) sample is 6
+    bytes in float16, so parts of 65,535 samples would start the second call 10 bytes past
+    a multiple of 16; parts of INFERENCE_BATCH keep every offset aligned, and stay within
+    the 65,535 samples cuDNN takes."""
+    assert engine.INFERENCE_BATCH <= 65535 and engine.INFERENCE_BATCH % 16 == 0
+    x, y = gpu.array(shape, "float16"), gpu.array(shape, "float16")
+    c = shape[1]
+    scale, shift, rm, rv = (gpu.array((c,), "float32") for _ in range(4))
+    plan = get_batchnorm_plan(BatchNormGeometry.create(shape, "NCHW"), "float16")
+    engine._inference_calls(plan, "H", x, y, scale, shift, rm, rv, 1e-3)
+    calls = [a for n, a in gpu.calls if n == "batchNormalizationForwardInference"]
+    assert len(calls) == 2 and ptr(x) % 16 == ptr(y) % 16 == 0
+    assert [(a[5] - ptr(x)) % 16 for a in calls] == [0, 0]
+    assert [(a[7] - ptr(y)) % 16 for a in calls] == [0, 0]
 
 
 @pytest.mark.parametrize(("shape", "layout"), [((10, 3), "NCHW"), ((10, 2, 5, 3), "NHWC"),

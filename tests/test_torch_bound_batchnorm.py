@@ -275,3 +275,24 @@ def test_a_fused_forwards_backward_is_fused_only_with_the_forwards_bnops(cuda, e
             assert names == [FWD_EX, "activation_backward", BWD]
             assert res.grad is None
     assert entries["training_backward"] == 1
+
+
+def test_the_backward_lets_the_fused_forwards_reserve_space_go(cuda):
+    """Note [the fused backward on the eager path]: the reserve space goes with the
+    backward, as autograd frees saved tensors, not with the graph (a loop's `loss` keeps
+    the graph into the next forward); a retained graph's second backward takes the plain
+    call, whose numbers need no reserve space."""
+    bn = cft.BatchNorm2d(4, activation="relu")
+    x = torch.randn(2, 4, 3, 3).half().contiguous(memory_format=torch.channels_last)
+    res = torch.randn(2, 4, 3, 3).half().contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
+    res.requires_grad_()
+    cuda.gpu.calls.clear()
+    y = bn(x, res)
+    assert y.grad_fn.kept[3] is not None and y.grad_fn.kept[3].fused
+    y.backward(torch.ones_like(y), retain_graph=True)
+    assert [n for n, _ in cuda.gpu.calls] == [FWD_EX, BWD_EX]
+    assert y.grad_fn.kept[3] is None
+    cuda.gpu.calls.clear()
+    y.backward(torch.ones_like(y))
+    assert [n for n, _ in cuda.gpu.calls] == ["activation_backward", BWD]

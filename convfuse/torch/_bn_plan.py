@@ -59,8 +59,10 @@ residual's gradient in one call, where the plain backward launches the ReLU kern
 backward first (one more pass over the tensor). Only where the backward's plan is the
 forward's: its residual flag is whether the residual's gradient is asked for, so a forward
 with a residual whose gradient is not wanted takes the plain backward (BN_ADD_ACTIVATION's
-reserve space is not BN_ACTIVATION's). The reserve space lives as long as the node's
-saved state, as PyTorch's own cuDNN batch norm keeps its reserve in the graph; a refusal
+reserve space is not BN_ACTIVATION's; the engine checks this too). The backward lets the
+reserve space go, as autograd frees PyTorch's own cuDNN batch norm's saved reserve after
+the backward, rather than with the graph (which a training loop's `loss` keeps alive into
+the next step's forward); a second backward of a retained graph takes the plain one. A refusal
 or an out-of-memory of the fused backward falls back to the plain one within the step
 (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
 `apply` is the autograd Function's C apply: outside functorch transforms, which the eager
@@ -506,10 +508,13 @@ class BatchNormFunction(torch.autograd.Function):
                 dx, dw, db, dres = call.backward(dy, x, weight, bias, saved, kept,
                                                  bool(need_dx), want_dres)
                 arrays = kept[2]
-                if arrays is not None:  # x's and the output's memory go when autograd
-                    # frees the saved tensors, not when the graph goes (retain_graph: the
-                    # next backward makes the arrays again)
-                    ctx.kept = (kept[0], kept[1], (None, arrays[1], arrays[2], None), None)
+                if arrays is not None or kept[3] is not None:
+                    # x's and the output's memory (the CPU), the fused forward's reserve
+                    # space (CUDA) go when autograd frees the saved tensors, not when the
+                    # graph goes (retain_graph: the next backward makes the arrays again,
+                    # and takes the plain backward)
+                    ctx.kept = (kept[0], kept[1], None if arrays is None else
+                                (None, arrays[1], arrays[2], None), None)
             else:  # a subclass gradient: the op, as _bn_ops.BatchNormFunction does
                 mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
                 dx, dw, db, dres = torch.ops.convfuse.batchnorm_backward(

@@ -44,9 +44,13 @@ OneFlow #3147 saw cudnnBatchNormalizationForwardInference fail at 65,536), a siz
 BatchNorm1d over rows of features reaches in one evaluation batch. Inference uses the
 running statistics, so its samples are independent and N is the outermost dimension in
 both layouts: a larger batch runs as consecutive calls of at most INFERENCE_BATCH samples
-on offsets into x and y, each with the plan of its own shape (two plans at most). Training
-normalises with the batch's own statistics and cannot be split so; PyTorch's bound there
-(880,801) is left to cuDNN, whose refusal is raised with the plan's shapes.
+on offsets into x and y, each with the plan of its own shape (two plans at most).
+INFERENCE_BATCH is 65,520, a multiple of 16, so every offset keeps the 16-byte alignment
+the ops require of their arrays (ops/_checks.py) whatever a sample's size: a BatchNorm1d(3)
+sample is 6 or 12 bytes, and 65,535 of them would start the next call 10 or 4 bytes past a
+multiple of 16. Training normalises with the batch's own statistics and cannot be split
+so; PyTorch's bound there (880,801) is left to cuDNN, whose refusal is raised with the
+plan's shapes.
 """
 
 from __future__ import annotations
@@ -76,10 +80,12 @@ _affine_lock = threading.Lock()
 
 @dataclass(frozen=True)
 class EngineState:
-    """Which path a training forward took, and (fused) its reserve space for backward."""
+    """Which path a training forward took, and (fused) its reserve space for backward and
+    the bnOps that wrote it: BackwardEx reads a reserve space only of its own bnOps."""
 
     fused: bool
     reserve: Any = None  # Workspace
+    ops: Any = None  # the forward plan's fused_ops
 
 
 def _ones_zeros(cp: Any, dtype: Any, channels: int,
@@ -199,7 +205,7 @@ def training_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any,
         reserve = _fused_forward(plan, handle, ctx, x, scale, shift, running_mean, running_var, eps,
                                  factor, residual, y, mean, invstd)
         if reserve is not None:
-            return y, y, mean, invstd, EngineState(True, reserve)
+            return y, y, mean, invstd, EngineState(True, reserve, plan.fused_ops)
     with context(lambda: _where(plan, "batchNormalizationForwardTraining")):
         plan.lib.batchNormalizationForwardTraining(
             handle, plan.training_mode, 1.0, 0.0, plan.x_desc, x.data.ptr, plan.x_desc,
@@ -279,7 +285,7 @@ def inference_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any
 
 
 #: The largest batch one cuDNN inference call gets (Note [cuDNN's inference batch]).
-INFERENCE_BATCH = 65535
+INFERENCE_BATCH = 65520
 
 
 def _inference_calls(plan: BatchNormPlan, handle: Any, x: Any, y: Any, scale: Any, shift: Any,
@@ -346,7 +352,11 @@ def training_backward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, dy: An
     scale, shift = _scale_shift(weight, bias, g, cd, ctx)
     dx = ctx.empty(g.shape, x.dtype)
     state = saved.engine_state
-    if state is not None and state.fused and plan.fused_refusal is None:
+    # a backward whose residual flag differs from the forward's has another plan, whose
+    # bnOps did not write this reserve space: the plain backward (Note [the fused backward
+    # on the eager path] in convfuse/torch/_bn_plan.py)
+    if (state is not None and state.fused and state.ops == plan.fused_ops
+            and plan.fused_refusal is None):
         dres = ctx.empty(g.shape, x.dtype) if residual else None
         stage = "getBatchNormalizationBackwardExWorkspaceSize"
         try:
