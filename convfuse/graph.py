@@ -142,6 +142,8 @@ def _capture(  # pragma: gpu
             outputs = step_fn(*static)
         except Exception as exc:
             _abort_capture(stream)
+            if isinstance(exc, CaptureError):  # convfuse's own refusal says why already
+                raise
             raise CaptureError(_explain(exc)) from exc
         try:
             graph = stream.end_capture()

@@ -5,7 +5,11 @@ The cuDNN engine calls these for every activation cuDNN's fused call cannot appl
 the fused activation-backward + bias-gradient path (Note [fused activation-backward + bias
 gradient] in activation.cu). Everything is validated here, before any launch; launches go
 to the stream of the arrays' ExecContext (CuPy's current one for CuPy arrays), with no
-host sync, so a step using them can be captured in a CUDA graph.
+host sync, so a step using them can be captured in a CUDA graph. Scratch memory (the bias
+gradient's partial sums, cuDNN's workspace) goes back to the current allocator when a call
+returns, which a graph still reads at each replay: capture with convfuse.graph.capture,
+whose private pool lives as long as the graph, or, capturing a CuPy stream directly, under
+`cupy.cuda.using_allocator(pool.malloc)` with such a pool kept alive with the graph.
 """
 
 from __future__ import annotations

@@ -240,14 +240,19 @@ def test_bias_kernel_inside_stream_capture(rng):
     dy, z = cp.asarray(dy_host), cp.asarray(z_host)
     dz, db = cp.empty_like(dy), cp.empty(3, np.float32)
     stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()  # the scratch the graph reads lives as long as the graph
     with stream:
         elementwise.activation_backward_bias(dy, z, "gelu", geom, dz, db)  # compiles first
         stream.synchronize()
         dz.fill(np.nan)
         db.fill(np.nan)
-        stream.begin_capture()
-        elementwise.activation_backward_bias(dy, z, "gelu", geom, dz, db)
-        graph = stream.end_capture()
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            elementwise.activation_backward_bias(dy, z, "gelu", geom, dz, db)
+            graph = stream.end_capture()
+        assert pool.used_bytes() + pool.free_bytes() > 0  # the partial sums came from it
+        # eager work after the capture takes the default pool's blocks, never the graph's
+        cp.full(geom.output_shape, np.inf, np.float32)
         graph.launch(stream)
         stream.synchronize()
     want_dz = backward64(dy_host, z_host, "gelu")

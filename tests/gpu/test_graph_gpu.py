@@ -76,6 +76,27 @@ def test_step_with_a_host_sync_cannot_be_captured():
         cf.graph.capture(syncing_step, cp.asarray(x), cp.asarray(y))
 
 
+def test_convfuses_own_capture_refusal_comes_through_as_it_is():
+    """A step that plans a new convolution only in its captured call: the plan's own
+    CaptureError (what was needed, and the warm-up advice) is what the caller sees, not
+    wrapped in a second one."""
+    import cupy as cp
+
+    layer = cf.Conv2d(3, 4, 3, device="cuda")
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        return layer(x if len(calls) == 1 else cp.ascontiguousarray(x[:, :, :6, :6]))
+
+    x = cp.asarray(np.random.default_rng(0).standard_normal((2, 3, 8, 8)), np.float32)
+    with pytest.raises(CaptureError) as info:
+        cf.graph.capture(step, x, warmup=1)
+    text = str(info.value)
+    assert "algorithm for" in text and "run the step eagerly first" in text
+    assert "could not be captured" not in text
+
+
 def test_inputs_must_keep_their_shape():
     import cupy as cp
 
