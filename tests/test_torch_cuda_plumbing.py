@@ -199,5 +199,7 @@ def test_adopt_views_the_caching_allocator_block_a_cupy_result_lives_in(monkeypa
         assert t.dtype == tdtype and tuple(t.shape) == (2, 3) and t.is_contiguous()
         assert t.data_ptr() == a.data.ptr == got.ptr
         assert t.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()
+        # no autograd view: a layer's output made so takes in-place ops (y.relu_())
+        assert not t._is_view() and t._base is None
         t.fill_(1)  # the same bytes as the block's
         assert block[offset:offset + t.nbytes].ne(0).any()

@@ -329,7 +329,10 @@ class TorchContext(ExecContext):
         if (type(block) is torch.Tensor and block.dtype == torch.uint8 and a.size
                 and a.flags.c_contiguous):
             start = a.data.ptr - block.data_ptr()
-            t = block[start:start + a.nbytes].view(_TORCH_DTYPES[dtype]).view(tuple(a.shape))
+            # detached: the same storage (record_stream still reaches the block), but no
+            # view for autograd, which refuses in-place ops on a view a Function returned
+            t = block[start:start + a.nbytes].view(_TORCH_DTYPES[dtype]).view(
+                tuple(a.shape)).detach()
         else:  # pragma: gpu
             t = torch.from_dlpack(a)
         return DeviceArray(t.data_ptr(), tuple(t.shape), dtype, self, t)

@@ -34,6 +34,29 @@ def _layers(act="relu", rank=2):
     return ref, ours
 
 
+def test_a_windowed_transposed_convs_output_takes_in_place_ops():
+    """output_padding >= stride (allowed below the dilation) makes G's output larger than
+    the layer's (Note [transposed convolution as a swapped convolution]): the output is
+    cut from it with CuPy and adopted from PyTorch's cache, and must come back no autograd
+    view, so that y += r and y.relu_() work as on torch.nn's."""
+    torch.manual_seed(0)
+    ref = torch.nn.ConvTranspose2d(3, 4, 3, stride=1, dilation=2, output_padding=1).cuda()
+    ours = ct.ConvTranspose2d(3, 4, 3, stride=1, dilation=2, output_padding=1).cuda()
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 5, 5, device="cuda", requires_grad=True)
+    y, want = ours(x), ref(x)
+    assert not y._is_view() and y.shape == want.shape
+    y += 1.0
+    y.relu_()
+    want = (want + 1.0).relu()
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    want.sum().backward()
+    torch.testing.assert_close(g, x.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("rank", [1, 2, 3])
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("act", ["identity", "relu", "gelu"])
