@@ -460,3 +460,40 @@ def test_batchnorm_sizes_are_refused_in_the_callers_capture(bn_gpu, monkeypatch)
     w, b, rm, rv = arrays(bn_gpu, ctx, "float32", *[(8,)] * 4)
     with pytest.raises(CaptureError, match=r"fused batch-normalization sizes"):
         ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-3, 0.25, "relu", res)
+
+
+def test_a_thread_that_ends_gives_its_handle_to_the_next_thread(gpu):
+    """handle.py's pool: a thread's handle outlives it (no cudnnDestroy, which would
+    synchronise the device) and serves the next thread on that device, bound anew to that
+    thread's stream; threads running at once still get a handle each."""
+    import gc
+    import threading
+
+    from convfuse.ops.cudnn import handle
+
+    geom = GEOMS[0]
+
+    def convolve(stream, done=None, wait=None):
+        ctx = gpu.pointer_context(stream)
+        x, w = arrays(gpu, ctx, "float32", geom.input_shape, geom.weight_shape)
+        ops.conv_forward(x, w, geom)
+        if done is not None:
+            done.set()
+            wait.wait()
+
+    for stream in (0xB000, 0xC000, 0xD000):  # one after another
+        t = threading.Thread(target=convolve, args=(stream,))
+        t.start()
+        t.join()
+        gc.collect()
+    [h] = gpu.handles
+    assert h.streams == [0xB000, 0xC000, 0xD000] and handle._free == {0: [h]}
+    started, release = threading.Event(), threading.Event()
+    first = threading.Thread(target=convolve, args=(0xE000, started, release))
+    first.start()
+    started.wait()
+    convolve(0xF000)  # this thread, while `first` holds the pooled handle
+    release.set()
+    first.join()
+    assert len(gpu.handles) == 2 and h.streams[-1] == 0xE000
+    assert gpu.handles[1].streams == [0xF000]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 
 import numpy as np
 import pytest
@@ -167,8 +168,9 @@ class FakeGpu:
             monkeypatch.setattr(mod, "get_handle", handle.get_handle)
         monkeypatch.setattr(handle, "require_gpu", lambda what: None)
         monkeypatch.setattr(handle, "cudnn", lambda: type("Lib", (), {"Handle": FakeHandle}))
-        monkeypatch.setattr(handle._local, "bound", {}, raising=False)
+        monkeypatch.setattr(handle, "_local", threading.local())
         monkeypatch.setattr(handle, "_all_handles", [])
+        monkeypatch.setattr(handle, "_free", {})
         return handle._all_handles
 
 

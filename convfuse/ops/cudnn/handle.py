@@ -5,6 +5,7 @@ that name the call's shapes."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +17,25 @@ from .device import ExecContext, cupy_context
 _local = threading.local()
 # Every handle ever created, kept for the life of the process. cudnnDestroy synchronises
 # the device (cudaDeviceSynchronize), and a thread-local handle would be destroyed when its
-# worker thread ends, stalling every stream at an arbitrary point of the program. A handle
-# per (device, thread) is small; a thread pool reuses its threads.
+# worker thread ends, stalling every stream at an arbitrary point of the program. So a
+# thread that ends gives its handles back to `_free`, and the next thread to need one on
+# that device takes it there (PyTorch pools its cuDNN handles per device the same way):
+# a program that starts a thread per request holds as many handles as it ever ran threads
+# at once, not as many as it started.
 _all_handles: list[Any] = []
 _all_handles_lock = threading.Lock()
+_free: dict[int, list[Any]] = {}
+
+
+class _Bound(dict[int, list[Any]]):
+    """A thread's {device: [handle, stream it holds]}; a dict subclass so that its end
+    (with its thread's locals) can be watched (weakref.finalize)."""
+
+
+def _give_back(owned: list[tuple[int, Any]]) -> None:
+    with _all_handles_lock:
+        for device, handle in owned:
+            _free.setdefault(device, []).append(handle)
 
 
 def get_handle(ctx: ExecContext | None = None) -> Any:
@@ -39,13 +55,23 @@ def get_handle(ctx: ExecContext | None = None) -> Any:
 def _bound_handle(ctx: ExecContext) -> Any:
     bound: dict[int, list[Any]] | None = getattr(_local, "bound", None)
     if bound is None:
-        bound = _local.bound = {}
+        bound = _local.bound = _Bound()
+        owned: list[tuple[int, Any]] = []
+        _local.owned = owned
+        # runs when the thread's locals go (the thread ended); not at exit
+        weakref.finalize(bound, _give_back, owned).atexit = False
     entry = bound.get(ctx.device)
     if entry is None:
-        handle = cudnn().Handle()
-        entry = bound[ctx.device] = [handle, None]
         with _all_handles_lock:
-            _all_handles.append(handle)
+            pool = _free.get(ctx.device)
+            handle = pool.pop() if pool else None
+        if handle is None:
+            handle = cudnn().Handle()
+            with _all_handles_lock:
+                _all_handles.append(handle)
+        _local.owned.append((ctx.device, handle))
+        # a handle from the pool holds its last thread's stream: set it below
+        entry = bound[ctx.device] = [handle, None]
     if entry[1] != ctx.stream_ptr:
         entry[0].setStream(ctx.stream_ptr)
         entry[1] = ctx.stream_ptr
