@@ -219,6 +219,38 @@ def test_fallback_warnings_still_come_from_the_engine(cuda, entries):
     assert FUSED not in cuda.names() and "convolutionForward" in cuda.names()
 
 
+@pytest.mark.parametrize("kwargs, residual", [({}, False), ({"activation": "relu"}, True)],
+                         ids=["identity-bias", "relu-residual"])
+def test_a_plan_unfused_for_good_binds_its_unfused_path(cuda, entries, kwargs, residual):
+    """Note [unfused fallback]: once cuDNN refused the fused call for every algorithm, the
+    plan runs convolutionForward and the bias + activation pass for good; a bound call
+    makes those same calls (the plain plan's algorithm, the tensors' own addresses) without
+    the engine, where it used to be Declined and leave the engine to run every call."""
+    conv = cft.Conv2d(2, 3, 3, padding=1, **kwargs)
+    x = torch.randn(1, 2, 4, 4)
+    res = torch.randn(1, 3, 4, 4) if residual else None
+    stable = {x.data_ptr(): "x", conv.weight.data_ptr(): "w", conv.bias.data_ptr(): "b"}
+    if residual:
+        stable[res.data_ptr()] = "res"
+    cuda.gpu.fail[FUSED] = [_error(cuda.gpu, 3000) for _ in range(4)]
+    with torch.no_grad(), pytest.warns(FusedFallbackWarning):
+        conv(x, res)
+    cuda.gpu.calls.clear()
+    with torch.no_grad():
+        conv(x, res)  # the engine's unfused path; binds after it
+        engine_calls = list(cuda.gpu.calls)
+        ran = entries["conv_bias_act"]
+        for _ in range(2):
+            cuda.gpu.calls.clear()
+            y = conv(x, res)
+            assert named_calls(cuda.gpu.calls, stable) == named_calls(engine_calls, stable)
+    assert entries["conv_bias_act"] == ran  # the later calls never reached the engine
+    names = [n for n, _ in engine_calls]
+    assert names == ["convolutionForward", "bias_act_forward"]
+    [(_, fwd)] = [c for c in cuda.gpu.calls if c[0] == "convolutionForward"]
+    assert (fwd[3], fwd[5], fwd[12]) == (x.data_ptr(), conv.weight.data_ptr(), y.data_ptr())
+
+
 def test_a_plan_changed_by_another_signature_is_seen(cuda, entries):
     """Two signatures (x contiguous, and a strided view of the same shape) share a plan:
     what the engine decides for one reaches the other's bound call."""

@@ -25,13 +25,14 @@ Where any of that fails, or cuDNN returns an error, or the workspace cannot be a
 it returns None having kept nothing (its outputs are written with beta = 0, so a later
 call rewrites them whole) and the caller runs the engine's call, which decides, warns,
 falls back and raises as it always does; the caller may bind again after it. Where the
-plan has decided for good against what a bound call does (the fused call refused or timed
-slower, the bias gradient refused, config bias_grad "fused"), bind answers a Declined that
-holds until the flags or the plan change, so the engine path pays no binding attempt per
-call.
+plan has decided for good against what a bound call does (the bias gradient refused,
+config bias_grad "fused"), bind answers a Declined that holds until the flags or the plan
+change, so the engine path pays no binding attempt per call; a plan whose fused call was
+refused or timed slower for good is bound to its unfused path instead.
 It binds only what it reproduces exactly: conv_bias_act with relu or identity (the fused
-call, or Note [nothing to fuse]'s convolutionForward) and the three convolution
-backwards; conv_transpose_bias_act (G's data gradient, then the engine's bias +
+call, Note [nothing to fuse]'s convolutionForward, or for a plan unfused for good Note
+[unfused fallback]'s convolutionForward and bias + activation pass) and the three
+convolution backwards; conv_transpose_bias_act (G's data gradient, then the engine's bias +
 activation pass) and the transposed data and filter gradients, where G's output is the
 transposed one's (not windowed) and no pre-activation is kept; all with beta = 0, on a
 layout cuDNN runs directly (not Note [float64 runs channels-first]), in one call (not
@@ -163,6 +164,50 @@ class BoundForward(_Bound):
                     ws.size, 0.0, plan.y_desc, y.ptr)
         except CudnnError:
             return None
+        return y
+
+
+class BoundUnfusedForward(_Bound):
+    """conv_bias_act for one signature whose plan runs unfused for good (cuDNN refused the
+    fused call, or timing found it slower: Note [unfused fallback] in fused.py), as the
+    engine runs it: convolutionForward with the plain plan's choice into a new y, then,
+    with a bias, a residual or ReLU, the bias + activation pass; (x, w, b, residual)
+    pointers -> y, or None. It holds the plain plan (whose call it makes) and checks the
+    fused plan's decision at each call."""
+
+    __slots__ = ("act", "dtype", "fused_plan", "geom", "path")
+
+    def __init__(self, eng: ModuleType, plain: ConvPlan, chosen: Chosen, ctx: ExecContext,
+                 dtype: Any, fused_plan: ConvPlan) -> None:
+        super().__init__(eng, plain, chosen, ctx, "conv_bias_act")
+        self.fused_plan, self.path = weakref.ref(fused_plan), fused_plan.forward_path
+        self.act, self.geom, self.dtype = (fused_plan.key.activation,
+                                           fused_plan.key.geometry, dtype)
+
+    def still(self, plan: ConvPlan) -> bool:
+        """The fused plan: still cached (refreshed as get_plan's hit would), still unfused."""
+        fused_plan = self.fused_plan()
+        return (fused_plan is not None and fused_plan.forward_path is self.path
+                and touch_conv_plan(fused_plan))
+
+    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        geom = self.geom
+        y = ctx.empty(geom.output_shape, self.dtype)  # before the workspace, as the engine
+        got = self.ready(ctx)
+        if got is None:
+            return None
+        plan, ws, handle, desc = got
+        try:
+            cudnn().convolutionForward(
+                handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc, self.algo.algo, ws.ptr,
+                ws.size, 0.0, plan.y_desc, y.ptr)
+        except CudnnError:
+            return None
+        if b or residual or self.act == "relu":  # as fused._unfused_forward
+            bias = DeviceArray(b, geom.bias_shape, self.dtype, ctx, None) if b else None
+            res = DeviceArray(residual, geom.output_shape, self.dtype, ctx, None) \
+                if residual else None
+            elementwise.bias_act_forward(y, bias, res, 1.0, self.act, geom)
         return y
 
 
@@ -319,7 +364,10 @@ def _bind_forward(eng: ModuleType, geom: Any, dtype: Any, ctx: ExecContext, act:
                                                            None)
     path = plan.forward_path
     if path is not None and path.path != "fused":  # refused, or timed slower: for good
-        return Declined(plan)
+        plain = get_plan(geom, dtype)  # the plan fused._unfused_forward runs
+        chosen = plain.settled("fwd")
+        return None if chosen is None else BoundUnfusedForward(eng, plain, chosen, ctx, dtype,
+                                                                plan)
     if path is None or not plan.fused_settled():
         return None
     chosen = plan.settled("fwd", fused=True)
