@@ -17,7 +17,9 @@ import datetime
 import json
 import re
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -150,9 +152,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         # so that a time cap there cuts nothing else; the extras run under the same
         # autotuning flag as the sections (PyTorch's forms autotune too)
         for name in [n for n in chosen if n != "compile"]:
-            results[name] = SECTIONS[name](ctx)
-            if args.stream:
-                stream_section(args.stream, name, results[name], engine, argv, torch_note)
+            results[name] = _section(args, name, ctx, argv, torch_note)
         extras = {
             "torch_convert": _streamed(args, "torch_convert", engine, argv, torch_note,
                                        lambda: torch_convert.run(args.quick))
@@ -164,9 +164,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                 lambda: conv_transpose.run(args.quick)),
         }
         for name in [n for n in chosen if n == "compile"]:
-            results[name] = SECTIONS[name](ctx)
-            if args.stream:
-                stream_section(args.stream, name, results[name], engine, argv, torch_note)
+            results[name] = _section(args, name, ctx, argv, torch_note)
     return {
         "schema": 1,
         "engine": engine.kind,
@@ -210,16 +208,36 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
     }
 
 
+def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
+             torch_note: str) -> list:
+    """Run one section and stream it; a time cap's interrupt (SIGINT, or SIGTERM: main)
+    streams the records it finished, marked cut, and ends the run."""
+    ctx.finished = []
+    try:
+        result = SECTIONS[name](ctx)
+    except KeyboardInterrupt:
+        if args.stream:
+            stream_section(args.stream, name, list(ctx.finished), ctx.engine, argv,
+                           torch_note, cut=True)
+        raise
+    if args.stream:
+        stream_section(args.stream, name, result, ctx.engine, argv, torch_note)
+    return result
+
+
 def stream_section(path: Path, name: str, result, engine: Engine, argv: list[str],
-                   torch_note: str) -> None:
-    """One JSON line for a finished section: its results, counts and the environment (the
-    device, driver and versions), appended and flushed at once."""
+                   torch_note: str, cut: bool = False) -> None:
+    """One JSON line for a section: its results, counts and the environment (the device,
+    driver and versions), appended and flushed at once; `cut`: a time cap ended it, and
+    the results are the cases it finished."""
     try:
         counts = report.counts({name: result})
     except (AttributeError, KeyError, TypeError):  # resnet, torch_convert: no case records
         counts = {}
     line = {"section": name, "environment": env.collect(engine, argv, torch_note),
             "counts": counts, "results": result}
+    if cut:
+        line["cut"] = True
     with path.open("a") as f:
         f.write(json.dumps(line, default=str) + "\n")
         f.flush()
@@ -287,9 +305,25 @@ def keep_result(payload: dict, args: argparse.Namespace) -> None:
     print(f"kept in {RESULTS_DIR / stem}.json (chart: --from-json it with --plot)")  # pragma: gpu
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    # timeout(1)'s SIGTERM ends the run as a SIGINT does: the sections stream what they
+    # finished (_section) instead of the process dying with nothing written
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    try:
+        return _main(args, argv)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
     if args.from_json:
         payload = json.loads(args.from_json.read_text())
         print(f"from {args.from_json}: {payload['label']}, "

@@ -197,13 +197,16 @@ def details(name: str, out: Path, note: str = "") -> str:
         if rows:
             env = rows[0].get("environment") or {}
             gpu = env.get("gpu") or {}
-            text = (f"sections: {', '.join(str(r.get('section')) for r in rows)}; "
+            names = [str(r.get("section")) + (" (cut)" if r.get("cut") else "") for r in rows]
+            text = (f"sections: {', '.join(names)}; "
                     f"device: {gpu.get('name') or env.get('label')}; "
                     f"errors: {sum(int((r.get('counts') or {}).get('error', 0)) for r in rows)}")
     elif name == "host":
         rows = [r for r in _jsonl(out / "bench.jsonl") if r.get("section") == "host-overhead"]
         cases = [c for r in rows for c in (r.get("results") or [])]
         text = "; ".join(_host_case(c) for c in cases) or "no host-overhead section written"
+        if any(r.get("cut") for r in rows):
+            text = f"cut by its time cap after {len(cases)} rows: {text}"
     elif name == "syncs" and (d := _load(out / "syncs.json")):
         parts = [f"method: {d.get('method')}"]
         for key in ("convfuse eager step", "convfuse captured step"):

@@ -32,3 +32,33 @@ def test_stream_writes_a_line_per_section_with_the_environment(tmp_path):
         assert line["results"] == full["results"][line["section"]]
         assert sum(line["counts"].values()) == len(line["results"]) > 0
     assert lines[3]["results"] == full["conv_transpose"] and full["conv_transpose"]
+
+
+def test_a_time_caps_sigterm_streams_the_cases_the_section_finished(tmp_path):
+    """timeout(1) sends SIGTERM: the running section's finished cases are streamed, marked
+    cut, before the run ends (a cut section used to leave no line at all)."""
+    import signal
+
+    stream = tmp_path / "bench.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--no-torch",
+         "--no-conv-transpose", "--sections", "biasgrad", "--stream", str(stream),
+         "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        done = 0
+        for line in proc.stderr:  # the log: one line per finished case
+            if line.startswith("biasgrad") and line.rstrip().endswith(": ok"):
+                done += 1
+                if done == 2:
+                    proc.send_signal(signal.SIGTERM)
+                    break
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert done == 2 and proc.returncode != 0
+    [line] = [json.loads(t) for t in stream.read_text().splitlines()]
+    assert line["section"] == "biasgrad" and line["cut"] is True
+    assert len(line["results"]) >= 2 and all(r["status"] == "ok" for r in line["results"])
+    assert sum(line["counts"].values()) == len(line["results"])
+    assert not (tmp_path / "r.json").exists()  # the run ended there

@@ -331,3 +331,14 @@ def test_a_benchmark_cut_by_its_cap_keeps_its_streamed_sections(tmp_path):
     assert acceptance_summary.verdict("bench", 124, tmp_path).startswith("CUT")
     assert acceptance_summary.failed_parts(tmp_path, rows) == []
     assert acceptance_summary.verdict("smoke", 124, tmp_path) == "FAIL (time cap reached)"
+
+
+def test_a_section_cut_midway_says_so_with_the_rows_it_finished(tmp_path):
+    """benchmarks/fused_vs_unfused.py streams a cut section's finished cases marked `cut`:
+    the summary's host and bench rows say it was cut, with the rows there are."""
+    row = {"case": "conv_forward_nograd", "status": "ok", "ratios": {"convfuse/pytorch": 1.2}}
+    (tmp_path / "bench.jsonl").write_text(json.dumps(
+        {"section": "host-overhead", "cut": True, "results": [row]}) + "\n")
+    host = acceptance_summary.details("host", tmp_path)
+    assert host.startswith("cut by its time cap after 1 rows: conv_forward_nograd: 1.20x")
+    assert "sections: host-overhead (cut);" in acceptance_summary.details("bench", tmp_path)

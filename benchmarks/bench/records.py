@@ -26,6 +26,9 @@ class Context:
     layouts: tuple[str, ...] = ("NCHW", "NHWC")
     # fused forward medians by (case, precision, layout), for backward/forward ratios
     forward_medians: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    # the running section's finished records (`guarded` adds each), which a time cap's
+    # interrupt streams as the section's cut result
+    finished: list[dict[str, Any]] = field(default_factory=list)
 
     def time(self, fn: Callable[[int], Any], n_sets: int) -> Stats:
         return measure_interleaved({"only": (self.engine.timer, fn)}, n_sets,
@@ -80,6 +83,7 @@ def guarded(ctx: Context, rec: dict[str, Any], label: str, measure: Callable[[],
     finally:
         ctx.engine.release()
     ctx.log(f"{label}: {rec['status']}")
+    ctx.finished.append(rec)
     return rec
 
 
