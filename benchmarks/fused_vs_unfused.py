@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -155,13 +156,14 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
             results[name] = _section(args, name, ctx, argv, torch_note)
         extras = {
             "torch_convert": _streamed(args, "torch_convert", engine, argv, torch_note,
-                                       lambda: torch_convert.run(args.quick))
+                                       lambda: torch_convert.run(args.quick), torch_side)
             if args.torch_convert else None,
             "resnet": _streamed(args, "resnet", engine, argv, torch_note,
-                                lambda: resnet.run(args.quick)) if args.resnet else None,
+                                lambda: resnet.run(args.quick), torch_side)
+            if args.resnet else None,
             "conv_transpose": None if args.no_conv_transpose else _streamed(
                 args, "conv_transpose", engine, argv, torch_note,
-                lambda: conv_transpose.run(args.quick)),
+                lambda: conv_transpose.run(args.quick), torch_side),
         }
         for name in [n for n in chosen if n == "compile"]:
             results[name] = _section(args, name, ctx, argv, torch_note)
@@ -213,6 +215,8 @@ def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
     """Run one section and stream it; a time cap's interrupt (SIGINT, or SIGTERM: main)
     streams the records it finished, marked cut, and ends the run."""
     ctx.finished = []
+    if ctx.torch is not None:
+        ctx.torch.match_convfuse_tf32()
     try:
         result = SECTIONS[name](ctx)
     except KeyboardInterrupt:
@@ -244,7 +248,9 @@ def stream_section(path: Path, name: str, result, engine: Engine, argv: list[str
 
 
 def _streamed(args: argparse.Namespace, name: str, engine: Engine, argv: list[str],
-              torch_note: str, run):
+              torch_note: str, run, torch_side: Any = None):
+    if torch_side is not None:  # as _section does
+        torch_side.match_convfuse_tf32()
     result = run()
     if args.stream:
         stream_section(args.stream, name, result, engine, argv, torch_note)

@@ -212,3 +212,25 @@ def test_interleaved_gpu_samples_bracket_enough_calls_and_cpu_ones_one():
     assert cpu.asked == [(1, 1)] * 3
     assert slow.asked == [(timing.PILOT_REPS, 1)] + [(1, 1)] * 3
     assert stats["gpu"].median == 1e-4
+
+
+def test_the_gpu_host_timer_starts_every_sample_from_an_idle_device():
+    """host_overhead's GPU rows time host time with HostTimer: the device is synchronised
+    before each timed call, outside the timed span (a sync inside it would time the GPU)."""
+    events = []
+    timer = timing.HostTimer(lambda: events.append("sync"))
+    samples = timer.sample(lambda i: events.append(f"call {i}"), 2, 1, 3)
+    assert events == ["sync", "call 1", "sync", "call 0", "sync", "call 1"]
+    assert len(samples) == 3 and all(s >= 0 for s in samples)
+    timer.sync()
+    assert events[-1] == "sync" and "synchronised" in timer.kind
+
+
+def test_resnet_forms_rotate_their_order_between_repeats():
+    from bench import resnet
+
+    order = []
+    forms = {name: (lambda n=name: order.append(n)) for name in ("a", "b", "c")}
+    out = resnet._interleaved(forms, lambda: None, repeats=3, steps=1, reference="a")
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert set(out) == {"a", "b", "c"} and "ratio_to_pytorch" in out["b"]

@@ -152,12 +152,14 @@ class _Bench:
         self.ctx, self.torch, self.gpu, self.cft = ctx, torch, gpu, cft
         self.device = "cuda" if gpu else "cpu"
         self.nn = torch.nn
-        self.host = CpuTimer()  # host time per call, on either device
+        # host time per call, on either device (on a GPU from an idle queue: HostTimer)
+        self.host = timing.HostTimer(torch.cuda.synchronize) if gpu else CpuTimer()
         self.budget = budget(ctx.quick, gpu)
         self.tol = GPU_TOL if gpu else TOL
 
     def row(self, name: str, make: Callable[[dict], Any]) -> dict[str, Any]:
         rec = _new(name, self.gpu, threads=1 if not self.gpu else None)
+        rec["timer"] = self.host.kind  # the payload's method.timer is the engine's
 
         def measure() -> None:
             made = make(rec)
@@ -316,6 +318,10 @@ class _Bench:
                 forms[f"{name}_graph"] = (self.ctx.torch.timer, _captured(torch, step))
                 rec["forms"][f"{name}_graph"] = "measured"
             except Exception as exc:  # a capture failure is a finding, not a crash
+                if isinstance(exc.__context__, KeyboardInterrupt):
+                    # a time cap's interrupt inside the capture, which capture_end's own
+                    # error replaced: the cap, not a finding
+                    raise exc.__context__ from None
                 rec["forms"][f"{name}_graph"] = f"error: {type(exc).__name__}: {exc}"
         stats = timing.measure_interleaved(forms, 1, self.ctx.budget)
         for form, st in stats.items():

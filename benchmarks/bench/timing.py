@@ -141,6 +141,29 @@ class CpuTimer:
         return out
 
 
+class HostTimer(CpuTimer):
+    """Host time per call on a GPU: the device is synchronised before each timed sample,
+    outside it, so a call's host time never absorbs another form's queued work (a launch
+    into a full queue waits for the device) and every form starts from an idle queue."""
+
+    kind = "host: time.perf_counter around each call, the device synchronised before it"
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self._synchronize = synchronize
+
+    def sync(self) -> None:
+        self._synchronize()
+
+    def sample(self, fn: Callable[[int], Any], n_sets: int, start: int, reps: int) -> list[float]:
+        out = []
+        for r in range(reps):
+            self._synchronize()
+            t0 = time.perf_counter()
+            fn((start + r) % n_sets)
+            out.append(time.perf_counter() - t0)
+        return out
+
+
 class CupyEventTimer:  # pragma: gpu
     """CUDA events from CuPy on the current stream (the stream convfuse's ops use)."""
 

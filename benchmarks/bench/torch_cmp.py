@@ -64,6 +64,13 @@ class TorchSide:
         self.torch.backends.cudnn.allow_tf32 = allow  # pragma: gpu
         self.torch.backends.cuda.matmul.allow_tf32 = allow
 
+    def match_convfuse_tf32(self) -> None:
+        """PyTorch's TF32 flags as convfuse's config allows TF32, for the convolutions and
+        for matmul (convfuse's Linear is a 1x1 convolution): each section starts so
+        (fused_vs_unfused._section), since a section that varies precision leaves the last
+        one's flags set and the next would time PyTorch in another precision."""
+        self._set_tf32(cf.config.get().allow_tf32)
+
     def tensor(self, host: np.ndarray, dtype: str = "float32", nhwc: bool = False) -> Any:
         """A device tensor from a host array; NHWC arrays become channels_last NCHW views."""
         t = self.torch.from_numpy(np.ascontiguousarray(host, dtype=np.float32))
