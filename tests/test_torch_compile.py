@@ -46,3 +46,60 @@ def test_compile_fullgraph_matches_eager(monkeypatch):
     # A second call reuses the compiled graph (no recompilation for the same shapes).
     compiled(x)
     assert calls["fwd"] == 6  # 2 compiled + 2 eager + 2 compiled again
+
+
+def _counting_backend(compiles):
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+    return backend
+
+
+def test_eager_calls_elsewhere_do_not_recompile_a_compiled_model():
+    """convfuse's call caches (the layers' signature caches, the classes whose state is read
+    from nn.Module's dicts) fill with eager calls; a compiled model must not guard on them,
+    or every new eager signature anywhere (validation, a last smaller batch) would
+    recompile it, and after dynamo's limit run it eagerly for good."""
+    class Conv(ct.Conv2d):  # a class no cache has seen yet
+        pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Conv(3, 4, 3, padding=1), ct.BatchNorm2d(4, activation="relu"))
+    compiles = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=_counting_backend(compiles), fullgraph=True)
+    x = torch.randn(2, 3, 6, 6)
+    compiled(x)
+    compiled(x)
+    for n in (3, 5):  # eager calls of new signatures, of these classes and others
+        model(torch.randn(n, 3, 6, 6))
+        ct.BatchNorm1d(7)(torch.randn(n, 7))
+        ct.Conv1d(2, 2, 3)(torch.randn(n, 2, 8))
+    y = compiled(x)
+    assert len(compiles) == 1
+    torch.testing.assert_close(y, model(x))
+
+
+def test_a_dynamic_batch_compiles_once():
+    """torch._dynamo.mark_dynamic on the batch: the fake implementations keep the size
+    symbolic (they used to pin it with int(), which dynamo refuses for a marked dim)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ct.Conv2d(3, 4, 3, padding=1, activation="relu"),
+                                ct.BatchNorm2d(4),
+                                ct.Conv2d(4, 4, 3, padding=1).to(memory_format=torch.channels_last))
+    compiles = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    counted = torch.compile(model, backend=_counting_backend(compiles), fullgraph=True)
+    for n in (4, 6, 9):
+        x = torch.randn(n, 3, 6, 6, requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        y = compiled(x)
+        y.square().sum().backward()
+        g = x.grad.clone()
+        x.grad = None
+        model(x).square().sum().backward()
+        torch.testing.assert_close(y, model(x))
+        torch.testing.assert_close(g, x.grad)
+        counted(x)
+    assert len(compiles) == 1

@@ -130,7 +130,7 @@ def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
     """A new (N, C, ...) tensor of `ref`'s dtype and device whose memory is C-contiguous in
     convfuse's order for the layout: what `logical` returns (the fake implementations'
     outputs), and what `physical` maps back with no copy (an `out=` for convfuse)."""
-    shape = [int(n) for n in shape]
+    shape = list(shape)  # not int(): a symbolic size (dynamic shapes) stays symbolic
     if not channels_last:
         return ref.new_empty(shape)
     if len(shape) in (4, 5):
@@ -139,7 +139,7 @@ def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
     phys = [shape[0], *shape[2:], shape[1]]
     strides = [1] * len(phys)
     for i in range(len(phys) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(phys[i + 1], 1)
+        strides[i] = strides[i + 1] * torch.sym_max(phys[i + 1], 1)
     logical_strides = [strides[0], strides[-1], *strides[1:-1]]
     return torch.empty_strided(shape, logical_strides, dtype=ref.dtype, device=ref.device)
 

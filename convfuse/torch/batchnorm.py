@@ -194,6 +194,11 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         between batch and running statistics and whether the running ones are updated."""
         weight, bias, rm, rv, nbt = self._state()
         eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
+        if not eager and _eager._compiling():
+            # traced by dynamo: a read of CALLS would become a guard of the compiled graph,
+            # failed (a recompile) whenever any eager call adds a signature
+            self._check(x, residual, self._use_batch_stats())
+            return self._general(x, residual)
         key = self._call_key(x, residual, weight, bias, rm, rv, nbt, eager)
         try:
             call = CALLS.get(key)
@@ -214,8 +219,9 @@ class _BatchNormNd(_host_arrays.HoldsViews):
     def _state(self) -> tuple[Any, Any, Any, Any, Any]:
         """(weight, bias, running_mean, running_var, num_batches_tracked), read from
         nn.Module's dicts where attribute access would return just that (Note [reading a
-        layer's state] in _module_state.py), else by attribute access."""
-        if type(self) in _PLAIN:
+        layer's state] in _module_state.py), else by attribute access (also under dynamo,
+        whose guard on _PLAIN's dict would fail as it fills)."""
+        if not _eager._compiling() and type(self) in _PLAIN:
             d = self.__dict__
             try:
                 p, b = d["_parameters"], d["_buffers"]

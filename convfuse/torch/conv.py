@@ -78,8 +78,9 @@ class _ConvLayer(_host_arrays.HoldsViews):
 
     def _weight_bias(self) -> tuple[Any, Any]:
         """(weight, bias), read from `_parameters` where attribute access would return just
-        that (Note [reading a layer's state] in _module_state.py)."""
-        if type(self) in _PLAIN:
+        that (Note [reading a layer's state] in _module_state.py); by attribute access
+        under dynamo, whose guard on _PLAIN's dict would fail as it fills."""
+        if not _eager._compiling() and type(self) in _PLAIN:
             try:
                 p = self.__dict__["_parameters"]
                 return p["weight"], p["bias"]
