@@ -163,3 +163,27 @@ def test_compiled_model_under_autocast_matches_eager():
         y, y_eager = compiled(x), model(x)
     assert y.dtype == y_eager.dtype == BF16
     torch.testing.assert_close(y, y_eager, rtol=0, atol=0)  # the same engine, same values
+
+
+@pytest.mark.parametrize("kind", ["conv", "conv_transpose"])
+def test_a_gradient_penalty_under_autocast_keeps_the_forwards_precision(kind):
+    """A float32 forward, then torch.autograd.grad(create_graph=True) inside autocast (a
+    gradient penalty under AMP): torch's convolution backward has no autocast rule, so
+    torch.nn's gradient stays float32 math; convfuse's recorded backward must too (its
+    convolution ops, also forwards, are cast where autocast is on)."""
+    torch.manual_seed(0)
+    if kind == "conv":
+        ref, ours = torch.nn.Conv2d(3, 4, 3, padding=1), ct.Conv2d(3, 4, 3, padding=1)
+    else:
+        ref = torch.nn.ConvTranspose2d(3, 4, 3, stride=2)
+        ours = ct.ConvTranspose2d(3, 4, 3, stride=2)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    grads = []
+    for m in (ref, ours):
+        y = m(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        assert g.dtype == torch.float32
+        grads.append(g)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)

@@ -19,7 +19,9 @@ others, as torch casts the additive input of its own fused ops (conv's bias, add
 input); an unfused `act(conv(x) + r)` with a float32 r would promote to float32 instead.
 The batch-norm ops get none: the dispatcher's fallthrough hands them their inputs
 unchanged, which is torch.nn's behaviour. Backward ops need none either: they see the
-tensors the forward saved, already in the autocast dtype.
+tensors the forward saved, already in the autocast dtype. The recorded backward
+(create_graph=True, _double.py) runs its convolution ops, which have the Autocast kernel
+as forwards, with autocast off, as torch's convolution_backward has no autocast rule.
 
 torch.library.register_autocast fixes the cast dtype when it is registered; a context can
 ask for float16 or bfloat16, so the kernel here reads torch.get_autocast_dtype at each call

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry
+from . import _autocast
 from ._arrays import geometry
 
 
@@ -95,6 +96,13 @@ def _conv_grads(ctx: Any, g: torch.Tensor | None, dx_fn: Any, dw_fn: Any,
     if g is None:
         return (None,) * (4 + nonetensor)
     need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+    dev = g.device.type
+    if _autocast.enabled(dev):
+        # A recorded backward inside an autocast region (a gradient penalty under AMP):
+        # torch's convolution_backward has no autocast rule and keeps the forward's dtypes,
+        # where the convolution ops here, which are also forwards, would be cast
+        with torch.autocast(dev, enabled=False):
+            return _conv_grads(ctx, g, dx_fn, dw_fn, nonetensor)
     return (dx_fn(g) if need_dx else None, dw_fn(g) if need_dw else None,
             _bias_grad(g) if need_db and ctx.has_bias else None, g if need_dres else None,
             *(None,) * nonetensor)
