@@ -167,22 +167,56 @@ class BoundForward(_Bound):
         return y
 
 
-class BoundUnfusedForward(_Bound):
+class _PassedForward(_Bound):
+    """A forward bound to one cuDNN call into a new y (`_run`), then, with a bias, a
+    residual or an activation, the engine's bias + activation pass over y (`epilogue`: a
+    geometry whose output is y); (x, w, b, residual) pointers -> y, or None."""
+
+    __slots__ = ("act", "dtype", "epilogue", "shape")
+    act: str
+    dtype: Any
+    epilogue: Any  # a ConvGeometry
+    shape: tuple[int, ...]
+
+    def _run(self, plan: ConvPlan, ws: Workspace, handle: Any, desc: Any, x: int, w: int,
+             y: int) -> None:
+        raise NotImplementedError
+
+    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
+        y = ctx.empty(self.shape, self.dtype)  # before the workspace: BoundForward's order
+        got = self.ready(ctx)
+        if got is None:
+            return None
+        plan, ws, handle, desc = got
+        try:
+            self._run(plan, ws, handle, desc, x, w, y.ptr)
+        except CudnnError:
+            return None
+        if b or residual or self.act != "identity":
+            epi = self.epilogue
+            bias = DeviceArray(b, epi.bias_shape, self.dtype, ctx, None) if b else None
+            res = DeviceArray(residual, self.shape, self.dtype, ctx, None) if residual \
+                else None
+            elementwise.bias_act_forward(y, bias, res, 1.0, self.act, epi)
+        return y
+
+
+class BoundUnfusedForward(_PassedForward):
     """conv_bias_act for one signature whose plan runs unfused for good (cuDNN refused the
     fused call, or timing found it slower: Note [unfused fallback] in fused.py), as the
-    engine runs it: convolutionForward with the plain plan's choice into a new y, then,
-    with a bias, a residual or ReLU, the bias + activation pass; (x, w, b, residual)
-    pointers -> y, or None. It holds the plain plan (whose call it makes) and checks the
-    fused plan's decision at each call."""
+    engine runs it: convolutionForward with the plain plan's choice, then the bias +
+    activation pass (relu or identity). It holds the plain plan (whose call it makes) and
+    checks the fused plan's decision at each call."""
 
-    __slots__ = ("act", "dtype", "fused_plan", "geom", "path")
+    __slots__ = ("fused_plan", "path")
 
     def __init__(self, eng: ModuleType, plain: ConvPlan, chosen: Chosen, ctx: ExecContext,
                  dtype: Any, fused_plan: ConvPlan) -> None:
         super().__init__(eng, plain, chosen, ctx, "conv_bias_act")
         self.fused_plan, self.path = weakref.ref(fused_plan), fused_plan.forward_path
-        self.act, self.geom, self.dtype = (fused_plan.key.activation,
-                                           fused_plan.key.geometry, dtype)
+        geom = fused_plan.key.geometry
+        self.act, self.dtype, self.epilogue = fused_plan.key.activation, dtype, geom
+        self.shape = geom.output_shape
 
     def still(self, plan: ConvPlan) -> bool:
         """The fused plan: still cached (refreshed as get_plan's hit would), still unfused."""
@@ -190,25 +224,10 @@ class BoundUnfusedForward(_Bound):
         return (fused_plan is not None and fused_plan.forward_path is self.path
                 and touch_conv_plan(fused_plan))
 
-    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
-        geom = self.geom
-        y = ctx.empty(geom.output_shape, self.dtype)  # before the workspace, as the engine
-        got = self.ready(ctx)
-        if got is None:
-            return None
-        plan, ws, handle, desc = got
-        try:
-            cudnn().convolutionForward(
-                handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc, self.algo.algo, ws.ptr,
-                ws.size, 0.0, plan.y_desc, y.ptr)
-        except CudnnError:
-            return None
-        if b or residual or self.act == "relu":  # as fused._unfused_forward
-            bias = DeviceArray(b, geom.bias_shape, self.dtype, ctx, None) if b else None
-            res = DeviceArray(residual, geom.output_shape, self.dtype, ctx, None) \
-                if residual else None
-            elementwise.bias_act_forward(y, bias, res, 1.0, self.act, geom)
-        return y
+    def _run(self, plan: ConvPlan, ws: Workspace, handle: Any, desc: Any, x: int, w: int,
+             y: int) -> None:
+        cudnn().convolutionForward(handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc,
+                                   self.algo.algo, ws.ptr, ws.size, 0.0, plan.y_desc, y)
 
 
 class BoundBackward(_Bound):
@@ -269,13 +288,13 @@ class BoundBias:
         return True
 
 
-class BoundTransposeForward(_Bound):
+class BoundTransposeForward(_PassedForward):
     """conv_transpose_bias_act's call for one signature, with residual_scale 1: G's data
-    gradient (cudnnConvolutionBackwardData) into a new y, then, with a bias, a residual or
-    an activation, the engine's bias + activation pass on it; (x, w, b, residual)
-    pointers -> y, or None. Only where y is G's output itself (not windowed)."""
+    gradient (cudnnConvolutionBackwardData) into a new y, then the engine's bias +
+    activation pass as conv_transpose_bias_act runs it. Only where y is G's output itself
+    (not windowed)."""
 
-    __slots__ = ("act", "dtype", "epilogue", "shape")
+    __slots__ = ()
 
     def __init__(self, eng: ModuleType, plan: ConvPlan, chosen: Chosen, ctx: ExecContext,
                  dtype: Any, tgeom: Any, act: str) -> None:
@@ -283,25 +302,10 @@ class BoundTransposeForward(_Bound):
         self.act, self.dtype, self.epilogue = act, dtype, tgeom.epilogue
         self.shape = tgeom.conv.input_shape
 
-    def __call__(self, ctx: ExecContext, x: int, w: int, b: int, residual: int) -> Any:
-        y = ctx.empty(self.shape, self.dtype)  # before the workspace: BoundForward's order
-        got = self.ready(ctx)
-        if got is None:
-            return None
-        plan, ws, handle, desc = got
-        try:
-            cudnn().convolutionBackwardData(
-                handle, 1.0, plan.w_desc, w, plan.y_desc, x, desc, self.algo.algo, ws.ptr,
-                ws.size, 0.0, plan.x_desc, y.ptr)
-        except CudnnError:
-            return None
-        if b or residual or self.act != "identity":  # as conv_transpose_bias_act
-            epi = self.epilogue
-            bias = DeviceArray(b, epi.bias_shape, self.dtype, ctx, None) if b else None
-            res = DeviceArray(residual, self.shape, self.dtype, ctx, None) if residual \
-                else None
-            elementwise.bias_act_forward(y, bias, res, 1.0, self.act, epi)
-        return y
+    def _run(self, plan: ConvPlan, ws: Workspace, handle: Any, desc: Any, x: int, w: int,
+             y: int) -> None:
+        cudnn().convolutionBackwardData(handle, 1.0, plan.w_desc, w, plan.y_desc, x, desc,
+                                        self.algo.algo, ws.ptr, ws.size, 0.0, plan.x_desc, y)
 
 
 #: A transposed op's bound class and the slot of its plan (G's) it runs.
