@@ -256,3 +256,22 @@ def test_nothing_left_to_run_is_a_typed_error(make_gpu, rng, geom, direction):  
     msg = str(info.value)
     assert _cname(DIRECTIONS[direction][1]) in msg and op in msg and geom.describe() in msg
     assert f"refused every {direction} algorithm this call tried (algo 6, 2, 0)" in msg
+
+
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+def test_a_plan_whose_every_algorithm_was_refused_says_so_at_later_calls(
+        make_gpu, rng, direction):  # noqa: F811
+    """cuDNN refused every ranked algorithm: the first call raises the refusal, each later
+    one a NoAlgorithmError naming the plan (the exhausted slot used to raise IndexError)."""
+    geom = GEOMS[0]
+    gpu = make_gpu(geom)
+    gpu.inject(DIRECTIONS[direction][1], NOT_SUPPORTED, None)
+    run, _ = _op(gpu, geom, direction, rng)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CudnnError, match="NOT_SUPPORTED"):
+            run()
+        for _ in range(2):
+            with pytest.raises(NoAlgorithmError, match="refused every") as info:
+                run()
+            assert geom.describe() in str(info.value)

@@ -34,6 +34,11 @@ class Chosen:
     backoff: int = 0
 
     @property
+    def exhausted(self) -> bool:
+        """Whether cuDNN refused every ranked candidate (the index is then past the end)."""
+        return self.index >= len(self.ranked)
+
+    @property
     def candidate(self) -> Candidate:
         return self.ranked[self.index]
 

@@ -208,6 +208,11 @@ class ConvPlan(FusedFallbackState):
                 chosen.retry_in -= 1
                 if not chosen.retry_in:
                     chosen.index = 0  # try the best again; an allocation failure demotes anew
+            if chosen.exhausted:
+                raise algos.NoAlgorithmError(
+                    f"cuDNN refused every {slot} algorithm it ranked for {self.describe()} "
+                    "(the first call that found this raised cuDNN's refusal); the plan has "
+                    "none left to run")
             return chosen.candidate
 
     def settled(self, direction: str, fused: bool = False) -> Chosen | None:
@@ -216,7 +221,7 @@ class ConvPlan(FusedFallbackState):
         says at each later call whether that is still so (Note [bound calls] in
         ops/cudnn/bound.py)."""
         chosen = self._chosen.get(self._slot(direction, fused))
-        if chosen is None or not chosen.holds(chosen.candidate):
+        if chosen is None or chosen.exhausted or not chosen.holds(chosen.candidate):
             return None
         return chosen
 
@@ -229,7 +234,7 @@ class ConvPlan(FusedFallbackState):
         slot = self._slot(direction, fused)
         with self._lock:
             chosen = self._chosen.get(slot)
-            if chosen is None or chosen.candidate != cand:
+            if chosen is None or chosen.exhausted or chosen.candidate != cand:
                 return chosen is not None  # another thread moved on already
             if chosen.forced:
                 return False
