@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -18,9 +19,30 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def report():
-    from convfuse.selfcheck import run
+    """The whole selfcheck, run once. Under the acceptance run ($OUT set), each case's start
+    and outcome is appended to $OUT/log.txt as it happens: pytest holds the fixture's output
+    until it ends, and a chunk cut or hung inside it would otherwise leave no trace of which
+    case it reached."""
+    import convfuse.selfcheck as selfcheck
+    from convfuse.selfcheck import gpu_suite, runner
 
-    return run()
+    log = os.environ.get("OUT") and os.path.join(os.environ["OUT"], "log.txt")
+    if not log or not os.path.isfile(log):
+        return selfcheck.run()
+
+    def logged(group, name, fn, dtype=None):
+        with open(log, "a") as f:
+            f.write(f"selfcheck: {group} {name} {dtype or ''} ...\n")
+        result = runner.run_check(group, name, fn, dtype)
+        with open(log, "a") as f:
+            f.write(f"selfcheck: {group} {name} {dtype or ''}: {result.status} "
+                    f"({result.seconds:.1f} s) {result.detail[:200]}\n")
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(selfcheck, "run_check", logged)
+        mp.setattr(gpu_suite, "run_check", logged)
+        return selfcheck.run()
 
 
 def test_every_gpu_case_passes(report):
