@@ -140,10 +140,10 @@ def _capture(  # pragma: gpu
         stream.begin_capture()
         try:
             outputs = step_fn(*static)
-        except Exception as exc:
-            _abort_capture(stream)
-            if isinstance(exc, CaptureError):  # convfuse's own refusal says why already
-                raise
+        except BaseException as exc:
+            _abort_capture(stream)  # a KeyboardInterrupt too: the stream must not stay capturing
+            if isinstance(exc, CaptureError) or not isinstance(exc, Exception):
+                raise  # convfuse's own refusal says why already; an interrupt is no finding
             raise CaptureError(_explain(exc)) from exc
         try:
             graph = stream.end_capture()

@@ -82,8 +82,8 @@ def guarded(ctx: Context, rec: dict[str, Any], label: str, measure: Callable[[],
         fail(rec, exc)
     finally:
         ctx.engine.release()
+    ctx.finished.append(rec)  # before the log line: a cut right after it keeps this case
     ctx.log(f"{label}: {rec['status']}")
-    ctx.finished.append(rec)
     return rec
 
 

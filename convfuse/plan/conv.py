@@ -115,7 +115,7 @@ class ConvPlan(FusedFallbackState):
         geom, dtype = key.geometry, key.dtype
         for what, dims in (("x", geom.input_shape_cf), ("y", geom.output_shape_cf),
                            ("w", geom.weight_shape_cf)):  # as describe() names them
-            d.check_elements(what, dims, self.describe)
+            d.check_elements(what, dims, self.describe, splittable=True)
         try:
             self.x_desc = d.tensor_descriptor(lib, dtype, geom.input_shape_cf, geom.channels_last)
             self.y_desc = d.tensor_descriptor(lib, dtype, geom.output_shape_cf, geom.channels_last)

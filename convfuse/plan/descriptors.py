@@ -27,12 +27,14 @@ from ..geometry import ConvGeometry
 MAX_ELEMENTS = 2**31 - 1
 
 
-def check_elements(what: str, dims: Sequence[int], describe: Callable[[], str]) -> None:
+def check_elements(what: str, dims: Sequence[int], describe: Callable[[], str],
+                   splittable: bool = False) -> None:
     """Refuse a tensor of `dims` that cuDNN cannot describe, before any cuDNN call on it
     (where setNd would fail with NOT_SUPPORTED, or a stride would not fit an int at all).
     The convolution ops split a batch too large into parts whose plans fit (Note [batch
-    split] in ops/cudnn/split.py); what reaches this is a weight, a single sample, or a
-    batch norm's or a pooling's tensor too large."""
+    split] in ops/cudnn/split.py): `splittable` says a convolution's plan asks, where a
+    batch too large reaches this only through a direct plan request. Batch norm and pooling
+    are not split."""
     n = math.prod(int(v) for v in dims)
     if n > MAX_ELEMENTS:
         shape = " x ".join(str(int(v)) for v in dims)
@@ -42,9 +44,12 @@ def check_elements(what: str, dims: Sequence[int], describe: Callable[[], str]) 
         elif per_sample > MAX_ELEMENTS:
             hint = (f"even one sample has {per_sample:,}: use a smaller spatial size or "
                     "fewer channels (or run this layer on the CPU engine)")
-        else:
+        elif splittable:
             hint = ("the convolution ops split such a batch into parts; this plan is one "
                     "call: use a smaller batch (or run this layer on the CPU engine)")
+        else:
+            hint = ("batch norm and pooling are not split into parts: use a smaller batch "
+                    "(or run this layer on the CPU engine)")
         raise TensorTooLargeError(
             f"{describe()}: {what} ({shape}, channels first) has {n:,} elements; cuDNN "
             f"indexes at most {MAX_ELEMENTS:,} per tensor (32-bit descriptors), so the "

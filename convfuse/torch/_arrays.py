@@ -139,7 +139,8 @@ def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
     phys = [shape[0], *shape[2:], shape[1]]
     strides = [1] * len(phys)
     for i in range(len(phys) - 2, -1, -1):
-        strides[i] = strides[i + 1] * torch.sym_max(phys[i + 1], 1)
+        n = phys[i + 1]  # torch.sym_max costs ~1 us a call on plain ints
+        strides[i] = strides[i + 1] * (max(n, 1) if type(n) is int else torch.sym_max(n, 1))
     logical_strides = [strides[0], strides[-1], *strides[1:-1]]
     return torch.empty_strided(shape, logical_strides, dtype=ref.dtype, device=ref.device)
 

@@ -7,6 +7,9 @@ checks the pointers and scaling factors of each part on a fake GPU."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import numpy as np
 import pytest
 
@@ -26,6 +29,11 @@ NEED = 40 << 30  # x, dz, residual, outputs and the per-sample references, with 
 
 @pytest.fixture(scope="module")
 def data():
+    cp.get_default_memory_pool().free_all_blocks()  # earlier tests' cached blocks
+    with contextlib.suppress(ImportError):
+        import torch
+
+        torch.cuda.empty_cache()
     if cp.cuda.runtime.memGetInfo()[0] < NEED:
         pytest.skip(f"needs {NEED >> 30} GiB of free device memory for 2**31+ elements")
     clear_plan_cache()
@@ -64,6 +72,11 @@ def batches(monkeypatch):
     return seen
 
 
+def runs(batches):
+    """The parts that ran: a part's retries after a refused algorithm count once."""
+    return [k for k, _ in itertools.groupby(batches)]
+
+
 def poisoned(shape):
     return cp.full(shape, np.nan, cp.float16)
 
@@ -81,7 +94,7 @@ def per_sample_error(got, one):
 def test_the_fused_forward_runs_in_parts_and_matches_one_sample_at_a_time(data, batches):
     x, w, b, res = data["x"], data["w"], data["b"], data["res"]
     y, _ = ops.conv_bias_act(x, w, b, GEOM, "relu", res, 0.5)
-    assert set(batches) == {3, 2}  # a refused fused call may be retried within a part
+    assert runs(batches) == [3, 2]
     assert per_sample_error(y, lambda i: ops.conv_bias_act(
         x[i:i + 1], w, b, ONE, "relu", res[i:i + 1], 0.5)[0]) < 2e-3
 
@@ -89,14 +102,14 @@ def test_the_fused_forward_runs_in_parts_and_matches_one_sample_at_a_time(data, 
 def test_the_data_gradient_runs_in_parts_into_a_poisoned_output(data, batches):
     dz, w = data["dz"], data["w"]
     dx = ops.conv_backward_data(dz, w, GEOM, out=poisoned(GEOM.input_shape), beta=0.0)
-    assert batches == [3, 2] and bool(cp.isfinite(dx).all())
+    assert runs(batches) == [3, 2] and bool(cp.isfinite(dx).all())
     assert per_sample_error(dx, lambda i: ops.conv_backward_data(dz[i:i + 1], w, ONE)) < 2e-3
 
 
 def test_the_filter_gradient_sums_its_parts(data, batches):
     x, dz = data["x"], data["dz"]
     dw = ops.conv_backward_filter(x, dz, GEOM, out=poisoned(GEOM.weight_shape), beta=0.0)
-    assert batches == [3, 2]
+    assert runs(batches) == [3, 2]
     ref = sum(cp.asnumpy(ops.conv_backward_filter(x[i:i + 1], dz[i:i + 1], ONE))
               .astype(np.float64) for i in range(N))
     got = cp.asnumpy(dw).astype(np.float64)

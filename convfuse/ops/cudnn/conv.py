@@ -71,11 +71,13 @@ def _conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str, residual:
     handle = get_handle(ctx)
     has_res = residual is not None
     split = parts(geom)
-    plans = [get_plan(geom, x.dtype, act, has_res)] if split is None else \
-        [get_plan(g, x.dtype, act, has_res) for g, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_plan(geom, x.dtype, act, has_res)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_plan(g, x.dtype, act, has_res) for g, _, _ in split]
     conv_out = ctx.empty(geom.output_shape, x.dtype)
     if split is None:
-        _fused_into(plans[0], handle, ctx, x, w, b, residual, residual_scale, conv_out)
+        _fused_into(plan, handle, ctx, x, w, b, residual, residual_scale, conv_out)
     else:
         for plan, (_, i, j) in zip(plans, split):
             _fused_into(plan, handle, ctx, rows(x, i, j), w, b, rows(residual, i, j),
@@ -109,11 +111,13 @@ def conv_forward(x: Any, w: Any, geom: Any) -> Any:  # pragma: gpu
     ctx = context_of(x)
     handle = get_handle(ctx)
     split = parts(geom)
-    plans = [get_plan(geom, x.dtype)] if split is None else \
-        [get_plan(g, x.dtype) for g, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_plan(geom, x.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_plan(g, x.dtype) for g, _, _ in split]
     y = ctx.empty(geom.output_shape, x.dtype)
     if split is None:
-        forward_into(plans[0], handle, ctx, x, w, y, "conv_forward")
+        forward_into(plan, handle, ctx, x, w, y, "conv_forward")
         return y
     for plan, (_, i, j) in zip(plans, split):
         forward_into(plan, handle, ctx, rows(x, i, j), w, rows(y, i, j), "conv_forward")
@@ -134,12 +138,14 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
     ctx = context_of(dz)
     handle = get_handle(ctx)
     split = parts(geom)
-    plans = [get_plan(geom, dz.dtype)] if split is None else \
-        [get_plan(g, dz.dtype) for g, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_plan(geom, dz.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_plan(g, dz.dtype) for g, _, _ in split]
     dx = out if out is not None else ctx.empty(geom.input_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
     if split is None:
-        _data_into(plans[0], handle, ctx, w, dz, dx, beta)
+        _data_into(plan, handle, ctx, w, dz, dx, beta)
         return dx
     for plan, (_, i, j) in zip(plans, split):  # each part writes its rows
         _data_into(plan, handle, ctx, w, rows(dz, i, j), rows(dx, i, j), beta)
@@ -171,12 +177,14 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
     ctx = context_of(x)
     handle = get_handle(ctx)
     split = parts(geom)
-    plans = [get_plan(geom, x.dtype)] if split is None else \
-        [get_plan(g, x.dtype) for g, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_plan(geom, x.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_plan(g, x.dtype) for g, _, _ in split]
     dw = out if out is not None else ctx.empty(geom.weight_shape, x.dtype)
     beta = float(beta) if out is not None else 0.0
     if split is None:
-        _filter_into(plans[0], handle, ctx, x, dz, dw, beta)
+        _filter_into(plan, handle, ctx, x, dz, dw, beta)
         return dw
     for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
         _filter_into(plan, handle, ctx, rows(x, i, j), rows(dz, i, j), dw,

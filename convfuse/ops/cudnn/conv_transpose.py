@@ -65,11 +65,13 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
     ctx = context_of(x)
     handle = get_handle(ctx)
     split = parts(tgeom)
-    plans = [get_transpose_plan(tgeom, x.dtype)] if split is None else \
-        [get_transpose_plan(t, x.dtype) for t, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_transpose_plan(tgeom, x.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_transpose_plan(t, x.dtype) for t, _, _ in split]
     core = ctx.empty(tgeom.conv.input_shape, x.dtype)
     if split is None:
-        _forward_into(plans[0], handle, ctx, x, w, core)
+        _forward_into(plan, handle, ctx, x, w, core)
     else:
         for plan, (_, i, j) in zip(plans, split):
             _forward_into(plan, handle, ctx, rows(x, i, j), w, rows(core, i, j))
@@ -123,13 +125,15 @@ def _backward_data(dz: Any, w: Any, tgeom: ConvTransposeGeometry, out: Any,
     ctx = context_of(dz)
     handle = get_handle(ctx)
     split = parts(tgeom)
-    plans = [get_transpose_plan(tgeom, dz.dtype)] if split is None else \
-        [get_transpose_plan(t, dz.dtype) for t, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_transpose_plan(tgeom, dz.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_transpose_plan(t, dz.dtype) for t, _, _ in split]
     dx = out if out is not None else ctx.empty(tgeom.input_shape, dz.dtype)
     src = tgeom.to_conv_output(dz, cp)
     b = float(beta) if out is not None else 0.0
     if split is None:
-        _data_into(plans[0], handle, ctx, src, w, dx, b)
+        _data_into(plan, handle, ctx, src, w, dx, b)
     else:
         for plan, (_, i, j) in zip(plans, split):  # each part writes its rows
             _data_into(plan, handle, ctx, rows(src, i, j), w, rows(dx, i, j), b)
@@ -169,13 +173,15 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
     ctx = context_of(x)
     handle = get_handle(ctx)
     split = parts(tgeom)
-    plans = [get_transpose_plan(tgeom, x.dtype)] if split is None else \
-        [get_transpose_plan(t, x.dtype) for t, _, _ in split]  # Note [batch split]
+    if split is None:
+        plan = get_transpose_plan(tgeom, x.dtype)
+    else:  # Note [batch split]: every part's plan (and refusal) first
+        plans = [get_transpose_plan(t, x.dtype) for t, _, _ in split]
     dw = out if out is not None else ctx.empty(tgeom.weight_shape, x.dtype)
     b = float(beta) if out is not None else 0.0
     src = tgeom.to_conv_output(dz, cp)
     if split is None:
-        _filter_into(plans[0], handle, ctx, x, src, dw, b)
+        _filter_into(plan, handle, ctx, x, src, dw, b)
     else:
         for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
             _filter_into(plan, handle, ctx, rows(x, i, j), rows(src, i, j), dw,

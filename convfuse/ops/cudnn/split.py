@@ -21,15 +21,14 @@ the seams). The elementwise kernels index in 64 bits (kernels/activation.cu) and
 the whole arrays. Batch normalization and pooling are not split: their statistics and
 windows are not per-part questions the same way, and PyTorch runs them natively there.
 
-The parts of a geometry are computed once and kept (`parts`), so a call that fits pays one
-dictionary lookup for this.
+The parts of a geometry are computed once and kept on it (`parts`), so a call that fits
+pays one dictionary lookup for this.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 from typing import Any
 
 from ...plan.descriptors import MAX_ELEMENTS
@@ -38,30 +37,23 @@ from .device import DeviceArray
 #: (part geometry, first row, end row) for each part of one call
 Parts = tuple[tuple[Any, int, int], ...]
 
-_parts: dict[Any, Parts | None] = {}
-_lock = threading.Lock()
-# geometries remembered; a program fed ever new shapes starts over rather than growing
-_MAX_KEPT = 4096
-
 
 def parts(geom: Any) -> Parts | None:
     """None where every tensor cuDNN describes for `geom` (a ConvGeometry, or a
     ConvTransposeGeometry, whose tensors are its forward convolution's) fits a descriptor,
     or where splitting the batch cannot help (the plan then refuses with
-    TensorTooLargeError); else the parts of Note [batch split]."""
+    TensorTooLargeError); else the parts of Note [batch split]. Kept on the geometry (an
+    immutable value; its __dict__ holds its other cached answers too)."""
     try:
-        return _parts[geom]
+        return geom.__dict__["_batch_parts"]
     except KeyError:
-        pass
-    found = _split(geom)
-    with _lock:
-        if len(_parts) >= _MAX_KEPT:
-            _parts.clear()
-        _parts[geom] = found
-    return found
+        found = geom.__dict__["_batch_parts"] = _split(geom)
+        return found
 
 
 def _split(geom: Any) -> Parts | None:
+    if not geom.input_shape[0]:  # an empty batch makes no cuDNN call (nor has a G)
+        return None
     g = getattr(geom, "conv", geom)  # a transposed convolution's cuDNN tensors are G's
     n = int(g.input_shape[0])
     per_sample = max(math.prod(g.input_shape[1:]), math.prod(g.output_shape[1:]))
