@@ -83,7 +83,24 @@ def forward_path_report(fallback_warnings: int) -> CheckResult:
 
 
 def _synced(cp: Any, fn: Callable[[str], Outcome], dtype: str) -> Outcome:  # pragma: gpu
-    """Run a case and wait for the device, so an asynchronous fault lands on this case."""
-    out = fn(dtype)
+    """Run a case and wait for the device, so an asynchronous fault lands on this case.
+    Every allocation inside it starts as NaN (all bits set: NaN in every float dtype), so
+    an output the engine leaves partly unwritten cannot pass on an earlier case's identical
+    values that the pool handed back."""
+    with cp.cuda.using_allocator(_nan_filled(cp)):
+        out = fn(dtype)
     cp.cuda.get_current_stream().synchronize()
     return out
+
+
+def _nan_filled(cp: Any) -> Callable[[int], Any]:  # pragma: gpu
+    pool_malloc = cp.get_default_memory_pool().malloc
+
+    def malloc(nbytes: int) -> Any:
+        mem = pool_malloc(nbytes)
+        if nbytes:  # on the current stream: ordered before whatever the caller writes
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes,
+                                        cp.cuda.get_current_stream().ptr)
+        return mem
+
+    return malloc
