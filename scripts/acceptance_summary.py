@@ -238,6 +238,13 @@ def verdict(name: str, rc: int, out: Path) -> str:
         if chunk_results(out, name)[1]:
             return "FAIL (then cut by its time cap)"
         return "CUT (time cap reached; not a failure)"
+    if rc == 124 and name == "smoke" and (d := _load(out / "smoke.json")):
+        # the smoke rewrites smoke.json after each item: cut with every finished item
+        # passed (its cap is what stage 1 has left), the rest were not reached
+        items = d.get("items") or []
+        if items and not any(i.get("status") == "FAIL" for i in items):
+            return (f"CUT (time cap reached after {len(items)} items, all passed or "
+                    "skipped; the rest were not reached)")
     if rc == 124 and name in STREAMED and _jsonl(out / "bench.jsonl"):
         # the benchmarks stream each finished section: a cut keeps them (the later ones,
         # the likeliest cut, come last); the time cap is the plan's, not a finding

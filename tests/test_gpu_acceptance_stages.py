@@ -342,3 +342,21 @@ def test_a_section_cut_midway_says_so_with_the_rows_it_finished(tmp_path):
     host = acceptance_summary.details("host", tmp_path)
     assert host.startswith("cut by its time cap after 1 rows: conv_forward_nograd: 1.20x")
     assert "sections: host-overhead (cut);" in acceptance_summary.details("bench", tmp_path)
+
+
+def test_a_smoke_cut_after_items_that_passed_is_cut_not_failed(tmp_path):
+    """The smoke's cap is what stage 1 has left; it rewrites smoke.json after each item:
+    cut with every finished item passed, it reads CUT; with one failed, or none written,
+    FAIL."""
+    status = tmp_path / "status"
+    status.write_text("smoke 124 45\n")
+    rows = acceptance_summary.read_status(status)
+    assert acceptance_summary.verdict("smoke", 124, tmp_path) == "FAIL (time cap reached)"
+    items = [{"name": "versions", "status": "PASS"}, {"name": "cuDNN handle", "status": "SKIP"}]
+    (tmp_path / "smoke.json").write_text(json.dumps({"items": items}))
+    assert acceptance_summary.verdict("smoke", 124, tmp_path).startswith("CUT (time cap "
+                                                                         "reached after 2")
+    assert acceptance_summary.failed_parts(tmp_path, rows) == []
+    items.append({"name": "conv fp32 NCHW", "status": "FAIL"})
+    (tmp_path / "smoke.json").write_text(json.dumps({"items": items}))
+    assert acceptance_summary.failed_parts(tmp_path, rows) == ["smoke"]
