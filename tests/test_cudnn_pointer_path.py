@@ -16,7 +16,7 @@ import pytest
 import convfuse.ops as ops
 from convfuse.errors import DeviceMismatchError
 from convfuse.ops import elementwise
-from convfuse.ops.cudnn import device, fused
+from convfuse.ops.cudnn import device, fused, handle
 from convfuse.ops.cudnn.device import DeviceArray
 from convfuse.plan import conv as plan_conv
 from tests._ops_dispatch_helpers import GEOMS
@@ -432,9 +432,10 @@ def test_capture_is_asked_of_the_callers_stream(gpu, monkeypatch):
         asked.append(stream_ptr)
         return stream_ptr == 0xA000
 
-    monkeypatch.setattr(capture, "stream_is_capturing", capturing)
     geom = GEOMS[1]
     ctx = gpu.pointer_context(0xA000)
+    handle._bound_handle(ctx)  # this thread's handle, made before the capture
+    monkeypatch.setattr(capture, "stream_is_capturing", capturing)
     x, w, b = arrays(gpu, ctx, "float32", geom.input_shape, geom.weight_shape,
                      geom.bias_shape)
     with pytest.raises(CaptureError, match=r"choosing the fwd algorithm"):
@@ -452,9 +453,10 @@ def test_batchnorm_sizes_are_refused_in_the_callers_capture(bn_gpu, monkeypatch)
     from convfuse.errors import CaptureError
     from convfuse.plan import capture
 
+    ctx = bn_gpu.pointer_context(0xA000)
+    handle._bound_handle(ctx)  # this thread's handle, made before the capture
     monkeypatch.setattr(capture, "stream_is_capturing",
                         lambda stream_ptr=None: stream_ptr == 0xA000)
-    ctx = bn_gpu.pointer_context(0xA000)
     shape = (2, 3, 3, 8)
     x, res = arrays(bn_gpu, ctx, "float16", shape, shape)
     w, b, rm, rv = arrays(bn_gpu, ctx, "float32", *[(8,)] * 4)
@@ -468,8 +470,6 @@ def test_a_thread_that_ends_gives_its_handle_to_the_next_thread(gpu):
     thread's stream; threads running at once still get a handle each."""
     import gc
     import threading
-
-    from convfuse.ops.cudnn import handle
 
     geom = GEOMS[0]
 
@@ -497,3 +497,45 @@ def test_a_thread_that_ends_gives_its_handle_to_the_next_thread(gpu):
     first.join()
     assert len(gpu.handles) == 2 and h.streams[-1] == 0xE000
     assert gpu.handles[1].streams == [0xF000]
+
+
+def test_a_threads_first_cudnn_call_inside_a_capture_is_refused_before_cudnn_create(
+        gpu, monkeypatch):
+    """cudnnCreate allocates device memory, which a capture in global mode refuses (and is
+    then invalidated): a thread with no handle and none pooled gets a CaptureError naming
+    it, before the binding is called; one pooled from an ended thread serves, no create."""
+    import gc
+    import threading
+
+    from convfuse.errors import CaptureError
+    from convfuse.plan import capture
+
+    geom = GEOMS[0]
+    ctx = gpu.pointer_context(0xA000)
+    x, w = arrays(gpu, ctx, "float32", geom.input_shape, geom.weight_shape)
+    ops.conv_forward(x, w, geom)  # plans and a handle for this thread, outside any capture
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda ptr=None: ptr == 0xA000)
+    seen = []
+
+    def first_call():
+        try:
+            ops.conv_forward(x, w, geom)
+        except CaptureError as err:
+            seen.append(err)
+
+    t = threading.Thread(target=first_call)
+    t.start()
+    t.join()
+    [err] = seen
+    assert "a cuDNN handle for this thread" in str(err) and len(gpu.handles) == 1
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda ptr=None: False)
+    t = threading.Thread(target=lambda: ops.conv_forward(x, w, geom))
+    t.start()
+    t.join()  # a handle made for it outside the capture, given back when it ends
+    gc.collect()
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda ptr=None: ptr == 0xA000)
+    seen.clear()
+    t = threading.Thread(target=first_call)
+    t.start()
+    t.join()
+    assert seen == [] and len(gpu.handles) == 2  # the pooled one served

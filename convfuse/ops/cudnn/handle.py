@@ -12,6 +12,7 @@ from typing import Any
 from ..._binding import cudnn
 from ...backend import require_gpu
 from ...errors import CudnnError
+from ...plan.capture import refuse_in_capture
 from .device import ExecContext, cupy_context
 
 _local = threading.local()
@@ -66,6 +67,10 @@ def _bound_handle(ctx: ExecContext) -> Any:
             pool = _free.get(ctx.device)
             handle = pool.pop() if pool else None
         if handle is None:
+            # cudnnCreate allocates device memory, which a capture in torch's default
+            # (global) mode refuses and is then invalidated: say so, and what to do
+            refuse_in_capture("a cuDNN handle for this thread (its first cuDNN call)",
+                              ctx.capture_stream)
             handle = cudnn().Handle()
             with _all_handles_lock:
                 _all_handles.append(handle)
