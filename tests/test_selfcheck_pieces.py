@@ -272,3 +272,28 @@ def test_binding_checks_count_descriptors_from_empty_plan_caches():
     checks = dict(cpu_checks.binding_checks(lib, gpu=False))
     checks["plans build and cache"]()
     assert "back to" in checks["no descriptor leak"]().detail
+
+
+def test_a_refused_geometry_is_named_and_the_others_still_measured():
+    """runner.Worst.attempt: cuDNN's refusal of one geometry (a 3xxx status, or no
+    algorithm left) is recorded and the case goes on; its outcome then fails naming every
+    refused geometry with the others' worst error. Other errors still end the case."""
+    from convfuse.errors import CudnnError
+    from convfuse.plan.algorithms import NoAlgorithmError
+
+    worst = Worst(1e-3)
+    with worst.attempt("geometry A"):
+        raise CudnnError(3002, "cudnnConvolutionForward", "CUDNN_STATUS_NOT_SUPPORTED_SHAPE")
+    with worst.attempt("geometry B"):
+        worst.compare(np.array([1.0, 2.0]), np.array([1.0, 2.0005]), "B y")
+    with worst.attempt("geometry C"):
+        raise NoAlgorithmError("cuDNN refused every fwd algorithm")
+    with pytest.raises(CudnnError), worst.attempt("geometry D"):
+        raise CudnnError(2000, "cudnnConvolutionForward", "CUDNN_STATUS_BAD_PARAM")
+    with pytest.raises(CheckFailed) as info:
+        worst.outcome("unused")
+    text = str(info.value)
+    assert text.startswith("cuDNN refused 2 geometries: geometry A: CudnnError")
+    assert "geometry C: NoAlgorithmError" in text and "geometry D" not in text
+    assert "the other 1 results within 1e-03, worst 2.50e-04" in text
+    assert Worst(1e-3).outcome("fine").detail == "fine"

@@ -38,13 +38,14 @@ def conv_bias_act_case(act: str, dtype: str) -> Outcome:  # pragma: gpu
         residual = res if i % 2 == 1 else None
         # Unpacked by name: a starred list could reach residual= as far as mypy can tell.
         xd, wd, bd, rd = dev(cp, x, w, bias, residual)
-        y, z = ops.conv_bias_act(xd, wd, bd, geom, act, residual=rd, residual_scale=0.5)
-        x64, w64, b64, r64 = f64(x, w, bias, residual)
-        y_ref, z_ref = ops.conv_bias_act(x64, w64, b64, geom, act, residual=r64,
-                                         residual_scale=0.5)
-        worst.compare(host(y), y_ref, f"{act} y, {geom.describe()}")
-        if z_ref is not None:
-            worst.compare(host(z), z_ref, f"{act} z, {geom.describe()}")
+        with worst.attempt(geom.describe()):
+            y, z = ops.conv_bias_act(xd, wd, bd, geom, act, residual=rd, residual_scale=0.5)
+            x64, w64, b64, r64 = f64(x, w, bias, residual)
+            y_ref, z_ref = ops.conv_bias_act(x64, w64, b64, geom, act, residual=r64,
+                                             residual_scale=0.5)
+            worst.compare(host(y), y_ref, f"{act} y, {geom.describe()}")
+            if z_ref is not None:
+                worst.compare(host(z), z_ref, f"{act} z, {geom.describe()}")
     return worst.outcome(f"{worst.count} outputs, ranks 1-3, both layouts, groups, residual")
 
 
@@ -72,10 +73,12 @@ def backward_case(which: str, dtype: str) -> Outcome:  # pragma: gpu
             ref, shape = ops.conv_backward_bias(dz64, geom), (geom.out_channels,)
             run = functools.partial(ops.conv_backward_bias, cp.asarray(dz), geom)
         out = poisoned(cp, shape, dtype)
-        run(out=out, beta=0.0)
-        worst.compare(host(out), ref, f"backward {which} (beta=0), {geom.describe()}")
-        run(out=out, beta=1.0)
-        worst.compare(host(out), 2 * ref, f"backward {which} (beta=1), {geom.describe()}")
+        with worst.attempt(geom.describe()):
+            run(out=out, beta=0.0)
+            worst.compare(host(out), ref, f"backward {which} (beta=0), {geom.describe()}")
+            run(out=out, beta=1.0)
+            worst.compare(host(out), 2 * ref,
+                          f"backward {which} (beta=1), {geom.describe()}")
     return worst.outcome(f"{worst.count} results, beta 0 and 1, every geometry")
 
 
@@ -126,13 +129,14 @@ def pooling_case(dtype: str) -> Outcome:  # pragma: gpu
         pgeom = PoolGeometry.create(shape, kernel, stride, pad, mode, layout)
         size = int(np.prod(shape))
         x = (rng.permutation(size) - size // 2).reshape(shape).astype(dt)
-        y = ops.pool_forward(cp.asarray(x), pgeom)
         y_ref = ops.pool_forward(f64(x)[0], pgeom)
-        worst.compare(host(y), y_ref, f"pool_forward {pgeom.describe()}")
         (dy,) = host_inputs(rng, dtype, y_ref.shape)
-        dx = ops.pool_backward(cp.asarray(dy), cp.asarray(x), y, pgeom)
-        worst.compare(host(dx), ops.pool_backward(f64(dy)[0], f64(x)[0], y_ref, pgeom),
-                      f"pool_backward {pgeom.describe()}")
+        with worst.attempt(pgeom.describe()):
+            y = ops.pool_forward(cp.asarray(x), pgeom)
+            worst.compare(host(y), y_ref, f"pool_forward {pgeom.describe()}")
+            dx = ops.pool_backward(cp.asarray(dy), cp.asarray(x), y, pgeom)
+            worst.compare(host(dx), ops.pool_backward(f64(dy)[0], f64(x)[0], y_ref, pgeom),
+                          f"pool_backward {pgeom.describe()}")
     return worst.outcome(f"{worst.count} results, max and average, both layouts")
 
 

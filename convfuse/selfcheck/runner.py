@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,29 @@ def relative_error(got: Any, ref: Any) -> float:
 
 
 class Worst:
-    """The largest error over many comparisons; raises at the first one out of tolerance."""
+    """The largest error over many comparisons; raises at the first one out of tolerance.
+    Inside `attempt(what)`, cuDNN's refusal of one geometry (NOT_SUPPORTED, or no algorithm
+    left) is recorded and the case goes on to the next: `outcome` then fails naming every
+    refused geometry, with the worst error of the others (one refusal used to end the case
+    and hide what the remaining geometries measured)."""
 
     def __init__(self, tolerance: float) -> None:
         self.tolerance = tolerance
         self.error = 0.0
         self.count = 0
+        self.refused: list[str] = []
+
+    @contextlib.contextmanager
+    def attempt(self, what: str) -> Iterator[None]:
+        from ..errors import CudnnError
+        from ..plan.algorithms import NoAlgorithmError
+
+        try:
+            yield
+        except (CudnnError, NoAlgorithmError) as err:
+            if isinstance(err, CudnnError) and err.status // 1000 != 3:  # not a refusal
+                raise
+            self.refused.append(f"{what}: {type(err).__name__}: {err}"[:300])
 
     def compare(self, got: Any, ref: Any, what: str) -> float:
         err = relative_error(got, ref)
@@ -73,6 +91,12 @@ class Worst:
         self.error = max(self.error, err)
 
     def outcome(self, detail: str) -> Outcome:
+        if self.refused:
+            raise CheckFailed(
+                f"cuDNN refused {len(self.refused)} geometr"
+                f"{'y' if len(self.refused) == 1 else 'ies'}: " + "; ".join(self.refused)
+                + f" (the other {self.count} results within {self.tolerance:.0e}, worst "
+                f"{self.error:.2e})", self.error, self.tolerance)
         return Outcome(detail, self.error, self.tolerance)
 
 
