@@ -5,6 +5,7 @@ whose plumbing is dry-run here with NumPy standing in for CuPy).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import sys
@@ -131,10 +132,19 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
 
     backend.cupy_module()  # cache the real answer first: is_cupy() must not see the stand-in
     stream = SimpleNamespace(synchronize=lambda: None)
+    allocators = []  # each case runs under gpu_suite's NaN-filling allocator
+
+    @contextlib.contextmanager
+    def using_allocator(malloc):
+        allocators.append(malloc)
+        yield
+
     fake_cupy = SimpleNamespace(
         asarray=np.asarray, asnumpy=np.asarray, full=np.full,
+        get_default_memory_pool=lambda: SimpleNamespace(malloc=lambda n: None),
         cuda=SimpleNamespace(Device=lambda: SimpleNamespace(compute_capability="90"),
-                             get_current_stream=lambda: stream))
+                             get_current_stream=lambda: stream,
+                             using_allocator=using_allocator))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(module, "resolve_device", lambda device: "cpu")
 
@@ -151,6 +161,7 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
     assert {r.dtype for r in results} == {"float64", "float32", "float16", "bfloat16"}
     bad = [(r.name, r.dtype, r.detail) for r in results if r.status != PASS]
     assert bad == []
+    assert len(allocators) == len(results) and all(callable(a) for a in allocators)
     ran = {(r.name, r.dtype) for r in results}
     for dtype in ("float64", "float32", "float16", "bfloat16"):
         assert ("batchnorm train/eval, fused/plain", dtype) in ran
