@@ -145,7 +145,9 @@ def gid(g):
 def test_conv_bias_act(monkeypatch, rng, geom, dtype, activation, with_bias):
     x, w = Data(rng, geom.input_shape, dtype), Data(rng, geom.weight_shape, dtype)
     b = Data(rng, geom.bias_shape, dtype) if with_bias else None
-    res = None if with_bias else Data(rng, geom.output_shape, dtype)  # both paths of alpha2
+    # both paths of alpha2 (z = y at 0, and a residual), and bias with a residual together
+    with_res = not with_bias or activation in ("relu", "tanh")
+    res = Data(rng, geom.output_shape, dtype) if with_res else None
     with poison_outputs(monkeypatch):
         y, z = ops.conv_bias_act(x.dev, w.dev, b and b.dev, geom, activation,
                                  res and res.dev, 0.5)
@@ -467,6 +469,11 @@ def test_fused_call_moves_on_when_cudnn_refuses_an_algorithm(monkeypatch, rng, g
                              "cudnnConvolutionBiasActivationForward")
         return real(*args)
 
+    ops.conv_bias_act(x.dev, w.dev, None, geom, "relu")  # the plan ranks its algorithms
+    ranked = get_plan(geom, "float32", "relu").settled("fwd", fused=True)
+    if ranked is None or not ranked.remaining:
+        pytest.skip("cuDNN ranks a single fused algorithm for this plan here (TF32 off): "
+                    "there is no next one to move to")
     monkeypatch.setattr(lib, "convolutionBiasActivationForward", refuse_first)
     y, _ = ops.conv_bias_act(x.dev, w.dev, None, geom, "relu")
     assert_close(y, ops.conv_bias_act(x.ref, w.ref, None, geom, "relu")[0], "float32")

@@ -55,6 +55,25 @@ def test_activation_kernels_at_edge_values_match_the_reference(act, dtype):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30, equal_nan=True)
 
 
+@pytest.mark.parametrize("act", ["relu", "leaky_relu", "relu6", "elu"])
+def test_a_subnormal_saved_output_takes_its_signs_branch(act):
+    """CuPy compiles with -ftz=true, which flushes float32 subnormals in comparisons: a
+    positive subnormal saved y compared with 0 would read as 0 and drop dy (the CUDA
+    emulator's one finding in these kernels, fixed by testing the bits). Its backward must
+    take the branch of its sign, as the reference does."""
+    from convfuse import activations
+
+    z = np.array([1e-40, -1e-40, 1.0, -1.0], np.float32)  # 1e-40 is a float32 subnormal
+    assert 0 < abs(float(z[0])) < np.finfo(np.float32).tiny
+    saved = z if activations.saves(act) == "preactivation" else ref.activation_forward(z, act)
+    dy = np.array([3.0, 4.0, 5.0, 6.0], np.float32)
+    with _spy(cudnn_act, "activation_backward") as bwd:
+        got = ops.activation_backward(cp.asarray(dy), cp.asarray(saved), act).get()
+    assert bwd.called
+    want = ref.activation_backward(dy.astype(np.float64), saved.astype(np.float64), act)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
 def test_relu_backward_kernel_passes_dy_at_a_nan_output():
     y = cp.asarray(np.array([np.nan, 0.0, -0.0, 2.0]))
     dy = cp.asarray(np.array([3.0, 4.0, 5.0, 6.0]))
