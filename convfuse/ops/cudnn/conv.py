@@ -145,22 +145,25 @@ def conv_backward_data(dz: Any, w: Any, geom: Any, out: Any = None,
     dx = out if out is not None else ctx.empty(geom.input_shape, dz.dtype)
     beta = float(beta) if out is not None else 0.0
     if split is None:
-        _data_into(plan, handle, ctx, w, dz, dx, beta)
+        data_into(plan, handle, ctx, w, dz, dx, beta)
         return dx
     for plan, (_, i, j) in zip(plans, split):  # each part writes its rows
-        _data_into(plan, handle, ctx, w, rows(dz, i, j), rows(dx, i, j), beta)
+        data_into(plan, handle, ctx, w, rows(dz, i, j), rows(dx, i, j), beta)
     return dx
 
 
-def _data_into(plan: Any, handle: Any, ctx: Any, w: Any, dz: Any, dx: Any,
-               beta: float) -> None:  # pragma: gpu
+def data_into(plan: Any, handle: Any, ctx: Any, w: Any, dz: Any, dx: Any, beta: float,
+              what: str = "conv_backward_data") -> None:  # pragma: gpu
+    """`plan`'s convolutionBackwardData of dz into dx, down its ranking (run_ranked); also
+    a transposed convolution's forward (Note [transposed convolution as a swapped
+    convolution]), `what` naming the op in errors."""
+
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardData(
             handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.x_desc, dx.data.ptr)
 
-    run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), ctx, call,
-               "conv_backward_data")
+    run_ranked(plan, "bwd_data", handle, (w.data.ptr, dz.data.ptr), ctx, call, what)
 
 
 def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
@@ -184,23 +187,25 @@ def conv_backward_filter(x: Any, dz: Any, geom: Any, out: Any = None,
     dw = out if out is not None else ctx.empty(geom.weight_shape, x.dtype)
     beta = float(beta) if out is not None else 0.0
     if split is None:
-        _filter_into(plan, handle, ctx, x, dz, dw, beta)
+        filter_into(plan, handle, ctx, x, dz, dw, beta)
         return dw
     for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
-        _filter_into(plan, handle, ctx, rows(x, i, j), rows(dz, i, j), dw,
+        filter_into(plan, handle, ctx, rows(x, i, j), rows(dz, i, j), dw,
                      beta if i == 0 else 1.0)
     return dw
 
 
-def _filter_into(plan: Any, handle: Any, ctx: Any, x: Any, dz: Any, dw: Any,
-                 beta: float) -> None:  # pragma: gpu
+def filter_into(plan: Any, handle: Any, ctx: Any, x: Any, dz: Any, dw: Any, beta: float,
+                what: str = "conv_backward_filter") -> None:  # pragma: gpu
+    """`plan`'s convolutionBackwardFilter of (x, dz) into dw, down its ranking; also a
+    transposed convolution's filter gradient (x and dz swapped), `what` naming the op."""
+
     def call(cand: Candidate, ws: Workspace) -> None:
         cudnn().convolutionBackwardFilter(
             handle, 1.0, plan.x_desc, x.data.ptr, plan.y_desc, dz.data.ptr,
             plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, beta, plan.w_desc, dw.data.ptr)
 
-    run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), ctx, call,
-               "conv_backward_filter")
+    run_ranked(plan, "bwd_filter", handle, (x.data.ptr, dz.data.ptr), ctx, call, what)
 
 
 def conv_backward_bias(dz: Any, geom: Any, out: Any = None,

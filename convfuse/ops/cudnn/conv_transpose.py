@@ -27,10 +27,14 @@ from ...plan import Candidate, get_transpose_plan
 from ...transpose_geometry import ConvTransposeGeometry
 from .. import elementwise
 from . import layout
+from .conv import data_into, filter_into
 from .device import context_of, is_device_array, on_cupy
 from .handle import Workspace, get_handle
 from .ranked import forward_into, run_ranked
 from .split import parts, rows
+
+# G's filter gradient with x and dz swapped (its x is this op's dz): the op errors name
+_FILTER = "conv_transpose_backward_filter"
 
 
 @contextlib.contextmanager
@@ -71,23 +75,12 @@ def _forward(x: Any, w: Any, tgeom: ConvTransposeGeometry) -> Any:  # pragma: gp
         plans = [get_transpose_plan(t, x.dtype) for t, _, _ in split]
     core = ctx.empty(tgeom.conv.input_shape, x.dtype)
     if split is None:
-        _forward_into(plan, handle, ctx, x, w, core)
+        data_into(plan, handle, ctx, w, x, core, 0.0, "conv_transpose_forward")
     else:
         for plan, (_, i, j) in zip(plans, split):
-            _forward_into(plan, handle, ctx, rows(x, i, j), w, rows(core, i, j))
+            data_into(plan, handle, ctx, w, rows(x, i, j), rows(core, i, j), 0.0,
+                      "conv_transpose_forward")
     return tgeom.from_conv_output(core, cp)
-
-
-def _forward_into(plan: Any, handle: Any, ctx: Any, x: Any, w: Any,
-                  core: Any) -> None:  # pragma: gpu
-    def call(cand: Candidate, ws: Workspace) -> None:
-        cudnn().convolutionBackwardData(
-            handle, 1.0, plan.w_desc, w.data.ptr, plan.y_desc, x.data.ptr,
-            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, 0.0, plan.x_desc,
-            core.data.ptr)
-
-    run_ranked(plan, "bwd_data", handle, (w.data.ptr, x.data.ptr), ctx, call,
-               "conv_transpose_forward")
 
 
 def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: ConvTransposeGeometry,
@@ -181,23 +174,12 @@ def _backward_filter(x: Any, dz: Any, tgeom: ConvTransposeGeometry, out: Any,
     b = float(beta) if out is not None else 0.0
     src = tgeom.to_conv_output(dz, cp)
     if split is None:
-        _filter_into(plan, handle, ctx, x, src, dw, b)
+        filter_into(plan, handle, ctx, src, x, dw, b, _FILTER)
     else:
         for plan, (_, i, j) in zip(plans, split):  # the later parts accumulate
-            _filter_into(plan, handle, ctx, rows(x, i, j), rows(src, i, j), dw,
-                         b if i == 0 else 1.0)
+            filter_into(plan, handle, ctx, rows(src, i, j), rows(x, i, j), dw,
+                        b if i == 0 else 1.0, _FILTER)
     return dw
-
-
-def _filter_into(plan: Any, handle: Any, ctx: Any, x: Any, src: Any, dw: Any,
-                 b: float) -> None:  # pragma: gpu
-    def call(cand: Candidate, ws: Workspace) -> None:
-        cudnn().convolutionBackwardFilter(
-            handle, 1.0, plan.x_desc, src.data.ptr, plan.y_desc, x.data.ptr,
-            plan.conv_desc_for(cand), cand.algo, ws.ptr, ws.size, b, plan.w_desc, dw.data.ptr)
-
-    run_ranked(plan, "bwd_filter", handle, (src.data.ptr, x.data.ptr), ctx, call,
-               "conv_transpose_backward_filter")
 
 
 def conv_transpose_activation_backward_bias(
