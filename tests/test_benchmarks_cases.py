@@ -81,3 +81,35 @@ def test_recommendation_follows_the_numbers_on_gpu():
     assert biasgrad.recommendation([], on_gpu=True)["recommendation"] is None
     identity_only = [_bias_rec("identity", 1.0, 1.0, 0.1)]
     assert biasgrad.recommendation(identity_only, on_gpu=True)["recommendation"] is None
+
+
+def test_biasgrad_paths_are_timed_with_their_flag_already_in_force(monkeypatch):
+    """Each timed call of a bias-gradient path finds config bias_grad set to its path's
+    flag by the sample around it, so no flag switch (microseconds of host time) is timed;
+    warm-up calls outside a sample still run under their flag."""
+    from contextlib import contextmanager
+
+    from convfuse import config
+    from tests._benchmarks_helpers import timing
+
+    switches = []
+    real = config.flags
+
+    @contextmanager
+    def counted(**kw):
+        switches.append(kw)
+        with real(**kw):
+            yield
+
+    monkeypatch.setattr(config, "flags", counted)
+    seen = []
+    timer = biasgrad._FlagTimer(timing.CpuTimer(), "fused")
+    fn = biasgrad._under(lambda i: seen.append((i, config.get().bias_grad, len(switches))),
+                         "fused")
+    fn(7)  # a warm-up call: switches itself
+    assert seen == [(7, "fused", 1)] and config.get().bias_grad == "cudnn"
+    seen.clear()
+    assert len(timer.sample(fn, 3, 1, 4)) == 4
+    # one switch for the whole sample, made before its first timed call
+    assert seen == [(1, "fused", 2), (2, "fused", 2), (0, "fused", 2), (1, "fused", 2)]
+    assert config.get().bias_grad == "cudnn" and timer.kind == timing.CpuTimer.kind
