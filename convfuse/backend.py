@@ -53,14 +53,30 @@ def require_gpu(what: str = "this operation") -> ModuleType:
 
 
 #: Array types that stand for CuPy arrays in the engine: the pointer path's DeviceArray
-#: (Note [the pointer path] in convfuse/ops/cudnn/device.py, which registers it).
+#: (Note [the pointer path] in convfuse/ops/cudnn/device.py, which registers it with
+#: register_device_array_type).
 DEVICE_ARRAY_TYPES: tuple[type, ...] = ()
+# cupy.ndarray (where CuPy imports) and DEVICE_ARRAY_TYPES, made once: is_cupy runs several
+# times per op call, and the import and tuple it would otherwise redo are most of its time
+_device_types: tuple[type, ...] | None = None
+
+
+def register_device_array_type(cls: type) -> None:
+    """Make is_cupy accept `cls` (an engine's stand-in for a CuPy array)."""
+    global DEVICE_ARRAY_TYPES, _device_types
+    if cls not in DEVICE_ARRAY_TYPES:
+        DEVICE_ARRAY_TYPES = (*DEVICE_ARRAY_TYPES, cls)
+    _device_types = None
 
 
 def is_cupy(a: Any) -> bool:
     """A CuPy array, or a DeviceArray (device memory the cuDNN engine runs on as it is)."""
-    cp = cupy_module()
-    return cp is not None and isinstance(a, (cp.ndarray, *DEVICE_ARRAY_TYPES))
+    global _device_types
+    types = _device_types
+    if types is None:
+        cp = cupy_module()
+        types = _device_types = () if cp is None else (cp.ndarray, *DEVICE_ARRAY_TYPES)
+    return isinstance(a, types)
 
 
 def device_of(a: Any) -> str:

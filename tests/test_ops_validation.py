@@ -257,6 +257,19 @@ def test_cupy_dtype_shape_and_contiguity():
         ops.activation_forward(fake_cupy((3, 4), np.int64), "relu")
 
 
+def test_cupy_overlap_and_missing_arrays():
+    """All-CuPy calls take validate's fast lane; what it skips (a missing array) and what it
+    keeps (outputs overlapping inputs) still get their errors."""
+    dz, w = fake_cupy(GEOM.output_shape), fake_cupy(GEOM.weight_shape)
+    out = fake_cupy(GEOM.input_shape)  # every fake_cupy starts at FAKE_BASE: they overlap
+    with pytest.raises(ValueError, match=r"conv_backward_data: out overlaps input 'dz' "
+                                         r"\(cuDNN cannot compute in place\)"):
+        ops.conv_backward_data(dz, w, GEOM, out=out)
+    with pytest.raises(TypeError, match=r"conv_forward: w must be a NumPy or CuPy array, "
+                                        r"got None"):
+        ops.conv_forward(fake_cupy(GEOM.input_shape), None, GEOM)
+
+
 def test_cupy_alignment():
     x = fake_cupy(GEOM.input_shape, offset=4)
     assert x.data.ptr % 16 == 4

@@ -130,7 +130,7 @@ def test_gpu_cases_run_end_to_end_with_numpy_standing_in_for_cupy(monkeypatch):
     from convfuse.selfcheck.gpu_batchnorm import BATCHNORM_CASES
     from convfuse.selfcheck.gpu_training import TRAINING_CASES
 
-    backend.cupy_module()  # cache the real answer first: is_cupy() must not see the stand-in
+    backend.is_cupy(None)  # cache the real answer first: is_cupy() must not see the stand-in
     stream = SimpleNamespace(synchronize=lambda: None)
     allocators = []  # each case runs under gpu_suite's NaN-filling allocator
 

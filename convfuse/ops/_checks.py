@@ -51,23 +51,28 @@ class Arg(NamedTuple):
 def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleType:
     """Check `args` for `op`; return NumPy or CuPy, the module of the arrays."""
     present = []
-    plain = True  # every required array given, and all plain NumPy
+    kind: type | None = None  # the one class of every array given, if they share one
+    complete = True  # every required array given
     for a in args:
         if a.array is None:
-            plain = plain and a.optional
+            complete = complete and a.optional
         else:
             present.append(a)
-            plain = plain and type(a.array) is np.ndarray
-    if plain:
-        # the common case: no None, type or mix error is possible, so the stages below
-        # start at the dtypes (host time per call matters: Note [layer call cache] in
-        # convfuse/nn/_conv_base.py)
+            cls = type(a.array)
+            kind = cls if not kind or kind is cls else object
+    if complete and (kind is np.ndarray or (kind is not None and kind is _cupy_ndarray())):
+        # the common case: all NumPy or all CuPy, so no None, type or mix error is possible
+        # and the stages below start at the dtypes (host time per call matters: Note
+        # [layer call cache] in convfuse/nn/_conv_base.py)
         _check_dtypes(op, present)
         for a in present:
             _check_layout(op, a, layout)
         if any(a.output for a in present):
             _check_overlap(op, present)
-        return np
+        if kind is np.ndarray:
+            return np
+        _check_gpu_arrays(op, present)
+        return backend.cupy_module()  # type: ignore[return-value]
     for a in args:
         if a.array is None and not a.optional:
             raise TypeError(f"{op}: {a.name} must be a NumPy or CuPy array, got None")
@@ -93,6 +98,12 @@ def validate(op: str, args: Sequence[Arg], layout: str | None = None) -> ModuleT
 
 
 _SUPPORTED_DTYPES = frozenset(SUPPORTED.values())
+
+
+def _cupy_ndarray() -> type | None:
+    """cupy.ndarray, or None without CuPy."""
+    cp = backend.cupy_module()
+    return None if cp is None else cp.ndarray
 
 
 def _check_dtypes(op: str, present: Sequence[Arg]) -> None:

@@ -235,7 +235,7 @@ class CupyContext(ExecContext):
         return a.copy()
 
 
-backend.DEVICE_ARRAY_TYPES = (DeviceArray,)
+backend.register_device_array_type(DeviceArray)
 
 #: Contexts kept per (device, stream) before the cache starts over (a context is a few
 #: small objects; a dropped one is only rebuilt).
