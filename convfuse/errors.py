@@ -12,14 +12,25 @@ class ConvfuseError(Exception):
     """Base of every convfuse-specific error."""
 
 
+# cuDNN 9's statuses for memory it could not get (cudnn_graph.h): HOST_ALLOCATION_FAILED
+# (also the deprecated CUDNN_STATUS_ALLOC_FAILED) and DEVICE_ALLOCATION_FAILED
+_OUT_OF_MEMORY = frozenset({4003, 4004})
+
+
 class CudnnError(ConvfuseError, RuntimeError):
     """A cuDNN call returned a status other than CUDNN_STATUS_SUCCESS.
 
     The binding raises it with the function, the status and `detail`, cuDNN's own message
     (cudnnGetLastErrorString: why a call was refused, where cuDNN says); the layers above
     re-raise it with `with_context` so the message also names the shapes and algorithm
-    involved.
+    involved. `CudnnError(status, ...)` of an out-of-memory status makes a
+    CudnnOutOfMemoryError, which a `except MemoryError` also catches.
     """
+
+    def __new__(cls, status: int, *args: object, **kwargs: object) -> CudnnError:
+        if cls is CudnnError and _status_int(status) in _OUT_OF_MEMORY:
+            cls = CudnnOutOfMemoryError
+        return super().__new__(cls, status, *args, **kwargs)
 
     def __init__(self, status: int, function: str, status_name: str = "", context: str = "",
                  detail: str = ""):
@@ -39,7 +50,21 @@ class CudnnError(ConvfuseError, RuntimeError):
 
     def with_context(self, context: str) -> CudnnError:
         joined = f"{self.context}; {context}" if self.context else context
-        return CudnnError(self.status, self.function, self.status_name, joined, self.detail)
+        return type(self)(self.status, self.function, self.status_name, joined, self.detail)
+
+
+class CudnnOutOfMemoryError(CudnnError, MemoryError):
+    """cuDNN could not allocate host or device memory it needed for a call
+    (CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED or _DEVICE_ALLOCATION_FAILED): a
+    MemoryError, as CuPy's and the workspace's out-of-memory errors are, so one `except
+    MemoryError` around a step catches every shortage."""
+
+
+def _status_int(status: object) -> int | None:
+    try:
+        return int(status)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
 
 
 class CudnnLoadError(ConvfuseError, ImportError):

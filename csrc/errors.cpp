@@ -22,10 +22,15 @@ void translate(std::exception_ptr p) {
     if (p) std::rethrow_exception(p);
   } catch (const CudnnStatusError& e) {
     try {
-      py::object cls = cudnnErrorClass();
-      py::object exc = cls(static_cast<int>(e.status), e.function, cudnnGetErrorString(e.status),
-                           "", e.message);
-      PyErr_SetObject(cls.ptr(), exc.ptr());
+      // cuDNN's message is bytes of its own: undecodable ones are replaced, so a message
+      // can never turn the CudnnError into a UnicodeDecodeError
+      py::object message = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(
+          e.message.data(), static_cast<Py_ssize_t>(e.message.size()), "replace"));
+      if (!message) throw py::error_already_set();
+      py::object exc = cudnnErrorClass()(static_cast<int>(e.status), e.function,
+                                         cudnnGetErrorString(e.status), "", message);
+      // the instance's own class: CudnnError picks a subclass for some statuses
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     } catch (py::error_already_set& inner) {
       inner.restore();  // e.g. convfuse.errors failed to import: report that instead
     }

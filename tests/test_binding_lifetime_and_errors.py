@@ -100,6 +100,25 @@ def test_cudnn_error_carries_cudnns_own_account_of_the_failure():
     assert plain.detail == "" and "[cuDNN" not in str(plain)
 
 
+@pytest.mark.parametrize("status", [4003, 4004])
+def test_cudnns_out_of_memory_statuses_are_memory_errors(status):
+    """cuDNN's HOST_ and DEVICE_ALLOCATION_FAILED make a CudnnOutOfMemoryError: a MemoryError
+    and still a CudnnError, through with_context, pickling and renaming."""
+    import pickle
+
+    from convfuse.errors import CudnnOutOfMemoryError, renamed
+
+    err = CudnnError(status, "cudnnX", lib.getErrorString(status), "", "no memory")
+    assert type(err) is CudnnOutOfMemoryError and isinstance(err, MemoryError)
+    assert isinstance(err, RuntimeError) and err.status == status
+    for again in (err.with_context("conv_forward for x"), pickle.loads(pickle.dumps(err)),
+                  renamed(err, "Conv2d")):
+        assert type(again) is CudnnOutOfMemoryError and again.status == status
+    assert "conv_forward for x" in str(err.with_context("conv_forward for x"))
+    for other in (4000, 5000, 3000, 2000):  # the other failures are not MemoryErrors
+        assert type(CudnnError(other, "cudnnX")) is CudnnError
+
+
 def test_algo_perf_fields_are_read_only():
     p = lib.AlgoPerf(algo=1, status=0, time=0.25, memory=1 << 33, determinism=1, mathType=3)
     fields = (p.algo, p.status, p.time, p.memory, p.determinism, p.mathType)

@@ -35,7 +35,13 @@ def test_usable_candidates_filters_and_keeps_cudnn_order():
     assert first == Candidate(5, 100, lib.CUDNN_DEFAULT_MATH, False)
     why = algos.describe_empty(perfs, lib, deterministic=True, workspace_limit=20, fma_only=True)
     assert why == ("cuDNN reported 6 algorithm(s), 5 runnable, 4 deterministic, "
-                   "2 within workspace_limit=20, 1 with FMA math (allow_tf32=False)")
+                   "2 within workspace_limit=20, 1 with FMA math (allow_tf32=False); "
+                   "not runnable: CUDNN_STATUS_NOT_SUPPORTED (3000) x1")
+    failed = [perf(0, 0, status=5000), perf(1, 0, status=5000), perf(2, 0, status=3002)]
+    assert algos.describe_empty(failed, lib, deterministic=False, workspace_limit=None,
+                                fma_only=False) == (
+        "cuDNN reported 3 algorithm(s), 0 runnable; not runnable: "
+        "CUDNN_STATUS_NOT_SUPPORTED_SHAPE (3002) x1, CUDNN_STATUS_EXECUTION_FAILED (5000) x2")
 
 
 def oom_above(limit, log):

@@ -157,15 +157,31 @@ def test_a_refusal_of_the_bound_algorithm_is_the_engines_to_handle(cuda, entries
     assert entries["conv_bias_act"] == 2  # the refusal's call only
 
 
-def test_an_error_is_raised_by_the_engine_with_its_context(cuda, entries):
+@pytest.mark.parametrize("status", [4000, 5000])
+def test_an_error_is_raised_at_once_with_the_engines_context(cuda, entries, status):
+    """A failure other than a refusal is raised from the bound call itself, named as the
+    engine names it: the failing call is not made a second time."""
     conv, x = _bound_conv(cuda, entries)
-    cuda.gpu.fail[FUSED] = [_error(cuda.gpu, 4000), _error(cuda.gpu, 4000)]
-    with torch.no_grad(), pytest.raises(CudnnError, match=r"INTERNAL_ERROR.*algo=6"):
+    cuda.gpu.fail[FUSED] = [_error(cuda.gpu, status)]
+    cuda.gpu.calls.clear()
+    name = cuda.gpu.lib.getErrorString(status)
+    with torch.no_grad(), pytest.raises(CudnnError, match=rf"{name} \({status}\): "
+                                        r"conv_bias_act for x\[1, 2, 4, 4\] .*algo=6"):
         conv(x)
+    assert [n for n, _ in cuda.gpu.calls].count(FUSED) == 1
+    assert entries["conv_bias_act"] == 1  # the first (engine) call only
     with torch.no_grad():
-        conv(x)  # the engine again, then bound
+        conv(x)  # the bound call again: the error kept nothing
         conv(x)
-    assert entries["conv_bias_act"] == 3
+    assert entries["conv_bias_act"] == 1
+
+
+def test_a_device_memory_failure_in_cudnn_is_a_memory_error(cuda, entries):
+    conv, x = _bound_conv(cuda, entries)
+    cuda.gpu.fail[FUSED] = [_error(cuda.gpu, 4004)]
+    with torch.no_grad(), pytest.raises(MemoryError) as info:
+        conv(x)
+    assert isinstance(info.value, CudnnError) and info.value.status == 4004
 
 
 def test_no_workspace_memory_is_the_engines_to_handle(cuda, entries, monkeypatch):

@@ -69,6 +69,9 @@ def test_call_time_oom_without_another_algorithm_raises(gpu, monkeypatch):  # no
     # A typed convfuse error naming the direction and the plan, not CuPy's raw one.
     # No warning on the way: the error names every algorithm tried.
     with warnings.catch_warnings(), pytest.raises(
-            WorkspaceUnavailableError, match=r"fwd workspace .* algo 6 .* algo 0 .* no other"):
+            WorkspaceUnavailableError, match=r"fwd workspace .* algo 6 .* algo 0 .* no other"
+    ) as info:
         warnings.simplefilter("error")
         ops.conv_forward(x, w, geom)
+    # and a MemoryError, as the allocator's own error was: one `except MemoryError` serves
+    assert isinstance(info.value, MemoryError)

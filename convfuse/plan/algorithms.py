@@ -24,6 +24,7 @@ refuses (NOT_SUPPORTED) cannot run and is dropped like a failed record.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -38,9 +39,10 @@ class NoAlgorithmError(ConvfuseError, RuntimeError):
     """No cuDNN algorithm satisfies the flags (deterministic, workspace_limit) and memory."""
 
 
-class WorkspaceUnavailableError(NoAlgorithmError):
+class WorkspaceUnavailableError(NoAlgorithmError, MemoryError):
     """Every usable algorithm's workspace failed to allocate: a shortage of memory now,
-    which may pass (Note [transient out-of-memory] in plan/choice.py), unlike the flags."""
+    which may pass (Note [transient out-of-memory] in plan/choice.py), unlike the flags.
+    A MemoryError too, as the allocator's own error is."""
 
 
 class WorkspaceFallbackWarning(RuntimeWarning):
@@ -167,7 +169,19 @@ def describe_empty(perfs: Sequence[Any], lib: ModuleType, *, deterministic: bool
     if fma_only:
         parts.append(f"{sum(p.mathType == lib.CUDNN_FMA_MATH for p in ok)} with FMA math "
                      "(allow_tf32=False)")
-    return ", ".join(parts)
+    failed = Counter(int(p.status) for p in perfs if p.status != lib.CUDNN_STATUS_SUCCESS)
+    if not failed:
+        return ", ".join(parts)
+    # a device failure (5xxx) reads differently from a refusal (3xxx): name each status
+    return ", ".join(parts) + "; not runnable: " + ", ".join(
+        f"{_status_name(lib, s)} ({s}) x{n}" for s, n in sorted(failed.items()))
+
+
+def _status_name(lib: ModuleType, status: int) -> str:
+    try:
+        return str(lib.getErrorString(status))
+    except Exception:  # a stand-in binding without it: the number alone
+        return "status"
 
 
 def forced_identity_perf(lib: ModuleType, handle: Any, plan: Any) -> list[Any]:  # pragma: gpu

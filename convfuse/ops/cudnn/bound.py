@@ -21,10 +21,12 @@ asks at each call only whether the engine would still decide the same:
 - the bias gradient: config bias_grad is "cudnn" (the flags object) and no refusal;
 - the engine function it stands for is the one conv.py defined (AS_IMPORTED): a test's
   spy, installed before or after the first call, sees every call.
-Where any of that fails, or cuDNN returns an error, or the workspace cannot be allocated,
+Where any of that fails, or cuDNN refuses the call, or the workspace cannot be allocated,
 it returns None having kept nothing (its outputs are written with beta = 0, so a later
 call rewrites them whole) and the caller runs the engine's call, which decides, warns,
-falls back and raises as it always does; the caller may bind again after it. Where the
+falls back and raises as it always does; the caller may bind again after it. Any other
+cuDNN error is raised at once, named with the plan and algorithm as the engine names it
+(run again, a device failure would only fail twice). Where the
 plan has decided for good against what a bound call does (the bias gradient refused,
 config bias_grad "fused"), bind answers a Declined that holds until the flags or the plan
 change, so the engine path pays no binding attempt per call; a plan whose fused call was
@@ -55,6 +57,7 @@ from .. import elementwise
 from . import fused, layout
 from .device import DeviceArray, ExecContext
 from .handle import Workspace, _bound_handle
+from .ranked import refused, where
 from .split import parts
 
 #: bind's answer for a signature it never binds (another activation, a channels-first
@@ -78,6 +81,14 @@ class Declined:
     def stale(self) -> bool:
         plan = self.plan()
         return config.get() is not self.flags or plan is None or not conv_plan_cached(plan)
+
+
+def _unless_refused(err: CudnnError, plan: ConvPlan, what: str, cand: Any = None) -> None:
+    """A refusal returns: the engine's call walks down the ranking as it always does. Any
+    other error is raised here, named as the engine names it: run again by the engine, a
+    device failure would only fail twice (and lose the first failure's detail)."""
+    if not refused(err, cudnn()):
+        raise err.with_context(where(plan, what, cand)) from None
 
 
 class _Bound:
@@ -109,6 +120,9 @@ class _Bound:
     def still(self, plan: ConvPlan) -> bool:
         """What else the engine decides per plan for this call (nothing, here)."""
         return True
+
+    def unless_refused(self, err: CudnnError, plan: ConvPlan) -> None:
+        _unless_refused(err, plan, self.what, self.algo)
 
     def ready(self, ctx: ExecContext) -> tuple[ConvPlan, Workspace, Any, Any] | None:
         """(plan, workspace, handle, convolution descriptor) for this call, or None where
@@ -162,7 +176,8 @@ class BoundForward(_Bound):
                 cudnn().convolutionForward(
                     handle, 1.0, plan.x_desc, x, plan.w_desc, w, desc, cand.algo, ws.ptr,
                     ws.size, 0.0, plan.y_desc, y.ptr)
-        except CudnnError:
+        except CudnnError as err:
+            self.unless_refused(err, plan)
             return None
         return y
 
@@ -190,7 +205,8 @@ class _PassedForward(_Bound):
         plan, ws, handle, desc = got
         try:
             self._run(plan, ws, handle, desc, x, w, y.ptr)
-        except CudnnError:
+        except CudnnError as err:
+            self.unless_refused(err, plan)
             return None
         if b or residual or self.act != "identity":
             epi = self.epilogue
@@ -257,7 +273,8 @@ class BoundBackward(_Bound):
                 lib.convolutionBackwardFilter(handle, 1.0, plan.x_desc, x, plan.y_desc, dz,
                                               desc, algo, ws.ptr, ws.size, 0.0, plan.w_desc,
                                               out)
-        except CudnnError:
+        except CudnnError as err:
+            self.unless_refused(err, plan)
             return False
         return True
 
@@ -283,7 +300,8 @@ class BoundBias:
         try:
             cudnn().convolutionBackwardBias(_bound_handle(ctx), 1.0, plan.y_desc, dz, 0.0,
                                             plan.bias_desc, out)
-        except CudnnError:
+        except CudnnError as err:
+            _unless_refused(err, plan, "conv_backward_bias")
             return False
         return True
 
