@@ -72,3 +72,30 @@ def test_load_state_dict_rejects_mismatches(rng):
     with pytest.raises(ValueError, match=r"needs state \(\), this optimizer keeps"):
         sgd.load_state_dict(plain)
     assert opt.state_dict()["state"][0]["step"] == 0  # nothing was half-loaded
+
+
+def test_a_step_on_another_stream_waits_for_the_host_written_state(monkeypatch):
+    """Note [optimizer state across streams]: what the host wrote (construction's zero
+    fills, load_state_dict, an lr) ends with an event on its stream; the next step's stream
+    waits for it until the host has seen it done, then no more."""
+    import contextlib
+
+    from convfuse.optim import Adam, _base
+    from convfuse.plan import capture
+    from tests.test_ops_cudnn_wiring import FakeGpu, FakeStream
+
+    gpu = FakeGpu(monkeypatch)
+    monkeypatch.setattr(_base, "device_context", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda *a: False)
+    opt = object.__new__(Adam)
+    opt._device_id, opt._groups = 0, []
+    opt._mark_filled()  # as construction's fills end
+    [(_, event, on)] = gpu.stream_ops
+    assert on == gpu.stream.ptr
+    gpu.stream = FakeStream(0x6000)  # the step's stream
+    opt.step()
+    assert gpu.stream_ops[-1] == ("wait", event, 0x6000, 0) and opt._filled is not None
+    opt._filled.event.done = True
+    opt.step()  # seen done: dropped, no wait
+    opt.step()
+    assert len(gpu.stream_ops) == 2 and opt._filled is None

@@ -3,7 +3,8 @@
 A step is, per dtype group, one fused kernel launch on the GPU or one vectorised NumPy pass
 on the CPU, over the group's flat buffers (see _flat.py). On the GPU the learning rate and
 the step count live in device memory, so `step()` queues one launch per group and nothing
-else: no synchronisation, no allocation, no host-to-device copy. That is what makes it
+else (but, until the host's own writes are seen done, a stream wait: Note [optimizer state
+across streams]): no synchronisation, no allocation, no host-to-device copy. That is what makes it
 capturable in a CUDA graph, and setting `.lr` queues an async fill of the device scalar.
 
 Copies: `copy.deepcopy` and pickle of an optimizer (alone, or with its model in one call)
@@ -78,8 +79,10 @@ class FlatOptimizer:
         self._groups: list[FlatGroup] = build_groups(plist, self._state_names())
         self._device_id = self._groups[0].device_id
         self._lr_dev: Any = None
+        self._filled: Any = None  # Note [optimizer state across streams]
         if self._device_id >= 0:  # pragma: gpu
             self._setup_gpu()
+            self._mark_filled()
 
     # -- copies ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -132,6 +135,35 @@ class FlatOptimizer:
                 g.kernel = kernels.function("optim", f"{self._kernel}_{_SUFFIX[g.dtype]}")
                 g.grid = max(1, min(-(-g.numel // BLOCK), cap))
 
+    # Note [optimizer state across streams]
+    # The flat buffers, the state, the step counters and the learning rate are written by
+    # the host's calls (construction, load_state_dict, an lr assignment) on the stream
+    # current then; step() launches on the stream current at the step, which may be
+    # another one that nothing orders after those writes: the kernel could read a step
+    # counter or ticket before its zero fill (a wrong bias correction, and no error). So
+    # each such write ends with an event, and the next step's stream waits for it until
+    # the host has seen it done (ops/cudnn/constants.py's DeviceConstant: a query, no
+    # sync; a wait recorded into a graph if the step is being captured).
+    def _mark_filled(self) -> None:  # pragma: gpu
+        import cupy
+
+        from ..ops.cudnn.constants import DeviceConstant
+
+        with device_context(self._device_id):
+            event = cupy.cuda.Event(block=False, disable_timing=True)
+            event.record()
+            self._filled = DeviceConstant((), event)
+
+    def _after_fill(self, filled: Any) -> None:  # pragma: gpu
+        import cupy
+
+        from ..ops.cudnn.device import cupy_context
+
+        with device_context(self._device_id):
+            filled.ordered(cupy, cupy_context())
+        if filled.complete:
+            self._filled = None
+
     def _kernel_args(self, g: FlatGroup) -> tuple[Any, ...]:
         """The launch arguments in the kernels' order (on the CPU the device scalars are
         None; the test suite checks the order and types against optim.cu)."""
@@ -161,6 +193,7 @@ class FlatOptimizer:
             _refuse_lr_in_capture(type(self).__name__)  # before anything changes
             self._lr = lr
             self._lr_dev.fill(lr)  # an async kernel on the current stream
+            self._mark_filled()
 
     @property
     def device(self) -> str:
@@ -175,6 +208,8 @@ class FlatOptimizer:
     def step(self) -> None:
         """Apply one update to every parameter from its current `.grad`."""
         check_homes(self._groups)
+        if self._filled is not None:  # pragma: gpu
+            self._after_fill(self._filled)
         for g in self._groups:
             if g.on_gpu:  # pragma: gpu
                 self._launch(g)
@@ -242,6 +277,8 @@ class FlatOptimizer:
                         value = plan[s.index][name].astype(g.compute_dtype).reshape(-1)
                         g.state[name][s.offset : s.offset + s.size] = to_device(value, self.device)
                 self._set_steps(g, plan[g.slots[0].index]["step"])
+        if self._device_id >= 0:  # pragma: gpu
+            self._mark_filled()
 
     def _checked_entries(self, state: Any, names: tuple[str, ...]) -> dict[int, dict[str, Any]]:
         plan: dict[int, dict[str, Any]] = {}
