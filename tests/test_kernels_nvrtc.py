@@ -726,3 +726,24 @@ def test_a_kernel_is_looked_up_once_per_device(monkeypatch):
         assert kernels.function("loss", "xent_mean_f32") is not first and len(looked) == 2
     finally:
         kernels.function_on.cache_clear()
+
+
+@pytest.mark.parametrize("labels", ["i32", "i64"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_the_argmax_compares_no_two_floats_under_ftz(dtype, labels):
+    """Note [argmax compares keys] in loss.cu, in the PTX NVRTC makes with CuPy's -ftz=true:
+    a float comparison there would read a subnormal logit as 0, and the correct count
+    would part from numpy.argmax's. What float compares of two registers remain are a
+    value with itself (the NaN tests, which flushing does not change)."""
+    lib = kernels.nvrtc()
+    prog = lib.createProgram(kernels.source("loss"), "loss.cu", [], [])
+    try:
+        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
+        ptx = lib.getPTX(prog)
+    finally:
+        lib.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    body = ptx.split(f".entry xent_rows_{dtype}_{labels}(")[1].split(".entry")[0]
+    pairs = [(a, b.strip()) for a, b in _F32_SETP.findall(body) if b.strip().startswith("%f")]
+    assert pairs  # the NaN tests are there: the pattern reads this PTX
+    assert all(a == b for a, b in pairs), [p for p in pairs if p[0] != p[1]]

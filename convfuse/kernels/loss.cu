@@ -29,6 +29,25 @@ __device__ __forceinline__ double neg_inf(double) { return -__longlong_as_double
 __device__ __forceinline__ float quiet_nan(float) { return __int_as_float(0x7fc00000); }
 __device__ __forceinline__ double quiet_nan(double) { return __longlong_as_double(0x7ff8000000000000LL); }
 
+// Note [argmax compares keys]
+// CuPy compiles with -ftz=true, which flushes subnormal operands of a float comparison to
+// zero: 1e-40 > 0 would be false, and the argmax would part from numpy.argmax's (and from
+// the CPU engine's) on subnormal logits (float32, bfloat16). So the comparisons that
+// decide it read the values' bits: an order-preserving unsigned key (a negative value's
+// bits inverted, a non-negative one's sign bit set; -0.0 first made +0.0, as IEEE has them
+// equal). NaN is decided before any key is compared. double is never flushed, but reads
+// the same way. The max itself, m, stays a float: it is only the exp-sum's shift.
+__device__ __forceinline__ unsigned int order_key(float v) {
+    unsigned int b = __float_as_uint(v);
+    if (b == 0x80000000u) b = 0u;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ unsigned long long order_key(double v) {
+    unsigned long long b = (unsigned long long)__double_as_longlong(v);
+    if (b == 0x8000000000000000ULL) b = 0ULL;
+    return (b & 0x8000000000000000ULL) ? ~b : (b | 0x8000000000000000ULL);
+}
+
 // One warp per row (grid-stride over rows): lanes stride across the C columns, and
 // xor-shuffles combine the lanes so that every lane holds the same row max, argmax and
 // exp-sum (float addition is commutative, so both partners of a butterfly agree exactly).
@@ -54,7 +73,10 @@ __device__ void xent_rows(const T* logits, const L* labels, long long N, long lo
         long long am = C;
         for (long long j = lane; j < C; j += 32) {
             const F v = Io<T>::load(x[j]);
-            if (am == C || (m == m && (v > m || v != v))) { m = v; am = j; }
+            if (am == C || (m == m && (v != v || order_key(v) > order_key(m)))) {
+                m = v;
+                am = j;
+            }
         }
         // The order (NaN first, then larger value, then smaller index; "none" has index C,
         // so it loses every tie) is total, so both partners of a butterfly agree.
@@ -62,7 +84,9 @@ __device__ void xent_rows(const T* logits, const L* labels, long long N, long lo
             const F om = __shfl_xor_sync(full, m, o);
             const long long oa = __shfl_xor_sync(full, am, o);
             const bool o_nan = om != om, m_nan = m != m;
-            const bool take = (o_nan != m_nan) ? o_nan : ((o_nan || om == m) ? oa < am : om > m);
+            const bool take = (o_nan != m_nan) ? o_nan
+                            : ((o_nan || order_key(om) == order_key(m)) ? oa < am
+                                                                         : order_key(om) > order_key(m));
             if (take) { m = om; am = oa; }
         }
 

@@ -98,6 +98,26 @@ def test_out_of_range_label_gives_nan_loss_and_zero_gradient_row(rng):
     assert int(loss_fn.correct) == int(right[ok].sum())
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_subnormal_logits_pick_numpys_argmax(dtype):
+    """Note [argmax compares keys] (loss.cu): under CuPy's -ftz=true a float compare reads
+    1e-40 as 0; the correct count follows numpy.argmax on subnormal logits all the same.
+    Each row's label is numpy's argmax, lanes apart (columns 0 and 33: two lanes' maxima
+    meet in the butterfly) and within one lane."""
+    rows = [[0.0, 1e-40], [-1e-40, 0.0], [1e-41, 3e-39, 2e-39], [-0.0, 0.0, -1e-40]]
+    width = 40
+    logits = np.full((len(rows) * 2, width), -1.0, np.float64)
+    for i, row in enumerate(rows):
+        logits[2 * i, :len(row)] = row  # within lanes 0..2
+        logits[2 * i + 1, [0, 33, 34][:len(row)]] = row  # lanes 0, 1 and 2 (33 = lane 1)
+    logits = logits.astype(dtype)
+    labels = np.argmax(logits.astype(np.float64), axis=1)
+    assert labels[0] == 1 and labels[1] == 33  # the case: a subnormal beats 0
+    loss_fn = CrossEntropyLoss()
+    loss_fn(cp.asarray(logits), cp.asarray(labels))
+    assert int(loss_fn.correct) == len(labels)
+
+
 def test_huge_logits_stay_finite():
     logits = np.array([[1e4, 0.0, -1e4], [1e4, 0.0, -1e4], [-1e4, -1e4, -1e4]], np.float32)
     loss_fn = CrossEntropyLoss()
