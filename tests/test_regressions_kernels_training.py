@@ -33,6 +33,7 @@ _SHIM = r"""
 #include <mutex>
 #include <thread>
 #include <vector>
+#include <xmmintrin.h>
 
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 static thread_local dim3 threadIdx, blockIdx;
@@ -67,6 +68,11 @@ template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
     return out;
 }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline long long __double_as_longlong(double f) { long long i; std::memcpy(&i, &f, 8); return i; }
+// CuPy's -ftz=true, as SSE has it: MXCSR's DAZ (subnormal operands read as zero, so a float
+// compare sees 1e-40 as 0) and FTZ bits, set in every emulated thread while g_ftz is on.
+static bool g_ftz = false;
 inline double __longlong_as_double(long long i) { double f; std::memcpy(&f, &i, 8); return f; }
 struct __half { float v; };
 struct __nv_bfloat16 { float v; };
@@ -87,7 +93,12 @@ void launch(unsigned grid, unsigned block, K kernel, A... args) {
         g_warps = warps;
         std::vector<std::thread> ts;
         for (unsigned t = 0; t < block; ++t)
-            ts.emplace_back([=] { threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0}; kernel(args...); });
+            ts.emplace_back([=] {
+                if (g_ftz) _mm_setcsr(_mm_getcsr() | 0x8040);
+                threadIdx = {t, 0, 0};
+                blockIdx = {b, 0, 0};
+                kernel(args...);
+            });
         for (auto& th : ts) th.join();
         for (auto* w : warps) delete w;
     }
@@ -99,6 +110,7 @@ extern "C" void run_rows(unsigned g, const float* x, const long long* lab, long 
                          long long c, double inv_n, float* d, float* rl, long long* rc) {
     launch(g, XENT_BLOCK, xent_rows_f32_i64, x, lab, n, c, inv_n, d, rl, rc);
 }
+extern "C" void set_ftz(int on) { g_ftz = on != 0; }
 extern "C" void run_mean(float* rl, long long* rc, long long n) {
     launch(1, XENT_BLOCK, xent_mean_f32, rl, rc, n);
 }
@@ -164,6 +176,27 @@ def test_xent_kernel_counts_correct_as_numpy_argmax_on_nan_and_minus_inf_rows(
     assert int(cpu_correct) == rc[n]
     assert np.isnan(rl[n]) and np.isnan(cpu_loss)  # rows 0-4 make the mean NaN
     np.testing.assert_allclose(d, cpu_grad, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def test_xent_kernel_argmax_reads_subnormal_logits_under_ftz(host_loss_kernels):
+    """Note [argmax compares keys] (loss.cu): run with subnormal operands read as zero, as
+    CuPy's -ftz=true compiles the kernel, the correct count is still numpy.argmax's on
+    rows where a subnormal logit decides it, within a lane and across lanes (column 33 is
+    lane 1), with negative values and signed zeros."""
+    rows = [[0.0, 1e-40], [-1e-40, 0.0], [1e-41, 3e-39, 2e-39], [-0.0, 0.0, -1e-40],
+            [-3e-39, -1e-39, -2e-39], [-1e-40, -0.0]]
+    x = np.full((2 * len(rows), 40), -1.0, np.float32)
+    for i, row in enumerate(rows):
+        x[2 * i, :len(row)] = row
+        x[2 * i + 1, [0, 33, 34][:len(row)]] = row
+    labels = np.argmax(x, axis=1).astype(np.int64)
+    assert list(labels[:2]) == [1, 33]  # a subnormal beats 0
+    host_loss_kernels.set_ftz(1)
+    try:
+        _, rc, _ = _run_host(host_loss_kernels, x, labels)
+    finally:
+        host_loss_kernels.set_ftz(0)
+    np.testing.assert_array_equal(rc[:len(x)], 1)
 
 
 def test_xent_kernel_matches_cpu_on_finite_rows(host_loss_kernels):
