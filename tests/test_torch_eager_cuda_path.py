@@ -159,3 +159,20 @@ def test_batchnorm_inference_without_autograd_runs_on_pointers_alone(cuda):
         a = cuda.call("batchNormalizationForwardInference")
         assert (a[5], a[7]) == (x.data_ptr(), y.data_ptr()) and _made(cuda, y)
         assert (a[11], a[12]) == (bn.running_mean.data_ptr(), bn.running_var.data_ptr())
+
+
+@pytest.mark.parametrize("act", ["relu", "identity"])
+def test_an_empty_batch_of_a_transposed_convolution_is_torchs_own(cuda, act):
+    """N = 0 makes no cuDNN call and no CuPy array (install() forbids them): torch's own
+    transposed convolution gives the empty output and zero parameter gradients, as Conv's
+    empty batch does (the engine's empty-batch op would make CuPy arrays, which the
+    pointer path's backward could not take)."""
+    layer = cft.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1,
+                                activation=act)
+    x = torch.randn(0, 4, 5, 5, requires_grad=True)
+    y = layer(x)
+    assert tuple(y.shape) == (0, 6, 10, 10)
+    y.sum().backward()
+    assert cuda.gpu.calls == []
+    assert tuple(x.grad.shape) == (0, 4, 5, 5)
+    assert not layer.weight.grad.any() and not layer.bias.grad.any()

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .. import activations
 from ..geometry import IntOrTuple, as_tuple
@@ -30,6 +31,10 @@ from . import (
 from ._call_plan import FusedCall
 from ._signature import lookup, tensor_key
 from .conv import CALLS, _ConvLayer
+
+# N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
+# the engine's empty-batch op would make CuPy arrays where the pointer path makes none
+_FUNCTIONAL = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 class _ConvTransposeNd(_ConvLayer):
@@ -115,16 +120,22 @@ class _ConvTransposeNd(_ConvLayer):
         res = residual
         if res is not None and unbatched:
             res = res.unsqueeze(0)
-        y, _ = _transpose_ops.conv_transpose_bias_act_call(
-            x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
-            list(self.dilation), self.groups, self.activation)
+        if x.shape[0] == 0:  # nothing to compute: torch's own op, as Conv's _empty_batch
+            y = _FUNCTIONAL[self._rank](x, weight, bias, self.stride, self.padding, opad,
+                                        self.groups, self.dilation)
+            y = y if res is None else y + res
+        else:
+            y, _ = _transpose_ops.conv_transpose_bias_act_call(
+                x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
+                list(self.dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               residual: torch.Tensor | None, opad: tuple[int, ...]) -> Any:
         """A checked call's FusedCall, or where the general path runs it, the output_padding
         it runs with (Note [call plans] in _call_plan.py)."""
-        if x.dim() != self._rank + 2 or _autocast.enabled(x.device.type):
+        if (x.dim() != self._rank + 2 or x.shape[0] == 0
+                or _autocast.enabled(x.device.type)):
             return opad
         hyper = (list(self.stride), list(self.padding), list(opad), list(self.dilation),
                  self.groups)
