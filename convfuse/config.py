@@ -30,7 +30,7 @@ import numbers
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -50,11 +50,79 @@ _BOOLS = ("allow_tf32", "deterministic", "benchmark")
 _SIZES = ("workspace_limit", "max_array_bytes")
 _lock = threading.Lock()
 _current = Flags()
+# Note [a framework's switches]
+# convfuse.torch is a drop-in for torch.nn, so PyTorch's own cuDNN switches must hold for
+# its layers as they hold for torch.nn's: torch.backends.cudnn's TF32 precision for
+# convolutions, deterministic and benchmark, and torch.use_deterministic_algorithms. The
+# bridge hands them here (`constrain`, only when they change) and they combine with
+# convfuse's own flags, each side able to ask for the safer choice: TF32 only where both
+# allow it, deterministic algorithms or autotuning where either asks. `get()` is that
+# combination (the flags themselves when the framework adds nothing); reading a flag
+# (`config.allow_tf32`) gives convfuse's own setting, as assigning one sets it. The
+# combination is process-wide, as both sides' switches are: the framework registers a
+# `source` that reads its switches and calls `constrain` where they changed, and every
+# GPU op asks it first (`refresh`, from the ops' engine choice and the bridge's CUDA
+# calls), so a switch flipped between calls holds from the next call on, through either
+# API.
+_framework: tuple[bool, bool, bool] | None = None  # (allow_tf32, deterministic, benchmark)
+_source: Callable[[], None] | None = None
+_effective = _current
+# one object per combined setting, so flipping a switch back finds the snapshot it had
+_combinations: dict[Flags, Flags] = {}
 
 
 def get() -> Flags:
-    """The flags in force now (an immutable snapshot: plans key on it)."""
-    return _current
+    """The flags in force now (an immutable snapshot: plans key on it): convfuse's own,
+    combined with a framework's switches (Note [a framework's switches])."""
+    return _effective
+
+
+def _combine() -> None:
+    """Recompute `_effective` (under _lock): a new object only when the framework changes
+    something, so that plans and bound calls see one snapshot per setting."""
+    global _effective
+    own, framework = _current, _framework
+    if framework is None:
+        _effective = own
+        return
+    tf32, deterministic, benchmark = framework
+    combined = replace(own, allow_tf32=own.allow_tf32 and tf32,
+                       deterministic=own.deterministic or deterministic,
+                       benchmark=own.benchmark or benchmark)
+    if combined == own:
+        _effective = own
+        return
+    if len(_combinations) > 64:  # settings flipped back and forth without end
+        _combinations.clear()
+    _effective = _combinations.setdefault(combined, combined)
+
+
+def set_source(source: Callable[[], None] | None) -> None:
+    """Register what `refresh` runs: a framework's reader of its switches, which calls
+    `constrain` where they changed (None: no framework; its constraint is dropped)."""
+    global _source, _framework
+    with _lock:
+        _source = source
+        if source is None:
+            _framework = None
+            _combine()
+
+
+def refresh() -> None:
+    """Bring a registered framework's switches up to date (a GPU op's first step)."""
+    source = _source
+    if source is not None:
+        source()
+
+
+def constrain(allow_tf32: bool, deterministic: bool, benchmark: bool) -> None:
+    """A framework's switches, combined with convfuse's own flags from now on (Note [a
+    framework's switches]): TF32 only where both allow it, deterministic algorithms and
+    autotuning where either asks. convfuse.torch calls it with PyTorch's."""
+    global _framework
+    with _lock:
+        _framework = (bool(allow_tf32), bool(deterministic), bool(benchmark))
+        _combine()
 
 
 def _checked(name: str, value: Any) -> Any:
@@ -92,6 +160,7 @@ def set_flags(**changes: object) -> Flags:
     with _lock:
         previous = _current
         _current = replace(_current, **checked)
+        _combine()
     return previous
 
 
@@ -105,6 +174,7 @@ def flags(**changes: object) -> Iterator[Flags]:
     finally:
         with _lock:
             _current = previous
+            _combine()
 
 
 _FLAG_NAMES = frozenset(f.name for f in fields(Flags))

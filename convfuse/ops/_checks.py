@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import activations, backend
+from .. import activations, backend, config
 from ..dtypes import SUPPORTED
 from ..errors import DeviceMismatchError
 from ..geometry import ConvGeometry
@@ -292,6 +292,8 @@ def engine(xp: ModuleType, kind: str) -> ModuleType:
     """The engine module for `kind` ("conv", "activation", "pooling"): the NumPy
     reference for NumPy arrays, cuDNN for CuPy arrays. Ops look the function up on this
     module at every call, so tests see which engine ran by patching it there."""
+    if xp is not np:
+        config.refresh()  # a framework's cuDNN switches (Note [a framework's switches])
     name = f"convfuse.ops.{'reference' if xp is np else 'cudnn'}.{kind}"
     module = sys.modules.get(name)  # imported once; import_module's lookup costs per call
     return module if module is not None else importlib.import_module(name)

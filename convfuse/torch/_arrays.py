@@ -71,6 +71,7 @@ from ..dtypes import canonical
 from ..geometry import layout_name
 from ..ops._checks import ALIGNMENT
 from ..ops.cudnn.device import MAX_CONTEXTS, DeviceArray, ExecContext
+from . import _switches
 
 G = TypeVar("G")
 
@@ -235,6 +236,15 @@ def to_tensor(a: Any) -> torch.Tensor:
             return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     return torch.from_dlpack(a)  # pragma: gpu
+
+
+def tensor_context(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """engine_context(t.device) for a call on `t`, which on CUDA first follows PyTorch's
+    cuDNN switches (_switches.py); off CUDA nothing to set."""
+    if not t.is_cuda:
+        return _NULL_CONTEXT
+    _switches.follow()  # the pointer path does not go through the ops' engine choice
+    return engine_context(t.device)
 
 
 def engine_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:

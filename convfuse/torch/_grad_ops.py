@@ -61,11 +61,11 @@ from ..geometry import ConvGeometry, conv_output_size, from_channels_first
 from . import _autocast
 from ._arrays import (
     empty_in_layout,
-    engine_context,
     geometry,
     is_channels_last,
     logical,
     physical,
+    tensor_context,
     to_array,
     to_tensor,
 )
@@ -109,7 +109,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, stride: Sequence[int],
     if x.numel() == 0 or 0 in shape:
         return empty_in_layout(x, shape, cl)
     geom = _geometry(x.shape, weight.shape, stride, padding, dilation, groups, cl)
-    with engine_context(x.device):
+    with tensor_context(x):
         y = to_tensor(ops.conv_forward(to_array(physical(x, cl)),
                                        to_array(physical(weight, cl)), geom))
     return logical(y, cl)
@@ -134,7 +134,7 @@ def conv_data_grad(dz: torch.Tensor, weight: torch.Tensor, input_size: Sequence[
     if dz.numel() == 0:
         return out.zero_()
     geom = _geometry(input_size, weight.shape, stride, padding, dilation, groups, cl)
-    with engine_context(dz.device):
+    with tensor_context(dz):
         ops.conv_backward_data(to_array(physical(dz, cl)), to_array(physical(weight, cl)),
                                geom, out=to_array(physical(out, cl)))
     return out
@@ -156,7 +156,7 @@ def conv_filter_grad(x: torch.Tensor, dz: torch.Tensor, weight_size: Sequence[in
     if x.numel() == 0 or dz.numel() == 0:
         return out.zero_()
     geom = _geometry(x.shape, weight_size, stride, padding, dilation, groups, cl)
-    with engine_context(x.device):
+    with tensor_context(x):
         ops.conv_backward_filter(to_array(physical(x, cl)), to_array(physical(dz, cl)),
                                  geom, out=to_array(physical(out, cl)))
     return out
@@ -224,7 +224,7 @@ def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
         return out
     if act == "identity":
         return out.copy_(dy)
-    with engine_context(dy.device):
+    with tensor_context(dy):
         ops.activation_backward(to_array(physical(dy, cl)),
                                 None if saved is None else to_array(physical(saved, cl)), act,
                                 out=to_array(physical(out, cl)))

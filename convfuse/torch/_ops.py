@@ -37,10 +37,10 @@ from . import _autocast, _bound, _double, _eager
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
-    engine_context,
     geometry,
     logical,
     physical,
+    tensor_context,
     to_array,
     to_tensor,
 )
@@ -56,8 +56,9 @@ def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
 
 
 def context(t: torch.Tensor) -> Any:
-    """engine_context(t.device), skipped off CUDA where it has nothing to set."""
-    return engine_context(t.device) if t.is_cuda else _NO_CONTEXT
+    """engine_context(t.device), following PyTorch's cuDNN switches; skipped off CUDA
+    where it has nothing to set."""
+    return tensor_context(t) if t.is_cuda else _NO_CONTEXT
 
 
 def device_type(t: torch.Tensor) -> str:
