@@ -88,7 +88,7 @@ def test_todays_counts_fill_stages_1_and_2_with_tests_and_stage_3_with_the_bench
     assert "--sections forward,adam " in bench.command
     assert plan.leases(result) == [[1, 2], [3]]
     # with fewer tests the benchmarks keep their place in stage 2
-    few = Counter({f: max(1, n // 4) for f, n in counts.items()})
+    few = Counter({f: max(1, n // 8) for f, n in counts.items()})
     result = plan.pack(few, _files(few), ROOM, "forward")
     where = _check(result, few)
     assert where["bench"] == 2 and where["sanitizer"] == 2 and plan.leases(result) == [[1, 2]]

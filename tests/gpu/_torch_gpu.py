@@ -36,9 +36,14 @@ def exact_cuda(reset_dynamo: bool = False) -> Iterator[None]:
 
 def poison(nbytes: int = 64 << 20) -> None:
     """Fill, then free, a block of PyTorch's cache with NaN: the next allocations of the
-    current stream likely reuse it, so an output read before it is written shows."""
+    current stream likely reuse it, so an output read before it is written shows. The
+    caching allocator serves requests of at most 1 MiB from a pool of their own (2 MiB
+    segments a large block never reaches), so 32 blocks of exactly 1 MiB are poisoned as
+    well: freed, each segment's two coalesce into 2 MiB of NaN for the small outputs.
+    (A graph capture allocates from a private pool neither reaches.)"""
     block = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
-    del block
+    small = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(32)]
+    del block, small
 
 
 def replay_on_new_input(graph, static_x, static_y):

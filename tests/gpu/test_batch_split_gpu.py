@@ -130,10 +130,14 @@ def test_a_torch_layer_on_a_split_batch_matches_torch(data):
         pytest.skip("torch has no CUDA here")
     import convfuse.torch as cft
 
+    # 15 GiB of data live, and two 5 GiB outputs to come: the earlier tests' cached blocks
+    # go back first, and the error is taken a sample (2 GiB in float32) at a time
+    cp.get_default_memory_pool().free_all_blocks()
     x = torch.from_dlpack(data["x"])
     layer = cft.Conv2d(1, 1, 3, padding=1, activation="relu").cuda().half()
-    ref = torch.nn.functional.conv2d(x, layer.weight, layer.bias, padding=1).relu_()
     with torch.no_grad():
+        ref = torch.nn.functional.conv2d(x, layer.weight, layer.bias, padding=1).relu_()
         y = layer(x)
-    err = (y.float() - ref.float()).abs().max().item()
-    assert err <= 2e-3 * ref.float().abs().max().item()
+        err = max((y[i].float() - ref[i].float()).abs().max().item() for i in range(N))
+        scale = max(ref[i].float().abs().max().item() for i in range(N))
+    assert err <= 2e-3 * scale

@@ -1,5 +1,5 @@
-"""convfuse.torch and convfuse.distributed on a GPU: PyTorch's stream, zero-copy memory,
-the cuDNN engine actually running, and NCCL on a CuPy flat buffer (world size 1).
+"""convfuse.torch on a GPU: PyTorch's stream, zero-copy memory, the cuDNN engine actually
+running (convfuse.distributed's NCCL tests are test_distributed_gpu.py's).
 
 References are float64 results of the same layer on the CPU (convfuse's NumPy engine);
 outputs land in memory poisoned with NaN first, so a read before the write shows.
@@ -9,12 +9,9 @@ Written without a GPU: none of these has run yet.
 from __future__ import annotations
 
 import copy
-import gc
 
 import numpy as np
 import pytest
-
-import convfuse as cf
 
 pytestmark = pytest.mark.gpu
 
@@ -172,95 +169,6 @@ def test_bfloat16_crosses_dlpack_on_cuda():
     y_ref = _reference(layer, x, residual)[0]
     np.testing.assert_allclose(y.float().cpu().double().numpy(), y_ref.numpy(), rtol=3e-2,
                                atol=3e-2)
-
-
-def test_nccl_allreduce_of_a_cupy_flat_buffer_world_one(tmp_path, monkeypatch):
-    import cupy
-    import torch.distributed as dist
-
-    from convfuse.distributed import allreduce_gradients, broadcast_parameters
-
-    if not dist.is_nccl_available():
-        pytest.skip("this PyTorch build has no NCCL")
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        model = cf.Sequential(cf.Conv2d(2, 4, 3, device="cuda", seed=0), cf.Flatten(),
-                              cf.Linear(4, 3, device="cuda", seed=1))
-        opt = cf.optim.SGD(model.parameters(), lr=0.1)
-        for i, p in enumerate(model.parameters()):
-            p.grad[...] = i + 0.5
-        buffer = opt._groups[0].grad
-        expected = buffer.get()
-        seen = []
-        real = dist.all_reduce
-
-        def spy(t, *args, **kwargs):
-            seen.append((t.data_ptr(), t.device.type, kwargs.get("op"),
-                         torch.cuda.current_stream().cuda_stream))
-            return real(t, *args, **kwargs)
-
-        monkeypatch.setattr(dist, "all_reduce", spy)
-        side = cupy.cuda.Stream(non_blocking=True)
-        with side:
-            allreduce_gradients(opt)
-            broadcast_parameters(model)
-        side.synchronize()
-        assert seen == [(buffer.data.ptr, "cuda", dist.ReduceOp.AVG, side.ptr)]
-        np.testing.assert_array_equal(buffer.get(), expected)  # the average over one rank
-    finally:
-        dist.destroy_process_group()
-
-
-def test_allreduce_gradients_is_captured_in_a_graph_with_nccl(tmp_path):
-    """Note [streams and capture]: inside convfuse.graph.capture the all-reduce goes to the
-    capturing stream; replays equal eager steps (world size 1: the average is the value)."""
-    import cupy
-    import torch.distributed as dist
-
-    from convfuse.distributed import allreduce_gradients
-
-    if not dist.is_nccl_available():
-        pytest.skip("this PyTorch build has no NCCL")
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1)
-    try:
-        def build():
-            model = cf.Sequential(cf.Conv2d(1, 4, 3, padding=1, activation="relu",
-                                            device="cuda", seed=0),
-                                  cf.Flatten(), cf.Linear(4 * 8 * 8, 5, device="cuda", seed=1))
-            opt = cf.optim.SGD(model.parameters(), lr=0.1)
-            loss_fn = cf.CrossEntropyLoss()
-
-            def step(x, y):
-                opt.zero_grad()
-                loss = loss_fn(model(x), y)
-                model.backward(loss_fn.backward())
-                allreduce_gradients(opt)
-                opt.step()
-                return loss
-
-            return model, step
-
-        rng = np.random.default_rng(0)
-        data = [(cupy.asarray(rng.random((8, 1, 8, 8), dtype=np.float32)),
-                 cupy.asarray(rng.integers(0, 5, 8).astype(np.int32))) for _ in range(4)]
-        eager_model, eager_step = build()
-        eager_step(*data[0])  # the capture's warm-up step
-        for x, y in data[1:]:
-            eager_step(x, y)
-        graph_model, graph_step = build()
-        captured = cf.graph.capture(graph_step, *data[0])
-        for x, y in data[1:]:
-            captured(x, y)
-        captured.synchronize()
-        for a, b in zip(graph_model.parameters(), eager_model.parameters()):
-            np.testing.assert_allclose(a.data.get(), b.data.get(), rtol=1e-6, atol=1e-7)
-    finally:
-        # NCCL's teardown waits for every graph holding the communicator to be destroyed
-        captured = None
-        gc.collect()
-        dist.destroy_process_group()
 
 
 # --- issue 19: a drop-in for torch.nn on the GPU ------------------------------------------
