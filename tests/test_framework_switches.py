@@ -16,9 +16,17 @@ from convfuse.torch import _switches  # noqa: E402
 _PRECISIONS = (("generic", "all"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"))
 
 
+def _precision(backend: str, op: str, value: str) -> None:
+    """torch.backends.<...>.fp32_precision = value, through torch's C setter: the Python
+    attributes refuse once torch's test utilities froze the global flags (the module_db
+    tests import them), what the C setters do not check."""
+    torch._C._set_fp32_precision_setter(backend, op, value)
+
+
 @pytest.fixture
 def switches():
-    """PyTorch's switches and convfuse's combination restored after the test."""
+    """PyTorch's switches and convfuse's combination restored after the test (set and
+    restored through torch's C setters: see _precision)."""
     c = torch._C
     saved = ([c._get_fp32_precision_getter(*k) for k in _PRECISIONS],
              c._get_cudnn_deterministic(), c._get_cudnn_benchmark(),
@@ -60,17 +68,17 @@ def test_each_side_can_ask_for_the_safer_choice(switches):
 
 def test_pytorchs_tf32_precision_is_read_as_aten_resolves_it(switches):
     assert _switches.allow_tf32() is True  # torch's default for cuDNN convolutions
-    torch.backends.cudnn.allow_tf32 = False
+    torch._C._set_cudnn_allow_tf32(False)
     assert _switches.allow_tf32() is False
-    torch.backends.cudnn.allow_tf32 = True
-    torch.backends.cudnn.conv.fp32_precision = "ieee"  # the new API, conv alone
+    torch._C._set_cudnn_allow_tf32(True)
+    _precision("cuda", "conv", "ieee")  # the new API, conv alone
     assert _switches.allow_tf32() is False
-    torch.backends.cudnn.conv.fp32_precision = "none"  # conv inherits cudnn's, then torch's
-    torch.backends.fp32_precision = "tf32"
+    _precision("cuda", "conv", "none")  # conv inherits cudnn's, then torch's
+    _precision("generic", "all", "tf32")
     assert _switches.allow_tf32() is True
-    torch.backends.fp32_precision = "ieee"
+    _precision("generic", "all", "ieee")
     assert _switches.allow_tf32() is False
-    torch.backends.fp32_precision = "none"
+    _precision("generic", "all", "none")
 
 
 def test_pytorchs_determinism_and_benchmark_are_read(switches):
@@ -78,8 +86,8 @@ def test_pytorchs_determinism_and_benchmark_are_read(switches):
     torch.use_deterministic_algorithms(True)
     assert _switches.current() == (True, True, False)
     torch.use_deterministic_algorithms(False)
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = True
+    torch._C._set_cudnn_deterministic(True)
+    torch._C._set_cudnn_benchmark(True)
     assert _switches.current() == (True, True, True)
 
 
@@ -103,7 +111,7 @@ def test_a_bridge_call_on_cuda_follows_pytorchs_switches(switches, monkeypatch):
             assert {(k.math_type, k.deterministic) for k in keys} == {
                 ("CUDNN_DEFAULT_MATH", False)}
             keys.clear()
-            torch.backends.cudnn.allow_tf32 = False
+            torch._C._set_cudnn_allow_tf32(False)
             torch.use_deterministic_algorithms(True)
             conv(x)
         assert keys and {(k.math_type, k.deterministic) for k in keys} == {
@@ -125,9 +133,9 @@ def test_convfuses_own_gpu_ops_follow_them_too(switches, monkeypatch):
     gpu = FakeGpu(monkeypatch)
     geom = ConvGeometry.create((1, 2, 4, 4), (2, 2, 3, 3), padding=1)
     x, w = gpu.array(geom.input_shape, np.float32), gpu.array(geom.weight_shape, np.float32)
-    torch.backends.cudnn.deterministic = True
+    torch._C._set_cudnn_deterministic(True)
     ops.conv_forward(x, w, geom)
     assert config.get().deterministic is True
-    torch.backends.cudnn.deterministic = False
+    torch._C._set_cudnn_deterministic(False)
     ops.conv_forward(x, w, geom)
     assert config.get().deterministic is False
