@@ -354,18 +354,23 @@ def test_bfloat16_conversions_round_like_cuda(tmp_path):
         np.float32))
 
 
-def test_half_conversions_are_the_ptx_instructions():
-    """__half loads and stores compile to cvt.f32.f16 and cvt.rn.f16.f32 (what
-    cuda_fp16.hpp emits), found in the PTX of the float16 kernels."""
+@functools.cache
+def _module_ptx(name: str) -> str:
+    """A shipped kernel module's PTX for compute_80, compiled with CuPy's options."""
     lib = kernels.nvrtc()
-    prog = lib.createProgram(kernels.source("activation"), "activation.cu", [], [])
+    prog = lib.createProgram(kernels.source(name), f"{name}.cu", [], [])
     try:
         lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
         ptx = lib.getPTX(prog)
     finally:
         lib.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    f16 = ptx.split(".entry act_forward_f16")[1].split(".entry")[0]
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def test_half_conversions_are_the_ptx_instructions():
+    """__half loads and stores compile to cvt.f32.f16 and cvt.rn.f16.f32 (what
+    cuda_fp16.hpp emits), found in the PTX of the float16 kernels."""
+    f16 = _module_ptx("activation").split(".entry act_forward_f16")[1].split(".entry")[0]
     assert "cvt.f32.f16" in f16 and "cvt.rn.f16.f32" in f16
 
 
@@ -735,15 +740,7 @@ def test_the_argmax_compares_no_two_floats_under_ftz(dtype, labels):
     a float comparison there would read a subnormal logit as 0, and the correct count
     would part from numpy.argmax's. What float compares of two registers remain are a
     value with itself (the NaN tests, which flushing does not change)."""
-    lib = kernels.nvrtc()
-    prog = lib.createProgram(kernels.source("loss"), "loss.cu", [], [])
-    try:
-        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
-        ptx = lib.getPTX(prog)
-    finally:
-        lib.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    body = ptx.split(f".entry xent_rows_{dtype}_{labels}(")[1].split(".entry")[0]
+    body = _module_ptx("loss").split(f".entry xent_rows_{dtype}_{labels}(")[1].split(".entry")[0]
     pairs = [(a, b.strip()) for a, b in _F32_SETP.findall(body) if b.strip().startswith("%f")]
     assert pairs  # the NaN tests are there: the pattern reads this PTX
     assert all(a == b for a, b in pairs), [p for p in pairs if p[0] != p[1]]
