@@ -371,3 +371,30 @@ def test_inference_runs_a_batch_above_cudnns_bound_in_parts(gpu, monkeypatch, sh
     [(name, a)] = gpu.calls
     assert name == "batchNormalizationForwardInference"
     assert (a[4], a[5], a[7]) == (plan.x_desc, ptr(x), ptr(y))
+
+
+@pytest.mark.parametrize("zero", ["getBatchNormalizationForwardTrainingExWorkspaceSize",
+                                  "getBatchNormalizationBackwardExWorkspaceSize"])
+def test_a_zero_byte_fused_workspace_is_taken_as_a_refusal(gpu, monkeypatch, zero):
+    """cuDNN runs an Ex call given a NULL, zero-byte workspace as the non-extended call,
+    without bnOps' add and ReLU: a fused call sized at 0 bytes is never made, the plain
+    path runs instead, warned once."""
+    def query(*a):
+        gpu.record(zero, a)
+        return 0
+
+    monkeypatch.setattr(gpu.lib, zero, query)
+    x, (w, b, rm, rv), res = arrays(gpu, FUSED_SHAPE, "float16")
+    with pytest.warns(FusedFallbackWarning, match=r"0 bytes of workspace"):
+        _y, saved = ops.batchnorm_forward_training(x, w, b, rm, rv, "NHWC", 1e-5, 0.1, "relu",
+                                                   res)
+        dy = gpu.array(FUSED_SHAPE, "float16")
+        gw, gb = gpu.array((8,), "float32"), gpu.array((8,), "float32")
+        ops.batchnorm_backward(dy, x, w, b, saved, "NHWC", 1e-5, "relu", True,
+                               weight_grad=gw, bias_grad=gb, param_beta=1.0)
+    made = names(gpu.calls)
+    assert BWD_EX not in made and made[-2:] == ["activation_backward", BWD]
+    if zero.startswith("getBatchNormalizationForward"):
+        assert made[:4] == [*SIZES, FWD] and not saved.engine_state.fused
+    else:  # the forward's own workspace is there: it runs fused, its backward falls back
+        assert made[:4] == [*SIZES, FWD_EX] and saved.engine_state.fused

@@ -4,9 +4,9 @@ Note [BatchNorm in cuDNN]
 - Mode: inference always runs CUDNN_BATCHNORM_SPATIAL. Training (and its backward, which
   must use the forward's mode) runs CUDNN_BATCHNORM_SPATIAL_PERSISTENT for channels-last
   float/half/bfloat16 data, as PyTorch does for channels_last (cuDNN documents its
-  optimized path for float and half at compute capability >= 6.0; it reduces with scaled
-  atomic integers, deterministic but overflow-prone on extreme ranges), and SPATIAL
-  otherwise (channels-first, and double).
+  optimized path for float and half at compute capability >= 6.0; the reference's caveat
+  on its scaled atomic integers, overflow-prone on extreme ranges, is for NCHW, which
+  never runs it here), and SPATIAL otherwise (channels-first, and double).
 - Rank: cuDNN documents the BN kernels for 4-d and 5-d tensors, so (N, C) is described as
   (N, C, 1, 1) and (N, C, L) as (N, C, 1, L), like Note [1-D convolutions as 2-D].
 - Scale, bias, mean and variance use the descriptor cudnnDeriveBNTensorDescriptor gives:
@@ -20,10 +20,11 @@ Note [BatchNorm in cuDNN]
   fused bnOps at all, would too (no refusal to meet there on the first GPU). A plan whose
   configuration meets those rules tries the fused calls; any other configuration runs the
   plain calls plus convfuse's add/activation kernels without a warning (nothing was
-  refused). If cuDNN
-  refuses a fused call it was documented to take (any NOT_SUPPORTED status, at the size
-  query or at the call), the plan remembers, warns once (FusedFallbackWarning) and runs
-  the plain path from then on (Note [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
+  refused). If cuDNN refuses a fused call it was documented to take (any NOT_SUPPORTED
+  status, at the size query or at the call; or a workspace sized at 0 bytes, with which
+  an Ex call would run as the non-extended one, without its bnOps), the plan remembers,
+  warns once (FusedFallbackWarning) and runs the plain path from then on (Note
+  [BatchNorm fallback] in convfuse/ops/cudnn/batchnorm.py).
   An out-of-memory for the fused calls' workspace or reserve space is not for good: the
   plan runs plain for a while and tries again (Note [transient out-of-memory] in
   plan/choice.py, the same back-off as the conv plans), warning once per plan in all.

@@ -121,6 +121,19 @@ def _where(plan: BatchNormPlan, what: str) -> str:
     return f"{what} for {plan.describe()}"
 
 
+def _need_workspace(plan: BatchNormPlan, size: int, call: str) -> None:
+    """A fused call cuDNN sizes at 0 bytes of workspace is taken as refused: cuDNN's
+    reference says an Ex call given a NULL, zero-byte workspace runs as the non-extended
+    call, which would silently leave out bnOps' add and activation."""
+    if size == 0:
+        lib = plan.lib
+        status = int(lib.CUDNN_STATUS_NOT_SUPPORTED)
+        raise CudnnError(status, f"cudnnGetBatchNormalization{call}WorkspaceSize",
+                         lib.getErrorString(status),
+                         detail=f"0 bytes of workspace for the fused {call} (taken as a "
+                                "refusal: with no workspace it would run without its bnOps)")
+
+
 def _warn_fallback(plan: BatchNormPlan, refusal: CudnnError, stage: str) -> None:
     # stacklevel 7: _warn_fallback < _fused_forward < training_forward (training_backward
     # < _training_backward) < engine < ops.validated < ops < caller
@@ -226,6 +239,7 @@ def _fused_forward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, x: Any, s
     stage = "getBatchNormalization*Size"
     try:
         sizes = plan.sizes(handle, ctx.capture_stream)
+        _need_workspace(plan, sizes.forward_workspace, "ForwardTrainingEx")
         got = _allocate(plan, [("forward workspace", sizes.forward_workspace),
                                ("reserve space", sizes.reserve)], ctx)
         if got is None:
@@ -361,6 +375,7 @@ def training_backward(plan: BatchNormPlan, handle: Any, ctx: ExecContext, dy: An
         stage = "getBatchNormalizationBackwardExWorkspaceSize"
         try:
             size = plan.sizes(handle, ctx.capture_stream).backward_workspace
+            _need_workspace(plan, size, "BackwardEx")
             got = _allocate(plan, [("backward workspace", size)], ctx)
             if got is not None:
                 ws, = got
