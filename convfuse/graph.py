@@ -15,11 +15,15 @@ algorithm choices, compiled kernels and optimizer buffers exist before recording
 real training steps. Memory allocated while capturing comes from a private pool that lives
 as long as the returned `CapturedStep`: keep it alive as long as you use the step's outputs.
 Only device-resident values can change between replays: the learning rate and step count
-(and the inputs). Hyperparameters passed by value (momentum, betas, eps, weight decay,
-residual_scale) are fixed at capture; capture again after changing them. A step whose
-graph holds an NCCL collective (convfuse.distributed.allreduce_gradients) must be dropped,
-and collected, before `torch.distributed.destroy_process_group()`: NCCL's teardown waits
-for every graph that references its communicator to be destroyed.
+(and the inputs). Assign `lr` on the stream that calls the replays (CuPy's current one then,
+as for the inputs): a replay is ordered after that stream's work, not after other streams'.
+The returned CapturedStep keeps `step_fn` alive, and with it what the graph reads and
+writes; a capture that runs out of device memory raises CaptureError. Hyperparameters
+passed by value (momentum, betas, eps, weight decay, residual_scale) are fixed at capture;
+capture again after changing them. A step whose graph holds an NCCL collective
+(convfuse.distributed.allreduce_gradients) must be dropped, and collected, before
+`torch.distributed.destroy_process_group()`: NCCL's teardown waits for every graph that
+references its communicator to be destroyed.
 """
 
 from __future__ import annotations
@@ -37,10 +41,16 @@ class CapturedStep:
     thread at a time: the static inputs, the outputs and the ordering events are shared
     by every replay."""
 
-    def __init__(self, graph: Any, stream: Any, pool: Any, inputs: list[Any], outputs: Any):
+    def __init__(self, graph: Any, stream: Any, pool: Any, inputs: list[Any], outputs: Any,
+                 step_fn: Callable[..., Any]):
         self._graph, self._stream, self._pool = graph, stream, pool
-        self.static_inputs = inputs
+        # a tuple: replacing a static input would free a buffer every replay reads
+        self.static_inputs = tuple(inputs)
         self.outputs = outputs
+        # The graph reads and writes what step_fn reaches (the layers' parameters, the
+        # optimizer's flat buffers and state, metrics): held here, or a step captured in a
+        # function that returns only this object would replay into freed memory.
+        self._step_fn = step_fn
         self._events: tuple[Any, Any] | None = None  # made at the first replay
 
     def __call__(self, *inputs: Any) -> Any:
@@ -125,7 +135,7 @@ def _capture(  # pragma: gpu
     cp: Any, step_fn: Callable[..., Any], example_inputs: tuple, warmup: int
 ) -> CapturedStep:
     stream = cp.cuda.Stream(non_blocking=True)
-    pool = cp.cuda.MemoryPool()
+    pool = cp.cuda.MemoryPool(allocator=_capture_malloc)
     caller = cp.cuda.get_current_stream()
     _wait(stream, caller)
     with stream:
@@ -136,6 +146,10 @@ def _capture(  # pragma: gpu
         for _ in range(warmup):
             step_fn(*static)
         stream.synchronize()
+    # The capture allocates its step's temporaries again, from the private pool: hand the
+    # warm-up's cached free blocks back first, or a step that fits eagerly could need twice
+    # its temporary memory to be captured.
+    cp.get_default_memory_pool().free_all_blocks()
     with cp.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
         try:
@@ -150,7 +164,25 @@ def _capture(  # pragma: gpu
         except Exception as exc:
             raise CaptureError(_explain(exc)) from exc
     _wait(caller, stream)
-    return CapturedStep(graph, stream, pool, static, outputs)
+    return CapturedStep(graph, stream, pool, static, outputs, step_fn)
+
+
+def _capture_malloc(size: int) -> Any:  # pragma: gpu
+    """The private pool's cudaMalloc. Out of memory raises CaptureError: CuPy's pool would
+    answer the CUDARuntimeError by freeing its free blocks and trying again, and among them
+    is memory the step freed earlier in this capture, whose addresses the recorded graph
+    still writes (PyTorch's allocator has the same rule: never cudaFree a capture's
+    memory before its replays)."""
+    import cupy
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    try:
+        return cupy.cuda.MemoryPointer(cupy.cuda.Memory(size), 0)
+    except CUDARuntimeError as exc:
+        raise CaptureError(
+            f"out of device memory while capturing the step ({size:,} bytes more were "
+            f"needed: {exc}); free memory before capturing, or capture a smaller step"
+        ) from exc
 
 
 def _abort_capture(stream: Any) -> None:  # pragma: gpu

@@ -7,7 +7,7 @@ import pytest
 
 from convfuse import graph
 from convfuse.backend import gpu_unavailable_reason
-from convfuse.errors import DeviceUnavailableError
+from convfuse.errors import CaptureError, DeviceUnavailableError
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present")
@@ -56,7 +56,7 @@ def _step(monkeypatch):
     """A CapturedStep over two static inputs whose replay is recorded, not run."""
     statics = [np.arange(6.0).reshape(2, 3), np.zeros(4, np.float32)]
     rec = _Recorder()
-    step = graph.CapturedStep(rec, None, None, statics, "outputs")
+    step = graph.CapturedStep(rec, None, None, statics, "outputs", lambda *a: None)
     replays = []
     monkeypatch.setattr(step, "_replay", lambda inputs: replays.append(inputs) or "outputs")
     return step, statics, replays
@@ -83,3 +83,95 @@ def test_replay_takes_all_inputs_or_none(monkeypatch):
         step(np.ones((2, 3)))
     assert step() == "outputs" and step(np.ones((2, 3)), np.ones(4, np.float32)) == "outputs"
     assert [len(r) for r in replays] == [0, 2]
+
+
+class _FakeCapture:
+    """Just enough of CuPy for graph._capture, recording the order of what it does."""
+
+    def __init__(self, log):
+        self.log = log
+        fake = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def synchronize(self):
+                fake.log.append("synchronize")
+
+            def begin_capture(self):
+                fake.log.append("begin_capture")
+
+            def end_capture(self):
+                fake.log.append("end_capture")
+                return "graph"
+
+            def wait_event(self, event):
+                pass
+
+        class MemoryPool:
+            def __init__(self, allocator=None):
+                fake.log.append(("private pool", allocator))
+                self.malloc = allocator
+
+        self.cuda = type("cuda", (), {
+            "Stream": Stream, "MemoryPool": MemoryPool,
+            "get_current_stream": staticmethod(lambda: Stream()),
+            "using_allocator": staticmethod(lambda malloc: _null()),
+        })
+        self.array = lambda a, copy=True: np.array(a, copy=True)
+        self.get_default_memory_pool = lambda: type("pool", (), {
+            "free_all_blocks": staticmethod(lambda: fake.log.append("free_all_blocks"))})()
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_capture_frees_the_warm_ups_cached_blocks_and_keeps_the_step_alive(monkeypatch):
+    """The capture allocates the step's temporaries again from its private pool: the
+    default pool's free blocks go back between warm-up and capture. The CapturedStep holds
+    step_fn (what its graph reads and writes), and its private pool allocates through
+    _capture_malloc."""
+    import gc
+    import weakref
+
+    log = []
+    monkeypatch.setattr(graph, "_event", lambda: type("E", (), {"record": lambda s, on: None})())
+
+    class Step:
+        def __call__(self, x):
+            log.append("step")
+            return x
+
+    step_fn = Step()
+    alive = weakref.ref(step_fn)
+    captured = graph._capture(_FakeCapture(log), step_fn, (np.zeros(3),), warmup=2)
+    assert log == [("private pool", graph._capture_malloc), "step", "step", "synchronize",
+                   "free_all_blocks", "begin_capture", "step", "end_capture"]
+    del step_fn
+    gc.collect()
+    assert alive() is not None and isinstance(captured.static_inputs, tuple)
+
+
+def test_out_of_memory_while_capturing_is_a_capture_error(monkeypatch):
+    """Not the CUDARuntimeError CuPy's pool would answer by freeing blocks the recorded
+    graph may still use."""
+    cupy = pytest.importorskip("cupy")
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    def no_memory(size):
+        raise CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(cupy.cuda, "Memory", no_memory)
+    with pytest.raises(CaptureError, match=r"out of device memory while capturing the step "
+                                           r"\(1,024 bytes more"):
+        graph._capture_malloc(1024)

@@ -99,3 +99,33 @@ def test_a_step_on_another_stream_waits_for_the_host_written_state(monkeypatch):
     opt.step()  # seen done: dropped, no wait
     opt.step()
     assert len(gpu.stream_ops) == 2 and opt._filled is None
+
+
+def test_an_event_a_capture_waited_on_outlives_its_optimizer_fill(monkeypatch):
+    """A step captured while the optimizer's fill was pending records an external wait on
+    its event; the event must outlive the graph, though the next lr assignment replaces
+    the fill (constants._WAITED_IN_CAPTURE holds it)."""
+    import contextlib
+    import gc
+    import weakref
+
+    from convfuse.ops.cudnn import constants
+    from convfuse.optim import Adam, _base
+    from convfuse.plan import capture
+    from tests.test_ops_cudnn_wiring import FakeGpu
+
+    gpu = FakeGpu(monkeypatch)
+    monkeypatch.setattr(_base, "device_context", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(constants, "_WAITED_IN_CAPTURE", [])
+    opt = object.__new__(Adam)
+    opt._device_id, opt._groups = 0, []
+    opt._mark_filled()
+    event = weakref.ref(opt._filled.event)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda *a: True)
+    opt.step()  # recorded into the graph: an external wait
+    opt.step()
+    assert [op[0] for op in gpu.stream_ops].count("wait") == 2
+    assert gpu.stream_ops[-1][3] == constants.EVENT_WAIT_EXTERNAL
+    opt._mark_filled()  # as `opt.lr = ...` between replays
+    gc.collect()
+    assert event() is not None and constants._WAITED_IN_CAPTURE[0] is event()

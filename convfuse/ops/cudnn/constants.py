@@ -35,17 +35,23 @@ from .device import ExecContext
 #: cudaEventWaitExternal (driver_types.h): a wait recorded into a graph as an external
 #: event node.
 EVENT_WAIT_EXTERNAL = 0x01
+# Every event a capture recorded a wait on: an instantiated graph's external wait node
+# refers to the event itself, which must outlive every graph (no CUDA call says when the
+# last one is gone), while its DeviceConstant may not (an optimizer's, replaced at each
+# lr assignment). One event per constant, at most, ever lands here.
+_WAITED_IN_CAPTURE: list[Any] = []
 
 
 class DeviceConstant:
     """Arrays filled on one stream, with the event that marks the end of the fill."""
 
-    __slots__ = ("arrays", "complete", "event")
+    __slots__ = ("arrays", "complete", "event", "kept")
 
     def __init__(self, arrays: tuple[Any, ...], event: Any) -> None:
         self.arrays = arrays
         self.event = event
         self.complete = False  # the host has seen the fill finish
+        self.kept = False  # the event is in _WAITED_IN_CAPTURE
 
     def ordered(self, cp: Any, ctx: ExecContext) -> tuple[Any, ...]:  # pragma: gpu
         """The arrays, with the call's stream made to wait for their fill when it may
@@ -54,6 +60,9 @@ class DeviceConstant:
             stream_ptr = ctx.stream_ptr
             if ctx.is_capturing():
                 cp.cuda.runtime.streamWaitEvent(stream_ptr, self.event.ptr, EVENT_WAIT_EXTERNAL)
+                if not self.kept:
+                    self.kept = True
+                    _WAITED_IN_CAPTURE.append(self.event)
             elif self.event.done:
                 self.complete = True
             else:
