@@ -215,6 +215,10 @@ def details(name: str, out: Path, note: str = "") -> str:
                          f"D2H/step={r.get('d2h_copies_per_step')}"
                          + (f" {r.get('sync_calls')}" if r.get("sync_calls") else ""))
         parts.append(f"capture probe: {d.get('capture_probe')}")
+        for key, r in (d.get("blocking_probe") or {}).items():
+            parts.append(f"blocking probe, {key.split()[1]}: {r.get('blocked')} of "
+                         f"{r.get('steps')} steps blocked ({r.get('inconclusive')} "
+                         "inconclusive)")
         text = "; ".join(parts)
     elif name == "sanitizer" and (out / "log.txt").is_file():
         lines = (out / "log.txt").read_text(errors="replace").splitlines()
@@ -266,6 +270,11 @@ def verdict(name: str, rc: int, out: Path) -> str:
             return "FAIL (no capture probe ran)"
         if str(d["capture_probe"]).startswith("fail"):
             return "FAIL (capture probe)"
+        probes = (d.get("blocking_probe") or {}).values()
+        if any(r.get("blocked") for r in probes):
+            return "FAIL (a step blocked on the device: blocking probe)"
+        if any(not r.get("free") for r in probes):
+            return "FAIL (the blocking probe saw nothing: its spin never outlasted a step)"
     return "PASS"
 
 

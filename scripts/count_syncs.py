@@ -8,9 +8,18 @@ With Nsight Systems (`nsys`) on PATH, the steps run under `nsys profile -t cuda,
 inside an NVTX range, and every CUDA API call and GPU memcpy inside a range is classified
 (`classify`): synchronisations (cuda{Device,Stream,Event}Synchronize, a synchronous
 cudaMemcpy*, cudaFree, cudaStreamQuery is not one) and device-to-host copies. Without nsys
-the counts are unknown (null), and a capture probe stands in: one eager step is recorded
-under cudaStreamCaptureModeGlobal, which CUDA aborts at the first synchronising or unsafe
-call from any thread; passing proves zero syncs, though it cannot count them.
+the counts are unknown (null), and two probes stand in:
+- the capture probe: one eager step is recorded under cudaStreamCaptureModeGlobal, which
+  CUDA aborts at the first synchronising or unsafe call on the capturing stream (or, for
+  some calls, from any thread). It sees what a recorded step does, not what runs only
+  outside a capture;
+- the blocking probe (`blocking_probe`): a kernel keeps the device busy for SPIN_S
+  (spinning on %globaltimer), then the step is called; a step that waits for the device
+  anywhere (a sync, a copy to pageable host memory, a cudaFree) takes at least the rest
+  of the spin on the host, one that only queues work returns in its own host time. It
+  counts the steps, eager and replayed, that blocked; a spin the host never waited for
+  shows the probe itself works.
+Neither counts calls, as nsys does; both report what they saw.
 """
 
 from __future__ import annotations
@@ -33,8 +42,12 @@ if (REPO / "convfuse" / "__init__.py").is_file():
     sys.path.insert(0, str(REPO))
 
 RANGES = ("convfuse eager step", "convfuse captured step")
-_SYNC_API = re.compile(r"^cuda(Device|Stream|Event|Ctx)Synchronize|^cudaMemcpy(2D|3D)?(_v\d+)?$|"
-                       r"^cudaMemcpy(ToSymbol|FromSymbol)?(_v\d+)?$|^cudaFree(_v\d+)?$|"
+# Synchronising calls by name (nsys names carry _v<version>, and the per-thread default
+# stream's _ptds/_ptsz): the explicit syncs, synchronous copies, and the frees that wait
+# for the device (cudaFree, cudaFreeHost and their driver forms)
+_SYNC_API = re.compile(r"^cuda(Device|Stream|Event|Ctx)Synchronize|"
+                       r"^cudaMemcpy(2D|3D|ToSymbol|FromSymbol)?(_pt(ds|sz))?(_v\d+)?$|"
+                       r"^cudaFree(Host)?(_v\d+)?$|^cuMemFree(Host)?(_v\d+)?$|"
                        r"^cu(Ctx|Stream|Event)Synchronize|^cuMemcpy[DH]to[DH](_v\d+)?$")
 _D2H = re.compile(r"device-to-host|dtoh", re.I)
 
@@ -75,6 +88,58 @@ def read_csv(path: Path) -> list[dict]:
             e = int(float(row[end])) if end else s + int(float(row[dur] or 0)) if dur else s
             rows.append({"start": s, "end": e, "name": row[name]})
     return rows
+
+
+#: How long the blocking probe keeps the device busy before each step, and the share of it
+#: a step's host time must reach to count as blocked (a step's own host time is a few ms).
+SPIN_S = 0.05
+BLOCKED_SHARE = 0.5
+SPIN_SOURCE = r"""
+extern "C" __global__ void convfuse_spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def blocked(host_s: float, waited_s: float) -> str:
+    """One step's reading: "blocked" when its host time took at least BLOCKED_SHARE of the
+    spin, "free" when the spin was still running after it returned (the host waited for
+    the rest), "inconclusive" when neither (the spin was over before the step was)."""
+    if host_s >= BLOCKED_SHARE * SPIN_S:
+        return "blocked"
+    if host_s + waited_s >= BLOCKED_SHARE * SPIN_S:
+        return "free"
+    return "inconclusive"
+
+
+def summarize_blocking(readings: list[str]) -> dict:
+    counts = {k: readings.count(k) for k in ("blocked", "free", "inconclusive")}
+    return {"steps": len(readings), **counts}
+
+
+def blocking_probe(cp, call, steps: int) -> dict:  # pragma: gpu
+    """`call()` `steps` times, each right after a kernel that keeps the device busy for
+    SPIN_S on CuPy's current stream: how many calls blocked on the device (module notes)."""
+    import time
+
+    import numpy as np
+
+    spin = cp.RawKernel(SPIN_SOURCE, "convfuse_spin")
+    stream = cp.cuda.get_current_stream()
+    readings = []
+    for _ in range(steps):
+        stream.synchronize()
+        spin((1,), (1,), (np.uint64(int(SPIN_S * 1e9)),))
+        t0 = time.perf_counter()
+        call()
+        t1 = time.perf_counter()
+        stream.synchronize()
+        readings.append(blocked(t1 - t0, time.perf_counter() - t1))
+    return summarize_blocking(readings)
 
 
 def _model():  # pragma: gpu
@@ -129,7 +194,10 @@ def worker(steps: int, nvtx: bool, out: Path | None) -> dict:  # pragma: gpu
         captured(x, y)
         pop()
     captured.synchronize()
-    result = {"steps": steps, "capture_probe": probe, "mean_loss": mean.compute()}
+    blocking = {RANGES[0]: blocking_probe(cp, lambda: step(x, y), steps),
+                RANGES[1]: blocking_probe(cp, lambda: captured(x, y), steps)}
+    result = {"steps": steps, "capture_probe": probe, "blocking_probe": blocking,
+              "mean_loss": mean.compute()}
     if out is not None:
         out.write_text(json.dumps(result))
     return result

@@ -536,3 +536,52 @@ def test_sync_counter_imports_the_checkout_and_warms_the_capture_stream():
     body = src[src.index("with stream:"):]
     assert body.index("step(x, y)") < body.index("stream.synchronize()") \
         < body.index("begin_capture")
+
+
+def test_sync_counter_names_the_per_thread_and_driver_forms_of_syncs():
+    sync = count_syncs._SYNC_API.search
+    for name in ("cudaMemcpy_ptds_v7000", "cudaMemcpy_v3020", "cuMemFree_v2", "cudaFreeHost",
+                 "cudaFree", "cudaStreamSynchronize_v3020", "cuCtxSynchronize"):
+        assert sync(name), name
+    for name in ("cudaMemcpyAsync_v3020", "cudaLaunchKernel", "cudaStreamQuery",
+                 "cudaMemcpyAsync_ptsz_v7000", "cudaFreeAsync"):
+        assert not sync(name), name
+
+
+def test_the_blocking_probe_reads_each_step_against_its_spin():
+    """count_syncs.blocking_probe: a step whose host time took half the spin blocked; one
+    the spin outlasted (the host waited for it after the step) did not; a spin over before
+    the step ends says nothing. And its kernel compiles (NVRTC, CuPy's options)."""
+    from convfuse import kernels
+
+    spin = count_syncs.SPIN_S
+    assert count_syncs.blocked(0.9 * spin, 0.0) == "blocked"
+    assert count_syncs.blocked(0.002, 0.9 * spin) == "free"
+    assert count_syncs.blocked(0.002, 0.0) == "inconclusive"
+    assert count_syncs.summarize_blocking(["free", "blocked", "free"]) == {
+        "steps": 3, "blocked": 1, "free": 2, "inconclusive": 0}
+    lib = kernels.nvrtc()
+    prog = lib.createProgram(count_syncs.SPIN_SOURCE, "spin.cu", [], [])
+    try:
+        lib.compileProgram(prog, kernels.nvrtc_options("compute_80"))
+        assert "globaltimer" in (lambda p: p.decode() if isinstance(p, bytes) else p)(
+            lib.getPTX(prog))
+    finally:
+        lib.destroyProgram(prog)
+
+
+@pytest.mark.parametrize(("probe", "verdict"), [
+    ({"steps": 5, "blocked": 0, "free": 5, "inconclusive": 0}, "PASS"),
+    ({"steps": 5, "blocked": 1, "free": 4, "inconclusive": 0}, "FAIL (a step blocked"),
+    ({"steps": 5, "blocked": 0, "free": 0, "inconclusive": 5}, "FAIL (the blocking probe saw"),
+])
+def test_the_sync_verdict_reads_the_blocking_probe(tmp_path, probe, verdict):
+    (tmp_path / "syncs.json").write_text(json.dumps({
+        "method": "capture-probe", "capture_probe": "pass",
+        "blocking_probe": {"convfuse eager step": probe,
+                           "convfuse captured step": {"steps": 5, "blocked": 0, "free": 5,
+                                                      "inconclusive": 0}},
+        "convfuse eager step": {"syncs_per_step": None, "d2h_copies_per_step": None},
+        "convfuse captured step": {"syncs_per_step": None, "d2h_copies_per_step": None}}))
+    assert acceptance_summary.verdict("syncs", 0, tmp_path).startswith(verdict)
+    assert "blocking probe, eager:" in acceptance_summary.details("syncs", tmp_path)
