@@ -214,7 +214,7 @@ def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
              torch_note: str) -> list:
     """Run one section and stream it; a time cap's interrupt (SIGINT, or SIGTERM: main)
     streams the records it finished, marked cut, and ends the run."""
-    ctx.finished = []
+    ctx.finished, ctx.interrupted = [], False
     if ctx.torch is not None:
         ctx.torch.match_convfuse_tf32()
     try:
@@ -225,7 +225,8 @@ def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
                            torch_note, cut=True)
         raise
     if args.stream:
-        stream_section(args.stream, name, result, ctx.engine, argv, torch_note)
+        stream_section(args.stream, name, result, ctx.engine, argv, torch_note,
+                       cut=ctx.interrupted)
     return result
 
 

@@ -104,7 +104,8 @@ def run(ctx: Context) -> list[dict[str, Any]]:
                                            lambda rec=rec, b=b: bench.resnet(rec, b)))
             except KeyboardInterrupt:  # pragma: gpu
                 # a time cap's SIGINT (the acceptance run's host part) during the longest
-                # rows: the section keeps what it measured, and is written
+                # rows: the section keeps what it measured, and is written, marked cut
+                ctx.interrupted = True
                 out += [records.skip(_new(f"resnet18_step_b{c}", gpu, batch=c),
                                      "interrupted (SIGINT: a time cap) before this row "
                                      "finished") for c in RESNET_BATCHES[i:]]
@@ -156,6 +157,8 @@ class _Bench:
         self.host = timing.HostTimer(torch.cuda.synchronize) if gpu else CpuTimer()
         self.budget = budget(ctx.quick, gpu)
         self.tol = GPU_TOL if gpu else TOL
+        # why CUDA graphs are no longer tried in this process (None: they are)
+        self.no_capture: str | None = None
 
     def row(self, name: str, make: Callable[[dict], Any]) -> dict[str, Any]:
         rec = _new(name, self.gpu, threads=1 if not self.gpu else None)
@@ -166,6 +169,7 @@ class _Bench:
             if made is None:
                 return
             ours, theirs, inner = made
+            rec["timer"] = ours[0].kind  # the forms' own timer (the ASPP row's is events)
             stats = timing.measure_interleaved({"convfuse": ours, "torch": theirs}, 1,
                                                self.budget)
             for form, st in stats.items():
@@ -307,17 +311,35 @@ class _Bench:
         models = {"torch": base, "convfuse": self.cft.convert(copy.deepcopy(base))}
         x = torch.randn(batch, 3, size, size, device="cuda")
         y = torch.randint(0, 1000, (batch,), device="cuda")
+        # the two models agree before either is timed: a wrong conversion is no speed-up
+        loss_fn = torch.nn.CrossEntropyLoss()
+        with torch.no_grad():
+            losses = [loss_fn(m(x), y).reshape(1) for m in models.values()]
+        if not self._agree(rec, [("loss of the first batch", losses[1], losses[0])]):
+            return
         forms: dict[str, Any] = {}
         rec["forms"] = {}
+        rec["timer"] = self.ctx.torch.timer.kind
         for name, model in models.items():
             opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
             step = _train_step(torch, model, opt, x, y)
             forms[f"{name}_eager"] = (self.ctx.torch.timer, lambda i, s=step: s())
             rec["forms"][f"{name}_eager"] = "measured"
+            if self.no_capture is not None:
+                rec["forms"][f"{name}_graph"] = f"not attempted: {self.no_capture}"
+                continue
+            stream = torch.cuda.current_stream()
             try:
                 forms[f"{name}_graph"] = (self.ctx.torch.timer, _captured(torch, step))
                 rec["forms"][f"{name}_graph"] = "measured"
             except Exception as exc:  # a capture failure is a finding, not a crash
+                # torch.cuda.graph leaves its capture stream current when capture_end
+                # raises, and before 2.12 (pytorch#180395) the caching allocator can stay
+                # mid-capture, so that every later capture fails in empty_cache: this
+                # row's other forms run on the caller's stream, later rows capture nothing
+                torch.cuda.set_stream(stream)
+                self.no_capture = (f"an earlier capture failed ({rec['case']} {name}), "
+                                   "which can leave PyTorch's allocator mid-capture")
                 if isinstance(exc.__context__, KeyboardInterrupt):
                     # a time cap's interrupt inside the capture, which capture_end's own
                     # error replaced: the cap, not a finding

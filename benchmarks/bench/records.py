@@ -29,6 +29,9 @@ class Context:
     # the running section's finished records (`guarded` adds each), which a time cap's
     # interrupt streams as the section's cut result
     finished: list[dict[str, Any]] = field(default_factory=list)
+    # a time cap's interrupt the running section caught itself, keeping what it measured
+    # (host-overhead's ResNet rows): its streamed line is marked cut all the same
+    interrupted: bool = False
 
     def time(self, fn: Callable[[int], Any], n_sets: int) -> Stats:
         return measure_interleaved({"only": (self.engine.timer, fn)}, n_sets,
