@@ -37,7 +37,7 @@ from . import activations, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, ConvShapes, IntOrTuple
-from .ops._checks import check_scalar, overlaps
+from .ops._checks import check_scalar, engine_ready, overlaps
 from .ops.reference import conv as reference_conv
 from .pad_geometry import PadGeometry, padded_conv
 
@@ -86,12 +86,13 @@ class ConvGrads(NamedTuple):
 
 
 def _array(op: str, name: str, a: Any, optional: bool = False) -> Any:
-    """`a` checked to be a NumPy/CuPy array (or None when optional), made C-contiguous."""
+    """`a` checked to be a NumPy/CuPy array (or None when optional), made C-contiguous (and
+    on the GPU aligned: ops/_checks.engine_ready)."""
     if a is None and optional:
         return None
     if not (isinstance(a, np.ndarray) or is_cupy(a)):
         raise TypeError(f"{op}: {name} must be a NumPy or CuPy array, got {type(a).__name__}")
-    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+    return engine_ready(a)
 
 
 def _activation(op: str, activation: Any) -> str:

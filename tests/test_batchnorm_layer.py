@@ -197,3 +197,16 @@ def test_in_a_sequential_resnet_style_block(rng):
     dz, dskip = bn.backward(np.ones_like(y))
     dx = conv.backward(dz) + dskip
     assert dx.shape == x.shape and np.isfinite(dx).all()
+
+
+def test_assigning_num_batches_tracked_makes_the_host_count_stale():
+    """Note [momentum=None without a host sync]: the GPU reads the count through a host
+    mirror; assigning another array to the buffer drops it (re-read at the next step), the
+    training step's own in-place `+= 1` keeps it in step."""
+
+    bn = cf.BatchNorm2d(3, momentum=None, device="cpu")
+    bn._host_count = 5  # as a GPU layer holds it after five steps
+    bn.num_batches_tracked += 1  # in place: the same array
+    assert bn._host_count == 5
+    bn.num_batches_tracked = np.asarray(0, np.int64)
+    assert bn._host_count is None

@@ -218,3 +218,16 @@ def test_linear_caches_its_checked_signature_and_rechecks_replaced_weights():
     layer.weight.data = np.asfortranarray(w)  # not contiguous: the checked path copies it
     np.testing.assert_array_equal(layer(x), fresh.__class__(5, 3, activation="tanh",
                                                             seed=0)(x))
+
+
+def test_moving_a_layer_drops_what_it_checked_for_the_old_device():
+    """Note [layer call cache]: the signatures and geometries a layer checked hold checks
+    made for its device (the memory cap, the CPU engine's buffers): `.to()` drops them."""
+    layer = cf.Conv2d(3, 4, 3, padding=1, seed=0)
+    layer(np.zeros((1, 3, 5, 5), np.float32))
+    assert layer.__dict__["_calls"] and layer.__dict__["_geoms"]
+    layer._move_own("cpu")
+    assert layer.__dict__["_calls"] == {} and layer.__dict__["_geoms"] == {}
+    assert "_geoms_flags" not in layer.__dict__
+    y = layer(np.ones((1, 3, 5, 5), np.float32))  # checked again, and runs
+    assert y.shape == (1, 4, 5, 5)

@@ -300,3 +300,29 @@ def test_validate_returns_the_array_module(monkeypatch):
     monkeypatch.setattr(_checks, "current_device", lambda: 0)
     xc = fake_cupy((2, 3))
     assert _checks.validate("op", [_checks.Arg("x", xc, (2, 3))]) is cp
+
+
+def test_layers_hand_the_ops_aligned_copies_of_unaligned_device_slices():
+    """_checks.engine_ready, the layers' and functional API's `contiguous`: a C-contiguous
+    slice of device data at an address the ops refuse (a batch cut from a dataset on the
+    GPU, x[i:i + n]) is copied once; an aligned one, and any NumPy array, passes as it is;
+    a non-contiguous one is made contiguous."""
+    from types import SimpleNamespace
+
+    aligned = fake_cupy(GEOM.input_shape)
+    assert _checks.engine_ready(aligned) is aligned
+
+    class Slice(SimpleNamespace):
+        def copy(self):
+            return "the copy"
+
+    flags = SimpleNamespace(c_contiguous=True)
+    odd = Slice(flags=flags, data=SimpleNamespace(ptr=FAKE_BASE + 40))
+    assert _checks.engine_ready(odd) == "the copy"
+    assert _checks.engine_ready(Slice(flags=flags, data=SimpleNamespace(ptr=FAKE_BASE + 64))) \
+        .data.ptr == FAKE_BASE + 64
+    host = np.arange(10.0)[1:]  # 8-byte offset: NumPy arrays go to the CPU engine as they are
+    assert _checks.engine_ready(host) is host
+    strided = np.arange(10.0)[::2]
+    ready = _checks.engine_ready(strided)
+    assert ready.flags.c_contiguous and np.array_equal(ready, strided)

@@ -126,3 +126,14 @@ def test_a_shallow_copy_makes_the_original_refuse_to_step_rather_than_do_nothing
     assert all(not np.array_equal(b, p.data) for b, p in zip(before, model.parameters()))
     with pytest.raises(RuntimeError, match="replaced after this optimizer re-homed it"):
         opt.step()
+
+
+def test_zero_grad_refuses_as_step_does_once_a_parameters_arrays_were_replaced():
+    """Moving the model (or assigning .grad) after building the optimizer leaves its flat
+    buffers behind: zero_grad says so too, instead of zeroing what no layer reads."""
+    model = _model()
+    opt = cf.optim.SGD(model.parameters(), lr=0.1)
+    p = next(iter(model.parameters()))
+    p.grad = np.zeros_like(p.grad)
+    with pytest.raises(RuntimeError, match=r"had its \.grad replaced .*\.to\(\)/\.cuda\(\)"):
+        opt.zero_grad()

@@ -17,8 +17,10 @@ Note [momentum=None without a host sync]
 momentum=None is the cumulative average: factor 1/num_batches_tracked. cuDNN takes the
 factor as a host double, and num_batches_tracked lives on the device, so on the GPU the
 layer keeps a host mirror of the count. It is read from the device once (one sync) when
-stale: at the first training forward, after `.to()` and after load_state_dict; between
-those it is kept in step by the layer itself. A CUDA graph would replay the factor of the
+stale: at the first training forward, after `.to()`, after load_state_dict and after
+another array is assigned to num_batches_tracked; between those it is kept in step by the
+layer itself (so reset the count with reset_running_stats(), not by writing into the
+array in place). A CUDA graph would replay the factor of the
 capture forever, so a momentum=None layer refuses to run inside graph.capture (CaptureError);
 use a float momentum there. On the CPU the count is read directly (no sync to avoid).
 """
@@ -202,6 +204,13 @@ class _BatchNorm(Layer):
             bias_grad=self.bias.grad if self.bias is not None else None,
             param_beta=1.0 if self.weight is not None else 0.0)
         return (dx, dres) if has_residual else dx
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "num_batches_tracked" and value is not self.__dict__.get(name):
+            # another array (not the step's own in-place `+= 1`): the host's mirror of the
+            # count is stale, re-read at the next momentum=None step
+            self.__dict__["_host_count"] = None
+        super().__setattr__(name, value)
 
     def _move_own(self, target: str) -> None:
         super()._move_own(target)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import dtypes
-from ..backend import array_module, device_of, resolve_device, to_device
+from ..backend import device_of, resolve_device, to_device
 from ..errors import (
     BackwardBeforeForwardError,
     ConvfuseError,
@@ -23,7 +23,7 @@ from ..errors import (
     SavedTensorModifiedError,
     renamed,
 )
-from ..ops._checks import overlaps
+from ..ops._checks import engine_ready, overlaps
 from .parameter import Parameter
 
 # The methods that return self give back the caller's own class (typing.Self is 3.11+).
@@ -247,6 +247,13 @@ class Layer:
             object.__setattr__(self, name, to_device(b, target))
         self.device = target
         self._ctx = None
+        # what a layer checked per call signature and geometry holds checks made for the
+        # old device (the memory cap, the CPU engine's buffers): made again on the new one
+        d = self.__dict__
+        for cache in ("_calls", "_geoms"):
+            if cache in d:
+                d[cache] = {}
+        d.pop("_geoms_flags", None)
 
     def cuda(self: _L) -> _L:
         return self.to("cuda")
@@ -421,8 +428,9 @@ def check_grad(layer: str, name: str, p: Parameter) -> None:
 
 
 def contiguous(a: Any) -> Any:
-    """`a`, or one C-contiguous copy of it when it is not (the caller's array is untouched)."""
-    return a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+    """`a`, or one C-contiguous copy of it when it is not, or is in device memory at an
+    address the ops refuse (ops/_checks.engine_ready; the caller's array is untouched)."""
+    return engine_ready(a)
 
 
 def _check_array(value: Any, what: str) -> None:

@@ -176,6 +176,19 @@ def _overlaps(a: Any, b: Any) -> bool:
 overlaps = _overlaps  # public: layers check gradient buffers with the same rule
 
 
+def engine_ready(a: Any) -> Any:
+    """`a`, or one copy of it as the ops take arrays: C-contiguous and, in device memory,
+    at an ALIGNMENT-byte address. For layers and the functional API, which accept any
+    array (the caller's is untouched): a C-contiguous slice of device data (a batch cut
+    from a dataset on the GPU, `x[i:i + n]`) may start at any address, which the ops
+    refuse. A new array comes from the pool, 512-byte aligned."""
+    if not a.flags.c_contiguous:
+        return backend.array_module(a).ascontiguousarray(a)
+    if not isinstance(a, np.ndarray) and a.data.ptr % ALIGNMENT and hasattr(a, "copy"):
+        return a.copy()
+    return a
+
+
 def _same_memory(a: Any, b: Any) -> bool:
     """Both arrays cover exactly the same bytes (the same array, or a view of all of it)."""
     return _extent(a) == _extent(b)

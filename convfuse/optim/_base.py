@@ -200,7 +200,9 @@ class FlatOptimizer:
         return "cpu" if self._device_id < 0 else "cuda"
 
     def zero_grad(self) -> None:
-        """Zero every gradient: one fill of each group's flat grad buffer."""
+        """Zero every gradient: one fill of each group's flat grad buffer (refused, as step
+        is, once a parameter's arrays were replaced: it would zero what no layer reads)."""
+        check_homes(self._groups)
         for g in self._groups:
             with device_context(g.device_id):
                 g.grad.fill(0)

@@ -199,9 +199,11 @@ def check_homes(groups: list[FlatGroup]) -> None:
                 which = "data" if s.param.data is not s.data else "grad"
                 raise RuntimeError(
                     f"params[{s.index}] ({s.param!r}) had its .{which} replaced after this "
-                    "optimizer re-homed it into a flat buffer (by an assignment, or by another "
-                    "optimizer built on the same parameters); write into it in place "
-                    f"(p.{which}[...] = value) so that the optimizer sees the change"
+                    "optimizer re-homed it into a flat buffer (by an assignment, by moving "
+                    "the model with .to()/.cuda()/.cpu(), or by another optimizer built on "
+                    "the same parameters); write into it in place "
+                    f"(p.{which}[...] = value) so that the optimizer sees the change, or "
+                    "build the optimizer after moving the model"
                 )
 
 
