@@ -25,7 +25,7 @@
 #
 # Results stream into OUTDIR (at most 8 files, each under 16 MiB, no subfolders):
 #   summary.md   rewritten before and after every part; names the part running if cut
-#   log.txt      every part's command and output, flushed as it runs (3 MiB per part)
+#   log.txt      every part's command and output, flushed as it runs (2 MiB per part)
 #   smoke.json   stage 1: scripts/gpu_smoke.py's table
 #   tests.jsonl  one JSON line per test as it finishes (scripts/stream_results.py), and
 #                one `cut` line per chunk that ended before its last test
@@ -313,7 +313,10 @@ while [ "$i" -lt "${#PARTS[@]}" ]; do
     if [ "$rc" != 0 ]; then
       install_ok=0
     else
-      GPU_REASON=$("$PY" -c 'from convfuse.backend import gpu_unavailable_reason as r; print(r() or "")' 2>&1 | tail -n 1)
+      # stdout alone: a line on stderr (a warning at exit) must not read as the reason
+      GPU_REASON=$("$PY" -c 'from convfuse.backend import gpu_unavailable_reason as r; print(r() or "")' 2>>"$LOG") \
+        || GPU_REASON="convfuse.backend did not import (see log.txt)"
+      GPU_REASON=$(printf '%s\n' "$GPU_REASON" | tail -n 1)
     fi
   fi
   summary

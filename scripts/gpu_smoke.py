@@ -339,8 +339,10 @@ def torch_side_stream(seed: int) -> str:  # pragma: gpu
     x = torch.randn(4, 3, 16, 16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    torch.full((1 << 20,), float("nan"), device="cuda")  # poison the cache the output reuses
     with cf.config.flags(allow_tf32=False), torch.cuda.stream(side):
+        # poison the cache the output reuses: the caching allocator hands a block out again
+        # on the stream that freed it, so the NaN block is made and freed on `side`
+        torch.full((1 << 20,), float("nan"), device="cuda")
         y = conv(x)
         y.sum().backward()
     torch.cuda.current_stream().wait_stream(side)
@@ -374,6 +376,9 @@ def syncs_per_step(seed: int) -> str:  # pragma: gpu
         found["eager, CuPy syncs"] = "0"
     except Exception as exc:
         found["eager, CuPy syncs"] = f">= 1 ({type(exc).__name__}: {exc})"
+    # the probe's warm-up runs on a stream of its own, which nothing orders after this
+    # step's: the two must not update the same parameters at once
+    cp.cuda.get_current_stream().synchronize()
     # any synchronising CUDA call, cuDNN's included, aborts a global-mode capture
     found["eager, capture probe"] = capture_probe(cp, step, x, y)
     _, _, step2 = _training_model(cf, seed)
