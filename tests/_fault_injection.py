@@ -79,6 +79,7 @@ class NumericGpu(FakeGpu):
         for name in self.LAUNCHERS:
             monkeypatch.setattr(elementwise, name, lambda *a, _n=name: self._launch(_n, a))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: self._alloc(n, self.oom_choice_at))
+        monkeypatch.setattr(plan_conv, "release_search_memory", lambda: None)
         monkeypatch.setattr(ranked, "Workspace", self._workspace)
         monkeypatch.setattr(layout, "to_channels_first", self._to_channels_first)
         monkeypatch.setattr(layout, "to_channels_last", self._to_channels_last)

@@ -88,6 +88,7 @@ class FakeGpu:
         monkeypatch.setattr(algorithms, "workspace_size", lambda lib_, h, plan, d, algo, desc:
                             next(p.memory for p in self.perfs if p.algo == algo))
         monkeypatch.setattr(plan_conv, "pool_alloc", lambda n: None)
+        monkeypatch.setattr(plan_conv, "release_search_memory", lambda: None)
         # Note [cached constants across streams]: events and waits, kept apart from calls
         self.stream, self.stream_ops = FakeStream(0x5000), []
         monkeypatch.setattr(cp.cuda, "get_current_stream", lambda: self.stream)

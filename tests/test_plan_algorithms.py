@@ -83,6 +83,9 @@ class FakeQueries:
         monkeypatch.setattr(algos, "benchmark_perfs", self.benchmark)
         monkeypatch.setattr(algos, "workspace_size", self.workspace)
         monkeypatch.setattr(plan_conv, "pool_alloc", oom_above(limit, self.alloc_log))
+        self.released = []  # release_search_memory calls: the pool is this fake
+        monkeypatch.setattr(plan_conv, "release_search_memory",
+                            lambda: self.released.append(len(self.calls)))
         self.perfs = perfs
         self.sizes = {}  # (direction, algo) -> what the size query answers, if not the record's
         self.size_calls = []
@@ -199,6 +202,20 @@ def test_benchmark_flag_uses_find(monkeypatch):
     cand = plan.choice("fwd", "h", inputs=(4096, 8192))
     assert cand.algo == lib.CUDNN_CONVOLUTION_FWD_ALGO_GEMM  # 9000 bytes exceeds the limit
     assert q.calls == [("benchmark", "fwd", (4096, 8192))]
+    # CuPy's pool gets the search's blocks back once, right after it; not at later calls
+    assert q.released == [1]
+    plan.choice("fwd", "h", inputs=(4096, 8192))
+    assert q.released == [1]
+
+
+def test_only_a_search_in_cupys_pool_hands_its_blocks_back(monkeypatch):
+    q = FakeQueries(monkeypatch, PERFS)
+    plan = get_plan(make_geom(1, False, 1), "float64")
+    plan.choice("fwd", "h")  # heuristics: nothing searched
+    with config.flags(benchmark=True):
+        found = get_plan(make_geom(1, False, 1), "float64")
+    found.choice("fwd", "h", inputs=(1, 2), allocate=lambda n: None)  # a caller's memory
+    assert q.released == []
 
 
 def test_query_errors_name_the_plan(monkeypatch):

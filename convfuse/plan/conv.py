@@ -106,6 +106,17 @@ def pool_alloc(nbytes: int) -> Any:  # pragma: gpu
     return cupy.cuda.alloc(nbytes)
 
 
+def release_search_memory() -> None:  # pragma: gpu
+    """Hand CuPy's default pool its free blocks back after an algorithm search: Find*Ex
+    was offered the largest workspace the heuristics asked for (gigabytes for an FFT
+    algorithm), and the pool would keep that block cached for no later call (PyTorch
+    empties its cache after its own search for the same reason). A caller's allocator
+    (the torch bridge's) is the caller's to trim."""
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
 class ConvPlan(FusedFallbackState):
     """Descriptors for x, w, y (also z), bias, the convolution and the fused activation."""
 
@@ -204,6 +215,8 @@ class ConvPlan(FusedFallbackState):
                 chosen = self._choose(direction, slot, handle, inputs,
                                       allocate if allocate is not None else pool_alloc)
                 self._chosen[slot] = chosen
+                if self.key.benchmark and allocate is None:
+                    release_search_memory()
             elif chosen.retry_in:
                 chosen.retry_in -= 1
                 if not chosen.retry_in:
