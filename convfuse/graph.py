@@ -105,7 +105,9 @@ def capture(step_fn: Callable[..., Any], *example_inputs: Any, warmup: int = 1) 
 
     `example_inputs` (NumPy or CuPy arrays) are copied into static device buffers, which the
     returned callable refills at each replay. Its return value is `step_fn`'s outputs, whose
-    device arrays are rewritten by each replay.
+    device arrays are rewritten by each replay. A NumPy input is copied from pageable host
+    memory, a copy the driver may make the host wait for (behind the previous replay);
+    CuPy inputs keep a replay asynchronous.
     """
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
