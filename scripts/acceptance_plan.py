@@ -59,9 +59,9 @@ CHUNKS: list[tuple[str, list[str]]] = [
                 "test_robust_gpu.py"]),
     # the torch bridge's default CUDA path, its autocast and converted blocks, and the
     # transposed and padded convolutions: before the grids of the rest
-    ("gpu-torch", ["test_torch_pointer_path_gpu.py", "test_torch_autocast_gpu.py",
-                   "test_torch_convert_blocks_gpu.py", "test_conv_transpose_gpu.py",
-                   "test_padding_gpu.py"]),
+    ("gpu-torch", ["test_torch_pointer_path_gpu.py", "test_torch_opcheck_gpu.py",
+                   "test_torch_autocast_gpu.py", "test_torch_convert_blocks_gpu.py",
+                   "test_conv_transpose_gpu.py", "test_padding_gpu.py"]),
     ("gpu-rest", ["test_fused_fallback_gpu.py", "test_binding_gpu_conv.py",
                   "test_binding_gpu_conv_fused.py", "test_binding_gpu_conv_layouts.py",
                   "test_binding_gpu_activation_pooling.py", "test_distributed_gpu.py"]),

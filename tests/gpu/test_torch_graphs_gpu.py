@@ -177,21 +177,25 @@ def test_compile_reduce_overhead():
     eager = copy.deepcopy(model)
     nn_ref = TorchBlock(model)
     compiled = torch.compile(model, mode="reduce-overhead")
+    # graph trees that skip run eagerly, silently: an error instead, so this tests graphs
+    graphs = torch._inductor.config.patch({"triton.cudagraph_or_error": True})
     try:
-        for x in _inputs(dtype, 5):
-            # gradients set to None each step: a .grad accumulated into across CUDA-graph
-            # replays is an output the next replay overwrites (pytorch/pytorch#169545)
-            for m in (model, eager, nn_ref):
-                m.zero_grad(set_to_none=True)
-            torch.compiler.cudagraph_mark_step_begin()
-            y_c, dx_c = _step(compiled, x)
-            y_e, dx_e = _step(eager, x)
-            y_t, dx_t = _step(nn_ref, x)
-            _compare(y_c, y_e, dtype)
-            _compare(dx_c, dx_e, dtype)
-            _compare(y_c, y_t, dtype)
-            _compare(dx_c, dx_t, dtype)
-            _compare_models(model, eager, dtype)
+        with graphs:
+            for x in _inputs(dtype, 5):
+                # gradients set to None each step: a .grad accumulated into across
+                # CUDA-graph replays is an output the next replay overwrites
+                # (pytorch/pytorch#169545)
+                for m in (model, eager, nn_ref):
+                    m.zero_grad(set_to_none=True)
+                torch.compiler.cudagraph_mark_step_begin()
+                y_c, dx_c = _step(compiled, x)
+                y_e, dx_e = _step(eager, x)
+                y_t, dx_t = _step(nn_ref, x)
+                _compare(y_c, y_e, dtype)
+                _compare(dx_c, dx_e, dtype)
+                _compare(y_c, y_t, dtype)
+                _compare(dx_c, dx_t, dtype)
+                _compare_models(model, eager, dtype)
     finally:
         torch._dynamo.reset()
 
