@@ -174,7 +174,10 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
 
     One all-reduce per flat gradient buffer, i.e. per dtype (Note [one collective per flat
     buffer]), on the buffer's own memory. No host sync of its own; capturable with NCCL
-    (Note [streams and capture]). Call it between the backward and `optimizer.step()`.
+    (Note [streams and capture]) once the group's communicator exists: NCCL makes it at
+    the group's first collective (unless init_process_group got `device_id`), which cannot
+    happen inside a capture, so run one first (broadcast_parameters, or the eager warm-up
+    step graph.capture runs). Call it between the backward and `optimizer.step()`.
     """
     torch = _torch()
     dist = torch.distributed
