@@ -208,7 +208,8 @@ ENGINES = {"conv": ("conv", "conv_bias_act"),
 @pytest.mark.parametrize("layer", ["conv", "transpose", "bn"])
 def test_an_eager_call_never_syncs(layer, monkeypatch):
     """After its first call (plans, algorithm choice), a layer's forward and backward make
-    no synchronising call: torch's sync debug mode raises on any. The cuDNN engine runs
+    no synchronising call: torch's sync debug mode raises on any of torch's, and a capture
+    in global mode fails at any from another library. The cuDNN engine runs
     (through the direct engine call from the signature's second call on) on the eager
     path, with no custom op dispatched."""
     import importlib
@@ -239,6 +240,19 @@ def test_an_eager_call_never_syncs(layer, monkeypatch):
     torch.cuda.synchronize()
     assert len(calls) == 3
     assert not y.isnan().any()
+    # torch's sync debug mode sees torch's own syncs only; a capture in global mode fails at
+    # any synchronising call, CuPy's and cuDNN's included (after one step on the capture's
+    # side stream, whose context and handle binding are then made)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _step(model, x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side, capture_error_mode="global"):
+        _step(model, x)
+    graph.replay()
+    torch.cuda.synchronize()
     x = x.detach().requires_grad_()
     assert type(model(x).grad_fn).__name__ in ("ConvBiasActBackward",
                                                 "ConvTransposeBiasActBackward",
