@@ -71,3 +71,49 @@ def test_converted_resnet18_fuses_its_block_tails_on_cuda(monkeypatch):
 
 def test_converted_mobilenet_v2_fuses_its_skips_on_cuda(monkeypatch):
     _fused_step(monkeypatch, "mobilenet_v2", {("identity", True): 10}, 52)
+
+
+def test_converted_resnet18_runs_cudnns_fused_batch_norms_under_autocast(monkeypatch):
+    """The one configuration cuDNN fuses batch norm with the add and the ReLU for (Note
+    [BatchNorm in cuDNN]): packed NHWC float16, C % 4 == 0. A converted ResNet-18 in
+    channels_last under autocast float16 runs every batch norm followed by a ReLU as
+    ForwardTrainingEx (the 8 block tails taking the identity too; convert() leaves the
+    stem's ReLU to ResNet.forward), and its backward as
+    BackwardEx with the reserve space of its own forward; the step is finite and close to
+    torch.nn's float64 one."""
+    import convfuse.torch as ct
+    from convfuse._binding import cudnn
+
+    lib = cudnn()
+    ex: dict[str, list] = {"fwd": [], "bwd": []}
+    for key, name, ops_at in (("fwd", "batchNormalizationForwardTrainingEx", 2),
+                              ("bwd", "batchNormalizationBackwardEx", 2)):
+        real = getattr(lib, name)
+
+        def spy(*a, _real=real, _key=key, _at=ops_at):
+            ex[_key].append(a[_at])
+            return _real(*a)
+
+        monkeypatch.setattr(lib, name, spy)
+    with exact_cuda():
+        tv = import_torchvision()
+        torch.manual_seed(0)
+        ref = tv.models.resnet18(num_classes=10).double()
+        model = ct.convert(copy.deepcopy(ref).float()).cuda()
+        model = model.to(memory_format=torch.channels_last)
+        x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+        poison()
+        xm = x.float().cuda().to(memory_format=torch.channels_last).requires_grad_()
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = model(xm)
+        y.float().square().sum().backward()
+        torch.cuda.synchronize()
+    add, act = lib.CUDNN_BATCHNORM_OPS_BN_ADD_ACTIVATION, lib.CUDNN_BATCHNORM_OPS_BN_ACTIVATION
+    # each block's first batch norm takes the ReLU, the 8 tails the add too; the stem's
+    # (its ReLU is ResNet.forward's own call) and the 3 downsample ones run the plain call
+    assert sorted(ex["fwd"]) == sorted([act] * 8 + [add] * 8), ex["fwd"]
+    assert sorted(ex["bwd"]) == sorted(ex["fwd"])
+    assert torch.isfinite(y).all() and torch.isfinite(xm.grad).all()
+    yr = ref(x)
+    scale = yr.abs().max().item()
+    assert (y.double().cpu() - yr).abs().max().item() <= 5e-2 * scale
