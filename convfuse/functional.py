@@ -37,6 +37,7 @@ from . import activations, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, ConvShapes, IntOrTuple
+from .ops import _checks as ops_checks
 from .ops._checks import check_scalar, engine_ready, overlaps
 from .ops.reference import conv as reference_conv
 from .pad_geometry import PadGeometry, padded_conv
@@ -190,13 +191,45 @@ def conv_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any, act: str,
     """The forward of a signature already checked: C-contiguous arrays of the kinds, shapes
     and dtypes that `conv_bias_act_forward` accepted with this geom and pad, a canonical
     activation and a float scale (Note [layer call cache] in convfuse/nn/_conv_base.py).
-    Only the op's own checks run again: ops are the one entry to the engines, which tests
-    and convfuse.selfcheck patch to see what ran."""
-    return _run_forward(x, weight, bias, residual, act, scale, geom, pad)
+    On NumPy arrays the op's own checks run again (cheap there). On device arrays the
+    op's checks of the signature are not redone (Note [a known signature on the device]);
+    ops are the one entry to the engines, which tests and convfuse.selfcheck patch to see
+    what ran, so a replaced op is called as ever."""
+    return _run_forward(x, weight, bias, residual, act, scale, geom, pad, known=True)
+
+
+# Note [a known signature on the device]
+# On CuPy arrays an op's checks cost about as much host time as the engine's call itself
+# (each array attribute is a Cython property), and for a signature the layer's call cache
+# knows, they can only pass: the arrays' classes, shapes, dtypes and contiguity, the
+# geometry, activation and scale are what the op accepted before. What a signature does
+# not fix, the address of each array and the device it is on, is checked per call here;
+# then the op's validated entry runs, as the torch bridge's calls do (Note [per-signature
+# decisions] in convfuse/torch/_signature.py). Where the op or its entry was replaced (a
+# test's or the selfcheck's spy), or an address or device would not pass, the public op
+# runs and decides, with its own errors.
+_PUBLIC_FORWARD = ops.conv_bias_act
+_VALIDATED_FORWARD = ops.validated.conv_bias_act
+
+
+def _known_device_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str,
+                          scale: float, geom: ConvGeometry) -> Any:  # pragma: gpu
+    """conv_bias_act's (y, z) by its validated entry, or None where the public op must run
+    (Note [a known signature on the device])."""
+    if ops.conv_bias_act is not _PUBLIC_FORWARD or \
+            ops.validated.conv_bias_act is not _VALIDATED_FORWARD:
+        return None
+    device = ops_checks.current_device()
+    for a in (x, weight, bias, residual):
+        if a is not None and (a.data.ptr % ops_checks.ALIGNMENT or a.device.id != device):
+            return None
+    eng = ops_checks.engine(array_module(x), "conv")
+    return ops.validated.conv_bias_act(eng, x, weight, bias, geom, act, residual, scale)
 
 
 def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
-                 geom: ConvGeometry, pad: PadGeometry | None) -> tuple[Any, ConvContext]:
+                 geom: ConvGeometry, pad: PadGeometry | None,
+                 known: bool = False) -> tuple[Any, ConvContext]:
     if pad is not None:
         # validates x against the padding (shape, dtype, contiguity) before any engine runs
         x = ops.pad_forward(x, pad)
@@ -207,7 +240,9 @@ def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale:
                 x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
             )
     else:  # pragma: gpu
-        y, z = ops.conv_bias_act(
+        got = _known_device_forward(x, weight, bias, residual, act, scale, geom) \
+            if known else None
+        y, z = got if got is not None else ops.conv_bias_act(
             x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
         )
     saved = _saved(act, y, z)
@@ -277,14 +312,17 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     _check_dy(dy, ctx)
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
-    dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_backward_bias,
-                                ops.activation_backward_bias)
+    o: Any = ops
+    if not isinstance(dy, np.ndarray):  # pragma: gpu
+        o = _Direct.checked(dy, (ctx.x, ctx.weight, ctx.saved, dweight, dbias)) or ops
+    dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,
+                                o.activation_backward_bias, o.activation_backward)
     if ctx.columns is not None:
         with reference_conv.given_columns(ctx.columns):
             dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
     else:
-        dw = ops.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
-    dx = ops.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
+        dw = o.conv_backward_filter(ctx.x, dz, geom, out=dweight, beta=beta)
+    dx = o.conv_backward_data(dz, ctx.weight, geom) if need_dx else None
     if dx is not None and ctx.pad is not None:
         dx = ops.pad_backward(dx, ctx.pad)
     return ConvGrads(dx, dw, db, _residual_grad(dy, dz, ctx))
@@ -292,16 +330,74 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
 
 def _bias_act_backward(dy: Any, ctx: Any, dbias: Any, beta: float,
                        backward_bias: Callable[..., Any],
-                       activation_backward_bias: Callable[..., Any]) -> tuple[Any, Any]:
+                       activation_backward_bias: Callable[..., Any],
+                       activation_backward: Callable[..., Any] | None = None
+                       ) -> tuple[Any, Any]:
     """(dz, db): the activation's and the bias's gradient, in one pass where there are both;
-    `backward_bias` and `activation_backward_bias` are the convolution's ops for them."""
+    `backward_bias` and `activation_backward_bias` are the convolution's ops for them,
+    `activation_backward` the activation's (default: ops.activation_backward)."""
     if ctx.activation == "identity":
         db = backward_bias(dy, ctx.geom, out=dbias, beta=beta) if ctx.has_bias else None
         return dy, db
     if ctx.has_bias:
         return activation_backward_bias(dy, ctx.saved, ctx.activation, ctx.geom,
                                         db_out=dbias, beta=beta)
-    return ops.activation_backward(dy, ctx.saved, ctx.activation), None
+    act_backward = activation_backward or ops.activation_backward
+    return act_backward(dy, ctx.saved, ctx.activation), None
+
+
+# The backward's ops whose checks _Direct skips: the public op and its validated entry.
+_DIRECT_OPS = ("conv_backward_bias", "activation_backward_bias", "activation_backward",
+               "conv_backward_filter", "conv_backward_data")
+_PUBLIC = {name: getattr(ops, name) for name in _DIRECT_OPS}
+_VALIDATED = {name: getattr(ops.validated, name) for name in _DIRECT_OPS}
+
+
+class _Direct:  # pragma: gpu
+    """The convolution backward's ops on device arrays as their validated entries (Note
+    [a known signature on the device]): what the ops would check of the arrays, the
+    backward's own checks did (_check_dy, _check_outputs: classes, shapes, dtypes,
+    contiguity, overlaps) against the forward's context, which its forward's op checked;
+    what they do not fix, each array's address and device, `checked` checks."""
+
+    __slots__ = ("act", "conv")
+
+    def __init__(self, xp: Any) -> None:
+        self.conv = ops_checks.engine(xp, "conv")
+        self.act = ops_checks.engine(xp, "activation")
+
+    @classmethod
+    def checked(cls, dy: Any, arrays: tuple[Any, ...]) -> _Direct | None:
+        """The direct ops, or None where the public ones must run: one was replaced (a
+        spy), or an array is at an address or on a device the ops would refuse."""
+        for name in _DIRECT_OPS:
+            if getattr(ops, name) is not _PUBLIC[name] or \
+                    getattr(ops.validated, name) is not _VALIDATED[name]:
+                return None
+        device = ops_checks.current_device()
+        for a in (dy, *arrays):
+            if a is not None and (a.data.ptr % ops_checks.ALIGNMENT or a.device.id != device):
+                return None
+        return cls(array_module(dy))
+
+    def conv_backward_bias(self, dz: Any, geom: Any, out: Any = None,
+                           beta: float = 0.0) -> Any:
+        return ops.validated.conv_backward_bias(self.conv, dz, geom, out, beta)
+
+    def activation_backward_bias(self, dy: Any, saved: Any, act: str, geom: Any,
+                                 db_out: Any = None, beta: float = 0.0) -> tuple[Any, Any]:
+        return ops.validated.activation_backward_bias(self.act, dy, saved, act, geom, db_out,
+                                                      beta)
+
+    def activation_backward(self, dy: Any, saved: Any, act: str) -> Any:
+        return ops.validated.activation_backward(self.act, dy, saved, act)
+
+    def conv_backward_filter(self, x: Any, dz: Any, geom: Any, out: Any = None,
+                             beta: float = 0.0) -> Any:
+        return ops.validated.conv_backward_filter(self.conv, x, dz, geom, out, beta)
+
+    def conv_backward_data(self, dz: Any, w: Any, geom: Any) -> Any:
+        return ops.validated.conv_backward_data(self.conv, dz, w, geom)
 
 
 def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:

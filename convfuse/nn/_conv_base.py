@@ -14,10 +14,13 @@ dtype and contiguity (x, residual, weight, bias), the layer's device, the extra 
 (output_size), the activation and residual scale, and the config flags in force. The first
 call of a signature runs every check, as before; once it has succeeded, the signature maps
 to its checked arguments (geometry, canonical activation, scale), and later calls with it go
-straight to `_known_op`: the layer's and the functional's checks are skipped; the op's own
-(cheap on NumPy: _checks.validate's fast lane) still run, since ops are the one entry to the
-engines and tests and convfuse.selfcheck patch them. Bad input has a signature no good call
-had, so it still takes the checked path and gets the same error before any engine call.
+straight to `_known_op`: the layer's and the functional's checks are skipped; on NumPy the
+op's own (cheap there: _checks.validate's fast lane) still run, on device arrays the op's
+validated entry runs after a check of each array's address and device (Note [a known
+signature on the device] in convfuse/functional.py), and where a test or
+convfuse.selfcheck replaced the op, the op runs, as ops are the one entry to the engines.
+Bad input has a signature no good call had, so it still takes the checked path and gets the
+same error before any engine call.
 Assigning stride, padding, dilation (any `_geometry_args`) clears the cache; activation and
 residual_scale are in the key; config flags are compared by identity (config.get() is a new
 object after each change), and a change also redoes the geometries' memory checks.
