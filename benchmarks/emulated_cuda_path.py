@@ -1,11 +1,13 @@
-"""Python's share of convfuse.torch's CUDA call path, timed on a machine without a GPU.
+"""Python's share of the CUDA call path (convfuse.torch's, and convfuse's own layers' on
+CuPy arrays), timed on a machine without a GPU.
 
     python benchmarks/emulated_cuda_path.py [--quick] [--out FILE.json]
 
 On tests/_fake_cuda.py's fake device every cuDNN call and kernel launch is a no-op and
-torch.empty makes CPU tensors, so what is timed is everything else a layer call does on a
-GPU: the bridge's path and signature lookups, its DeviceArrays, the engine's plan, handle
-and workspace bookkeeping, the autograd node. This is NOT a GPU figure: a real call adds
+torch.empty makes CPU tensors (for convfuse's own layers, the last rows: CuPy arrays over
+fake device memory), so what is timed is everything else a layer call does on a GPU: the
+bridge's path and signature lookups, its DeviceArrays, the engine's plan, handle and
+workspace bookkeeping, the autograd node. This is NOT a GPU figure: a real call adds
 cuDNN's own host time and the caching allocator's, on another CPU. It says whether a change
 made the CUDA path's Python cheaper or dearer, on any machine, between GPU leases; the GPU
 figure is the host-overhead section of fused_vs_unfused.py (acceptance stage 2). The rows
@@ -58,6 +60,35 @@ def _rows(torch: Any, cft: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
     }
 
 
+def _cupy_rows(gpu: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
+    """name -> (shape, one call), convfuse's own Conv2d on CuPy arrays over the fake GPU
+    (the host-overhead section's NumPy row, on the device)."""
+    import numpy as np
+
+    import convfuse as cf
+
+    conv = cf.nn.Conv2d(1, 1, 3, padding=1, device="cuda", seed=0)
+    x, dy = gpu.array((1, 1, 4, 4), np.float32), gpu.array((1, 1, 4, 4), np.float32)
+
+    def forward_backward() -> None:
+        conv(x)
+        conv.backward(dy)
+
+    return {
+        "cupy_conv2d_forward": ("x 1x1x4x4, convfuse.nn.Conv2d(1, 1, 3, padding=1) on CuPy",
+                                lambda: conv(x)),
+        "cupy_conv2d_fwd_bwd": ("x 1x1x4x4, convfuse.nn.Conv2d(1, 1, 3, padding=1) on CuPy, "
+                                "forward + backward(dy)", forward_backward),
+    }
+
+
+def _row(name: str, shape: str, call: Callable[[], Any], inner: int,
+         rounds: int) -> dict[str, Any]:
+    times = _time(call, inner, rounds)
+    return {"name": name, "shape": shape, "us_per_call": statistics.median(times),
+            "min_us": min(times), "max_us": max(times)}
+
+
 def _time(call: Callable[[], Any], inner: int, rounds: int) -> list[float]:
     """Microseconds per call, one figure per round of `inner` calls."""
     for _ in range(inner):  # warm-up: signatures validated, plans built, algorithms chosen
@@ -92,10 +123,13 @@ def run(quick: bool) -> dict[str, Any]:
     try:
         with pytest.MonkeyPatch.context() as mp:
             _fake_cuda.install(mp, record=False)
-            for name, (shape, call) in _rows(torch, cft).items():
-                times = _time(call, inner, rounds)
-                rows.append({"name": name, "shape": shape, "us_per_call": statistics.median(
-                    times), "min_us": min(times), "max_us": max(times)})
+            timed = _rows(torch, cft)
+            rows += [_row(name, shape, call, inner, rounds)
+                     for name, (shape, call) in timed.items()]
+        with pytest.MonkeyPatch.context() as mp:
+            gpu = _fake_cuda.cupy_layers(mp, record=False)
+            rows += [_row(name, shape, call, inner, rounds)
+                     for name, (shape, call) in _cupy_rows(gpu).items()]
     finally:
         torch.set_num_threads(threads)
         clear_batchnorm_plan_cache()

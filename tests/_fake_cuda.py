@@ -5,7 +5,8 @@ device 0, torch.empty for CUDA makes CPU tensors (their addresses recorded), and
 and the kernel launchers record their calls. A layer call then takes the path it takes on a
 GPU (one autograd node, no custom op, no DLPack exchange, cuDNN given the tensors' own
 addresses). Used by tests/test_torch_eager_cuda_path.py and by
-benchmarks/emulated_cuda_path.py (which times Python's share of that path)."""
+benchmarks/emulated_cuda_path.py (which times Python's share of that path); `cupy_layers`
+does the same for convfuse's own layers on CuPy arrays."""
 
 from __future__ import annotations
 
@@ -125,6 +126,35 @@ def train_step(cuda: Cuda, layer: Any, x: torch.Tensor,
     y = layer(x) if residual is None else layer(x, residual)
     y.backward(torch.ones_like(y))
     return y, list(cuda.gpu.calls)
+
+
+def cupy_layers(monkeypatch: Any, record: bool = True) -> FakeGpu:
+    """convfuse's own layers on CuPy arrays over the fake GPU (convfuse.nn with
+    device="cuda"): parameters, gradients and outputs are CuPy arrays over fake device
+    memory, and the binding and kernel launchers record their calls (`record=False`: do
+    nothing, for timing loops). What a layer's call does on a GPU, minus cuDNN, the kernels
+    and CuPy's own allocator. Used by tests/test_layer_device_path.py and by
+    benchmarks/emulated_cuda_path.py."""
+    import numpy as np
+
+    from convfuse import _memory, backend
+
+    gpu = FakeGpu(monkeypatch)
+    gpu.real_handles(monkeypatch)
+    cp = gpu.cp
+    monkeypatch.setattr(backend, "require_gpu", lambda what="": cp)
+    monkeypatch.setattr(backend, "gpu_available", lambda: True)
+    monkeypatch.setattr(_memory, "_gpu_total", lambda device: 80 << 30)
+    monkeypatch.setattr(cp, "asarray", lambda a, dtype=None: gpu.array(
+        np.shape(a), dtype or np.asarray(a).dtype))
+    monkeypatch.setattr(cp, "zeros_like", lambda a, dtype=None, **kw: gpu.array(
+        a.shape, dtype or a.dtype))
+    if not record:
+        for name in FakeGpu.COMPUTE:
+            monkeypatch.setattr(gpu.lib, name, _nothing)
+        for name in FakeGpu.LAUNCHERS:
+            monkeypatch.setattr(elementwise, name, _nothing)
+    return gpu
 
 
 def _nothing(*args: Any) -> None:

@@ -41,10 +41,11 @@ def test_every_row_runs_the_cuda_branch_and_the_fake_is_gone(monkeypatch, tmp_pa
     result = json.loads(out.read_text())
     assert [r["name"] for r in result["rows"]] == [
         "conv_forward_nograd", "conv_forward_backward", "batchnorm2d_train_fwd_bwd",
-        "conv_transpose2d_fwd_bwd"]
+        "conv_transpose2d_fwd_bwd", "cupy_conv2d_forward", "cupy_conv2d_fwd_bwd"]
     for row in result["rows"]:
         assert 0 < row["min_us"] <= row["us_per_call"] <= row["max_us"], row
     assert "not a GPU figure" in result["what"]
-    assert calls and set(calls) == {"DeviceArray"}  # the cuDNN engine, on pointers
+    # the cuDNN engine: the bridge's calls on pointers, the CuPy layer's on CuPy arrays
+    assert calls and set(calls) == {"DeviceArray", "ndarray"}
     assert not torch.ones(1).is_cuda and torch.ones(1).is_cpu  # the fake is undone
     assert torch.empty(2).device.type == "cpu"

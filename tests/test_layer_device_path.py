@@ -12,26 +12,14 @@ import pytest
 from convfuse import ops
 from convfuse.errors import DeviceMismatchError
 from convfuse.ops import _checks
-from tests.test_ops_cudnn_wiring import FakeGpu
+from tests._fake_cuda import cupy_layers
 
 FUSED = "convolutionBiasActivationForward"
 
 
 @pytest.fixture
 def gpu(monkeypatch):
-    fake = FakeGpu(monkeypatch)
-    fake.real_handles(monkeypatch)
-    cp = fake.cp
-    from convfuse import _memory, backend
-
-    monkeypatch.setattr(backend, "require_gpu", lambda what="": cp)
-    monkeypatch.setattr(backend, "gpu_available", lambda: True)
-    monkeypatch.setattr(_memory, "_gpu_total", lambda device: 80 << 30)
-    monkeypatch.setattr(cp, "asarray", lambda a, dtype=None: fake.array(
-        np.shape(a), dtype or np.asarray(a).dtype))
-    monkeypatch.setattr(cp, "zeros_like", lambda a, dtype=None, **kw: fake.array(
-        a.shape, dtype or a.dtype))
-    return fake
+    return cupy_layers(monkeypatch)
 
 
 def _layer_and_input(gpu):
