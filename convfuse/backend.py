@@ -74,8 +74,11 @@ def is_cupy(a: Any) -> bool:
     global _device_types
     types = _device_types
     if types is None:
+        registered = DEVICE_ARRAY_TYPES
         cp = cupy_module()
-        types = _device_types = () if cp is None else (cp.ndarray, *DEVICE_ARRAY_TYPES)
+        types = () if cp is None else (cp.ndarray, *registered)
+        if registered is DEVICE_ARRAY_TYPES:  # else a registration came in between
+            _device_types = types
     return isinstance(a, types)
 
 

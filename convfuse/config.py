@@ -166,7 +166,9 @@ def set_flags(**changes: object) -> Flags:
 
 @contextlib.contextmanager
 def flags(**changes: object) -> Iterator[Flags]:
-    """Temporarily change flags: `with convfuse.config.flags(allow_tf32=False): ...`."""
+    """Temporarily change flags: `with convfuse.config.flags(allow_tf32=False): ...`;
+    yields convfuse's own flags (config.get() is what is in force: Note [a framework's
+    switches])."""
     global _current
     previous = set_flags(**changes)
     try:

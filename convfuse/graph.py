@@ -169,6 +169,9 @@ def _capture(  # pragma: gpu
     return CapturedStep(graph, stream, pool, static, outputs, step_fn)
 
 
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, what CuPy's pool retries on
+
+
 def _capture_malloc(size: int) -> Any:  # pragma: gpu
     """The private pool's cudaMalloc. Out of memory raises CaptureError: CuPy's pool would
     answer the CUDARuntimeError by freeing its free blocks and trying again, and among them
@@ -181,6 +184,8 @@ def _capture_malloc(size: int) -> Any:  # pragma: gpu
     try:
         return cupy.cuda.MemoryPointer(cupy.cuda.Memory(size), 0)
     except CUDARuntimeError as exc:
+        if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+            raise
         raise CaptureError(
             f"out of device memory while capturing the step ({size:,} bytes more were "
             f"needed: {exc}); free memory before capturing, or capture a smaller step"

@@ -38,7 +38,6 @@ def switches():
     c._set_cudnn_deterministic(saved[1])
     c._set_cudnn_benchmark(saved[2])
     torch.use_deterministic_algorithms(saved[3])
-    _switches._seen = None
     config.constrain(*_switches.current())  # PyTorch's defaults: nothing added
     assert config.get() is config._current
 

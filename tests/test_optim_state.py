@@ -129,3 +129,23 @@ def test_an_event_a_capture_waited_on_outlives_its_optimizer_fill(monkeypatch):
     opt._mark_filled()  # as `opt.lr = ...` between replays
     gc.collect()
     assert event() is not None and constants._WAITED_IN_CAPTURE[0] is event()
+
+
+def test_a_step_on_the_writes_own_stream_needs_no_wait(monkeypatch):
+    """Note [optimizer state across streams]: the stream the host's write was queued on
+    already orders it before the step: no query, no wait (a per-step lr schedule costs
+    nothing there)."""
+    import contextlib
+
+    from convfuse.optim import Adam, _base
+    from convfuse.plan import capture
+    from tests.test_ops_cudnn_wiring import FakeGpu
+
+    gpu = FakeGpu(monkeypatch)
+    monkeypatch.setattr(_base, "device_context", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda *a: False)
+    opt = object.__new__(Adam)
+    opt._device_id, opt._groups = 0, []
+    opt._mark_filled()
+    opt.step()
+    assert [op[0] for op in gpu.stream_ops] == ["record"] and opt._filled is None

@@ -15,9 +15,10 @@ dtype and contiguity (x, residual, weight, bias), the layer's device, the extra 
 call of a signature runs every check, as before; once it has succeeded, the signature maps
 to its checked arguments (geometry, canonical activation, scale), and later calls with it go
 straight to `_known_op`: the layer's and the functional's checks are skipped; on NumPy the
-op's own (cheap there: _checks.validate's fast lane) still run, on device arrays the op's
-validated entry runs after a check of each array's address and device (Note [a known
-signature on the device] in convfuse/functional.py), and where a test or
+op's own (cheap there: _checks.validate's fast lane) still run; on device arrays a Conv's
+or Linear's op's validated entry runs after a check of each array's address and device
+(Note [a known signature on the device] in convfuse/functional.py; a ConvTranspose's op
+still checks), and where a test or
 convfuse.selfcheck replaced the op, the op runs, as ops are the one entry to the engines.
 Bad input has a signature no good call had, so it still takes the checked path and gets the
 same error before any engine call.

@@ -80,6 +80,7 @@ class FlatOptimizer:
         self._device_id = self._groups[0].device_id
         self._lr_dev: Any = None
         self._filled: Any = None  # Note [optimizer state across streams]
+        self._filled_on = 0  # the stream the last host write was queued on
         if self._device_id >= 0:  # pragma: gpu
             self._setup_gpu()
             self._mark_filled()
@@ -142,8 +143,9 @@ class FlatOptimizer:
     # another one that nothing orders after those writes: the kernel could read a step
     # counter or ticket before its zero fill (a wrong bias correction, and no error). So
     # each such write ends with an event, and the next step's stream waits for it until
-    # the host has seen it done (ops/cudnn/constants.py's DeviceConstant: a query, no
-    # sync; a wait recorded into a graph if the step is being captured).
+    # the host has seen it done (ops/cudnn/constants.py's DeviceConstant: a query, no sync;
+    # a wait recorded into a graph if the step is being captured). A step on the write's
+    # own stream needs nothing: that stream's order has the write first.
     def _mark_filled(self) -> None:  # pragma: gpu
         import cupy
 
@@ -153,6 +155,7 @@ class FlatOptimizer:
             event = cupy.cuda.Event(block=False, disable_timing=True)
             event.record()
             self._filled = DeviceConstant((), event)
+            self._filled_on = int(cupy.cuda.get_current_stream().ptr)
 
     def _after_fill(self, filled: Any) -> None:  # pragma: gpu
         import cupy
@@ -160,7 +163,11 @@ class FlatOptimizer:
         from ..ops.cudnn.device import cupy_context
 
         with device_context(self._device_id):
-            filled.ordered(cupy, cupy_context())
+            ctx = cupy_context()
+            if ctx.stream_ptr == self._filled_on and not ctx.is_capturing():
+                self._filled = None  # the same stream: its own order has the fill first
+                return
+            filled.ordered(cupy, ctx)
         if filled.complete:
             self._filled = None
 

@@ -114,7 +114,9 @@ def release_search_memory() -> None:  # pragma: gpu
     (the torch bridge's) is the caller's to trim."""
     import cupy
 
-    cupy.get_default_memory_pool().free_all_blocks()
+    pool = cupy.get_default_memory_pool()
+    if cupy.cuda.get_allocator() == pool.malloc:  # the search's blocks are that pool's
+        pool.free_all_blocks()
 
 
 class ConvPlan(FusedFallbackState):

@@ -21,7 +21,6 @@ from .. import config
 _precision = getattr(torch._C, "_get_fp32_precision_getter", None)
 # conv's own setting, then the backend's, then the generic one: the first not "none" holds
 _PRECISION_CHAIN = (("cuda", "conv"), ("cuda", "all"), ("generic", "all"))
-_seen: tuple[bool, bool, bool] | None = None
 
 
 def allow_tf32() -> bool:
@@ -44,12 +43,12 @@ def current() -> tuple[bool, bool, bool]:
 
 
 def follow() -> None:
-    """Hand PyTorch's switches to convfuse.config where they changed since the last call."""
-    global _seen
+    """Hand PyTorch's switches to convfuse.config where they differ from what it holds
+    (compared with config's own record, not a copy of ours: two threads' calls can then
+    not leave a stale setting behind)."""
     now = current()
-    if now != _seen:
+    if now != config._framework:
         config.constrain(*now)
-        _seen = now
 
 
 config.set_source(follow)  # convfuse's own GPU ops follow them too, once the bridge loads
