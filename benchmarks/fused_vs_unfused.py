@@ -227,6 +227,8 @@ def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
     if args.stream:
         stream_section(args.stream, name, result, ctx.engine, argv, torch_note,
                        cut=ctx.interrupted)
+    if ctx.interrupted:  # the section kept what it measured; the run ends all the same
+        raise KeyboardInterrupt
     return result
 
 

@@ -96,11 +96,12 @@ SPIN_S = 0.05
 BLOCKED_SHARE = 0.5
 SPIN_SOURCE = r"""
 extern "C" __global__ void convfuse_spin(unsigned long long ns) {
-    unsigned long long start, now;
+    // bounded: a %globaltimer that never advances (a virtual device) must not hang the part
+    unsigned long long start, now, spins = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     do {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
+    } while (now - start < ns && ++spins < (1ull << 32));
 }
 """
 
@@ -130,6 +131,10 @@ def blocking_probe(cp, call, steps: int) -> dict:  # pragma: gpu
 
     spin = cp.RawKernel(SPIN_SOURCE, "convfuse_spin")
     stream = cp.cuda.get_current_stream()
+    # one untimed call first: graph.capture hands the default pool's free blocks back, and
+    # a first step allocating anew (cudaMalloc may wait for the device) is no finding
+    call()
+    stream.synchronize()
     readings = []
     for _ in range(steps):
         stream.synchronize()

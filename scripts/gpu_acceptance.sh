@@ -313,10 +313,14 @@ while [ "$i" -lt "${#PARTS[@]}" ]; do
     if [ "$rc" != 0 ]; then
       install_ok=0
     else
-      # stdout alone: a line on stderr (a warning at exit) must not read as the reason
-      GPU_REASON=$("$PY" -c 'from convfuse.backend import gpu_unavailable_reason as r; print(r() or "")' 2>>"$LOG") \
-        || GPU_REASON="convfuse.backend did not import (see log.txt)"
-      GPU_REASON=$(printf '%s\n' "$GPU_REASON" | tail -n 1)
+      # the marked line alone: a warning on stderr, or a crash at exit after the answer,
+      # must not read as the reason
+      GPU_LINE=$("$PY" -c 'from convfuse.backend import gpu_unavailable_reason as r; print("REASON:" + (r() or ""))' 2>>"$LOG" | grep '^REASON:' | tail -n 1)
+      if [ -n "$GPU_LINE" ]; then
+        GPU_REASON=${GPU_LINE#REASON:}
+      else
+        GPU_REASON="convfuse.backend did not import (see log.txt)"
+      fi
     fi
   fi
   summary

@@ -340,9 +340,11 @@ def torch_side_stream(seed: int) -> str:  # pragma: gpu
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with cf.config.flags(allow_tf32=False), torch.cuda.stream(side):
-        # poison the cache the output reuses: the caching allocator hands a block out again
-        # on the stream that freed it, so the NaN block is made and freed on `side`
-        torch.full((1 << 20,), float("nan"), device="cuda")
+        # poison the cache the outputs reuse: the caching allocator hands a block out again
+        # on the stream that freed it, so the NaN blocks are made and freed on `side`; the
+        # outputs here are small, served from the pool of blocks of at most 1 MiB
+        poison = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(8)]
+        del poison
         y = conv(x)
         y.sum().backward()
     torch.cuda.current_stream().wait_stream(side)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -52,6 +53,11 @@ def nccl(tmp_path, monkeypatch):
             pytest.skip(f"NCCL could not start on this machine: {type(exc).__name__}: {exc}")
         yield dist
     finally:
+        # a failed test's traceback (kept by pytest in sys.last_*) holds its frame, and so
+        # a CapturedStep whose graph NCCL's teardown would wait for: dropped first
+        for name in ("last_exc", "last_traceback", "last_value", "last_type"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
         gc.collect()
         dist.destroy_process_group()
 

@@ -249,8 +249,12 @@ def test_an_eager_call_never_syncs(layer, monkeypatch):
         _step(model, x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode="global"):
-        _step(model, x)
+    caller = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="global"):
+            _step(model, x)
+    finally:  # a failed capture_end leaves the capture stream current: the next tests' too
+        torch.cuda.set_stream(caller)
     graph.replay()
     torch.cuda.synchronize()
     x = x.detach().requires_grad_()
