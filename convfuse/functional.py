@@ -203,28 +203,12 @@ def conv_bias_act_known(x: Any, weight: Any, bias: Any, residual: Any, act: str,
 # (each array attribute is a Cython property), and for a signature the layer's call cache
 # knows, they can only pass: the arrays' classes, shapes, dtypes and contiguity, the
 # geometry, activation and scale are what the op accepted before. What a signature does
-# not fix, the address of each array and the device it is on, is checked per call here;
-# then the op's validated entry runs, as the torch bridge's calls do (Note [per-signature
-# decisions] in convfuse/torch/_signature.py). Where the op or its entry was replaced (a
-# test's or the selfcheck's spy), or an address or device would not pass, the public op
-# runs and decides, with its own errors.
-_PUBLIC_FORWARD = ops.conv_bias_act
-_VALIDATED_FORWARD = ops.validated.conv_bias_act
-
-
-def _known_device_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str,
-                          scale: float, geom: ConvGeometry) -> Any:  # pragma: gpu
-    """conv_bias_act's (y, z) by its validated entry, or None where the public op must run
-    (Note [a known signature on the device])."""
-    if ops.conv_bias_act is not _PUBLIC_FORWARD or \
-            ops.validated.conv_bias_act is not _VALIDATED_FORWARD:
-        return None
-    device = ops_checks.current_device()
-    for a in (x, weight, bias, residual):
-        if a is not None and (a.data.ptr % ops_checks.ALIGNMENT or a.device.id != device):
-            return None
-    eng = ops_checks.engine(array_module(x), "conv")
-    return ops.validated.conv_bias_act(eng, x, weight, bias, geom, act, residual, scale)
+# not fix, the address of each array and the device it is on, is checked per call
+# (_Direct.checked); then the op's validated entry runs, as the torch bridge's calls do
+# (Note [per-signature decisions] in convfuse/torch/_signature.py). Where the op or its
+# entry was replaced (a test's or the selfcheck's spy), or an address or device would not
+# pass, the public op runs and decides, with its own errors. The backward of a
+# convolution on device arrays runs the same way after its own checks (_backward).
 
 
 def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale: float,
@@ -240,11 +224,11 @@ def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale:
                 x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
             )
     else:  # pragma: gpu
-        got = _known_device_forward(x, weight, bias, residual, act, scale, geom) \
+        direct = _Direct.checked(("conv_bias_act",), (x, weight, bias, residual)) \
             if known else None
-        y, z = got if got is not None else ops.conv_bias_act(
-            x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
-        )
+        y, z = direct.conv_bias_act(x, weight, bias, geom, act, residual, scale) \
+            if direct is not None else ops.conv_bias_act(
+                x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale)
     saved = _saved(act, y, z)
     columns = kept if kept is not None and kept.cols is not None else None
     ctx = ConvContext(geom, act, x, weight, saved, bias is not None, residual is not None, scale,
@@ -314,7 +298,8 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
     if not isinstance(dy, np.ndarray):  # pragma: gpu
-        o = _Direct.checked(dy, (ctx.x, ctx.weight, ctx.saved, dweight, dbias)) or ops
+        o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved, dweight,
+                                            dbias)) or ops
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,
                                 o.activation_backward_bias, o.activation_backward)
     if ctx.columns is not None:
@@ -346,19 +331,21 @@ def _bias_act_backward(dy: Any, ctx: Any, dbias: Any, beta: float,
     return act_backward(dy, ctx.saved, ctx.activation), None
 
 
-# The backward's ops whose checks _Direct skips: the public op and its validated entry.
-_DIRECT_OPS = ("conv_backward_bias", "activation_backward_bias", "activation_backward",
-               "conv_backward_filter", "conv_backward_data")
-_PUBLIC = {name: getattr(ops, name) for name in _DIRECT_OPS}
-_VALIDATED = {name: getattr(ops.validated, name) for name in _DIRECT_OPS}
+# The ops _Direct runs as their validated entries: each public op and its entry as
+# defined, to tell a replaced one (a spy) apart.
+_BACKWARD_OPS = ("conv_backward_bias", "activation_backward_bias", "activation_backward",
+                 "conv_backward_filter", "conv_backward_data")
+_PUBLIC = {name: getattr(ops, name) for name in ("conv_bias_act", *_BACKWARD_OPS)}
+_VALIDATED = {name: getattr(ops.validated, name) for name in _PUBLIC}
 
 
 class _Direct:  # pragma: gpu
-    """The convolution backward's ops on device arrays as their validated entries (Note
-    [a known signature on the device]): what the ops would check of the arrays, the
-    backward's own checks did (_check_dy, _check_outputs: classes, shapes, dtypes,
-    contiguity, overlaps) against the forward's context, which its forward's op checked;
-    what they do not fix, each array's address and device, `checked` checks."""
+    """Convolution ops on device arrays as their validated entries (Note [a known
+    signature on the device]). The forward: for a signature the layer's call cache knows.
+    The backward: its own checks (_check_dy, _check_outputs: classes, shapes, dtypes,
+    contiguity, overlaps, against the forward's context, which the forward's op checked)
+    cover what the ops would check. What neither fixes, each array's address and device,
+    `checked` checks per call."""
 
     __slots__ = ("act", "conv")
 
@@ -367,18 +354,23 @@ class _Direct:  # pragma: gpu
         self.act = ops_checks.engine(xp, "activation")
 
     @classmethod
-    def checked(cls, dy: Any, arrays: tuple[Any, ...]) -> _Direct | None:
-        """The direct ops, or None where the public ones must run: one was replaced (a
-        spy), or an array is at an address or on a device the ops would refuse."""
-        for name in _DIRECT_OPS:
+    def checked(cls, names: tuple[str, ...], arrays: tuple[Any, ...]) -> _Direct | None:
+        """The direct ops, or None where the public ones must run: one of `names` was
+        replaced (a spy), or one of `arrays` (the first is an array) is at an address or
+        on a device the ops would refuse."""
+        for name in names:
             if getattr(ops, name) is not _PUBLIC[name] or \
                     getattr(ops.validated, name) is not _VALIDATED[name]:
                 return None
         device = ops_checks.current_device()
-        for a in (dy, *arrays):
+        for a in arrays:
             if a is not None and (a.data.ptr % ops_checks.ALIGNMENT or a.device.id != device):
                 return None
-        return cls(array_module(dy))
+        return cls(array_module(arrays[0]))
+
+    def conv_bias_act(self, x: Any, w: Any, b: Any, geom: Any, act: str, residual: Any,
+                      scale: float) -> tuple[Any, Any]:
+        return ops.validated.conv_bias_act(self.conv, x, w, b, geom, act, residual, scale)
 
     def conv_backward_bias(self, dz: Any, geom: Any, out: Any = None,
                            beta: float = 0.0) -> Any:
