@@ -64,6 +64,9 @@ _device_types: tuple[type, ...] | None = None
 def register_device_array_type(cls: type) -> None:
     """Make is_cupy accept `cls` (an engine's stand-in for a CuPy array)."""
     global DEVICE_ARRAY_TYPES, _device_types
+    if not isinstance(cls, type):
+        raise TypeError(f"register_device_array_type: cls must be a class, got "
+                        f"{type(cls).__name__} {cls!r}")
     if cls not in DEVICE_ARRAY_TYPES:
         DEVICE_ARRAY_TYPES = (*DEVICE_ARRAY_TYPES, cls)
     _device_types = None

@@ -101,6 +101,9 @@ def set_source(source: Callable[[], None] | None) -> None:
     """Register what `refresh` runs: a framework's reader of its switches, which calls
     `constrain` where they changed (None: no framework; its constraint is dropped)."""
     global _source, _framework
+    if source is not None and not callable(source):
+        raise TypeError(f"config.set_source: source must be callable or None, got "
+                        f"{type(source).__name__} {source!r}")
     with _lock:
         _source = source
         if source is None:
@@ -120,6 +123,12 @@ def constrain(allow_tf32: bool, deterministic: bool, benchmark: bool) -> None:
     framework's switches]): TF32 only where both allow it, deterministic algorithms and
     autotuning where either asks. convfuse.torch calls it with PyTorch's."""
     global _framework
+    switches = {"allow_tf32": allow_tf32, "deterministic": deterministic,
+                "benchmark": benchmark}
+    for name, value in switches.items():
+        if type(value).__name__ not in ("bool", "bool_"):
+            raise TypeError(f"config.constrain: {name} must be a bool, got "
+                            f"{type(value).__name__} {value!r}")
     with _lock:
         _framework = (bool(allow_tf32), bool(deterministic), bool(benchmark))
         _combine()

@@ -138,3 +138,18 @@ def test_convfuses_own_gpu_ops_follow_them_too(switches, monkeypatch):
     torch._C._set_cudnn_deterministic(False)
     ops.conv_forward(x, w, geom)
     assert config.get().deterministic is False
+
+
+def test_the_hooks_refuse_bad_arguments_before_changing_anything(switches):
+    from convfuse import backend
+
+    before = config.get()
+    with pytest.raises(TypeError, match=r"config.constrain: deterministic must be a bool, "
+                                        r"got str 'yes'"):
+        config.constrain(True, "yes", False)
+    with pytest.raises(TypeError, match=r"config.set_source: source must be callable or None"
+                                        r", got int 3"):
+        config.set_source(3)
+    assert config.get() is before and config._source is _switches.follow
+    with pytest.raises(TypeError, match=r"register_device_array_type: cls must be a class"):
+        backend.register_device_array_type("DeviceArray")

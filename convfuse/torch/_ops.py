@@ -23,7 +23,6 @@ back as empty tensors (never read), and the residual's gradient for an identity 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +47,6 @@ from ._grad_ops import conv_output_shape  # and registers the differentiable ops
 from ._signature import Prepared, SignatureCache, op, tensor_key
 
 _PREPARED = SignatureCache()
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
@@ -56,9 +54,9 @@ def _array_or_none(t: torch.Tensor | None, channels_last: bool) -> object:
 
 
 def context(t: torch.Tensor) -> Any:
-    """engine_context(t.device), following PyTorch's cuDNN switches; skipped off CUDA
-    where it has nothing to set."""
-    return tensor_context(t) if t.is_cuda else _NO_CONTEXT
+    """engine_context(t.device), following PyTorch's cuDNN switches; nothing to enter off
+    CUDA (_arrays.tensor_context)."""
+    return tensor_context(t)
 
 
 def device_type(t: torch.Tensor) -> str:
