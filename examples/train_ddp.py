@@ -47,6 +47,7 @@ import torch.distributed.nn  # before any process group: Note [process-group tea
 
 import convfuse as cf
 from convfuse.distributed import allreduce_gradients, broadcast_parameters
+from convfuse.selfcheck import gpu_unusable_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_digits import build_model, load_digits
@@ -56,7 +57,7 @@ def setup(requested: str | None) -> tuple[int, int, str]:
     """Join the process group (torchrun's environment, or a world of one); pick the device."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    use_gpu = requested == "cuda" or (requested is None and cf.gpu_available())
+    use_gpu = requested == "cuda" or (requested is None and gpu_unusable_reason() is None)
     if use_gpu:  # pragma: gpu
         import cupy
 
@@ -224,7 +225,7 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser, rank: int, 
     x_train, x_test, y_train, y_test = load_digits(args.seed)
     trainer_cls = ConvfuseTrainer if args.api == "convfuse" else TorchTrainer
     trainer = trainer_cls(device, args.lr, args.seed, rank)
-    reason = cf.backend.gpu_unavailable_reason()
+    reason = gpu_unusable_reason()
     if rank == 0 and device == "cpu" and args.device is None and reason:
         print(f"notice: {reason}; running on the CPU reference engine (NumPy).", flush=True)
     if rank == 0:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import convfuse as cf
-from convfuse.backend import gpu_unavailable_reason
+from convfuse.selfcheck import gpu_unusable_reason
 
 
 def build_model(device: str, seed: int = 0) -> cf.Sequential:
@@ -50,7 +50,7 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2):
 def pick_device(requested: str | None) -> str:
     if requested == "cpu":
         return "cpu"
-    reason = gpu_unavailable_reason()
+    reason = gpu_unusable_reason()  # a GPU, and an install convfuse's GPU path can use
     if reason is None:
         return "cuda"
     if requested == "cuda":

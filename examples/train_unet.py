@@ -20,12 +20,15 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import convfuse as cf
-from convfuse.backend import gpu_unavailable_reason
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_digits.py sits beside us
+from train_digits import pick_device
 
 
 class UNet(cf.Module):
@@ -115,18 +118,6 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     """Peak signal-to-noise ratio in dB for images in [0, 1] (a clipped to that range)."""
     mse = float(np.mean((np.clip(a, 0.0, 1.0) - b) ** 2))
     return 10.0 * math.log10(1.0 / mse)
-
-
-def pick_device(requested: str | None) -> str:
-    if requested == "cpu":
-        return "cpu"
-    reason = gpu_unavailable_reason()
-    if reason is None:
-        return "cuda"
-    if requested == "cuda":
-        sys.exit(f"--device cuda: {reason}")
-    print(f"notice: {reason}; falling back to the CPU reference engine (NumPy).", flush=True)
-    return "cpu"
 
 
 def train_convfuse(data: tuple[np.ndarray, ...], args: argparse.Namespace) -> np.ndarray:

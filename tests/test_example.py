@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 
@@ -53,3 +55,21 @@ def test_default_run_reaches_95_percent(tmp_path):
     """The README's main job, as a user runs it on the CPU (the issue's bar: >= 0.95)."""
     example = load_example()
     assert example.main(["--device", "cpu", "--plot", str(tmp_path / "c.png")]) >= 0.95
+
+
+def test_a_gpu_with_a_broken_install_falls_back_with_the_fix(monkeypatch, capsys):
+    """The device choice asks convfuse.selfcheck.gpu_unusable_reason, not only whether a
+    GPU is there: a machine with a GPU but, say, no compiled binding trains on the CPU and
+    says why and how to fix it, and --device cuda stops with that sentence."""
+    example = load_example()
+    broken = ("the GPU install is broken: the compiled binding convfuse._cudnn is missing; "
+              "fix: pip install --no-build-isolation -e .")
+    monkeypatch.setattr(example, "gpu_unusable_reason", lambda: broken)
+    assert example.pick_device(None) == "cpu"
+    assert capsys.readouterr().out == (f"notice: {broken}; falling back to the CPU reference "
+                                       "engine (NumPy).\n")
+    with pytest.raises(SystemExit, match="--device cuda: the GPU install is broken"):
+        example.pick_device("cuda")
+    assert example.pick_device("cpu") == "cpu"
+    monkeypatch.setattr(example, "gpu_unusable_reason", lambda: None)
+    assert example.pick_device(None) == "cuda"

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from convfuse import _binding
+from convfuse import _binding, selfcheck
+from convfuse.backend import gpu_unavailable_reason
 from convfuse.errors import CudnnLoadError
 from convfuse.selfcheck import install, run
 from convfuse.selfcheck.report import SKIP, Report
@@ -221,3 +222,56 @@ def test_environment_without_cupy(monkeypatch):
     assert env["CuPy"].startswith("not installed")
     assert env["CUDA runtime"].startswith("unknown") and env["CUDA driver"] == "none found"
     assert env["cuDNN"] == "not loaded (no library)"
+
+
+# --- gpu_unusable_reason: what a script asks before choosing the GPU ----------------------
+
+
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """A CUDA device is usable (as far as CuPy says) with a driver for CUDA 13.0: what the
+    install diagnosis sees on a GPU machine, short of running anything there."""
+    monkeypatch.setattr(selfcheck, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(selfcheck.environment, "driver_version", lambda: 13000)
+
+
+def test_no_device_is_the_backend_reason():
+    assert selfcheck.gpu_unusable_reason() == gpu_unavailable_reason()
+
+
+def test_a_sound_install_with_a_device_is_usable(monkeypatch, a_gpu, fresh_loaders):
+    # the wheels of one line (this venv's cu12 pair) and the real libcudnn and binding
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "cupy-cuda12x": "14.2.0"})
+    assert selfcheck.gpu_unusable_reason() is None
+
+
+def test_a_binding_that_was_never_built(monkeypatch, a_gpu, fresh_loaders):
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "cupy-cuda12x": "14.2.0"})
+    monkeypatch.setitem(sys.modules, "convfuse._cudnn", None)
+    reason = selfcheck.gpu_unusable_reason()
+    assert reason.startswith("the GPU install is broken: the compiled binding "
+                             "convfuse._cudnn is missing")
+    assert "; fix: build it in the source checkout" in reason
+    assert "more problem" not in reason
+
+
+def test_the_first_of_several_problems_and_the_count(monkeypatch, a_gpu, fresh_loaders):
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "nvidia-cudnn-cu13": "9.28.0",
+                             "cupy-cuda12x": "14.2.0"})
+    monkeypatch.setattr(selfcheck.environment, "driver_version", lambda: 12040)
+    reason = selfcheck.gpu_unusable_reason()
+    # both cuDNN wheels, and the cu13 one needs a newer driver than 12.4
+    assert reason.startswith("the GPU install is broken: both cuDNN wheels are installed")
+    assert "(and 1 more problem(s): run `convfuse selfcheck`)" in reason
+    assert "; fix: pip uninstall -y nvidia-cudnn-cu12 nvidia-cudnn-cu13" in reason
+
+
+def test_an_unforeseen_loader_failure_is_a_reason(monkeypatch, a_gpu):
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "cupy-cuda12x": "14.2.0"})
+
+    def weird():
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(install, "load_binding", weird)
+    assert selfcheck.gpu_unusable_reason() == ("loading cuDNN failed unexpectedly "
+                                               "(OSError: disk on fire)")

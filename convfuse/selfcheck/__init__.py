@@ -76,6 +76,31 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
     return report
 
 
+def gpu_unusable_reason() -> str | None:
+    """None when convfuse can run on a GPU here, else a sentence saying why not, with the
+    fix: no usable CUDA device (convfuse.backend.gpu_unavailable_reason), or an install the
+    GPU path cannot use (the problems `selfcheck` names: mismatched or doubled wheels, a
+    driver too old for them, libcudnn or convfuse._cudnn that do not load, a cuDNN major
+    the binding was not built for). Nothing runs on the device. A script choosing its
+    device asks this rather than gpu_available(): with a GPU but a broken install, the
+    first layer call would raise CudnnLoadError where the CPU engine would have run."""
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        return reason
+    problems = install.static_problems(environment.driver_version())
+    if not problems:
+        try:
+            problems = install.load_binding()[2]
+        except Exception as exc:  # as run() does: an unforeseen way to break, still named
+            return f"loading cuDNN failed unexpectedly ({type(exc).__name__}: {exc})"
+    if not problems:
+        return None
+    first = problems[0]
+    more = (f" (and {len(problems) - 1} more problem(s): run `convfuse selfcheck`)"
+            if len(problems) > 1 else "")
+    return f"the GPU install is broken: {first.what}{more}; fix: {first.fix}"
+
+
 def selfcheck(json_path: str | None = None, out: TextIO | None = None,
               cpu_only: bool = False, kernels: bool = True) -> int:
     """Run, print the text report to `out` (stdout), write JSON if asked; the exit code."""
@@ -88,4 +113,4 @@ def selfcheck(json_path: str | None = None, out: TextIO | None = None,
     return report.exit_code
 
 
-__all__ = ["GPU_ONLY", "Report", "run", "selfcheck"]
+__all__ = ["GPU_ONLY", "Report", "gpu_unusable_reason", "run", "selfcheck"]
