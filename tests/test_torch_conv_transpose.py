@@ -9,6 +9,8 @@ are ordinary tensors, not views); gradcheck; convert(); torch.compile."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -141,6 +143,92 @@ def test_constructor_errors_mirror_torch_nn():
     m = ct.ConvTranspose2d(3, 4, 3, stride=1, output_padding=1)
     with pytest.raises(ValueError, match="output_padding must be smaller than either"):
         m(torch.randn(1, 3, 4, 4))
+
+
+@pytest.mark.parametrize("rank, args, kwargs", [
+    (1, (2, 4, 3), {}),
+    (2, (2, 4, 3), dict(stride=2, padding=1, output_padding=1, dilation=2, groups=2,
+                        bias=False)),
+    (2, (3, 6, (2, 3)), dict(stride=(1, 2), output_padding=(0, 1))),
+    (3, (2, 2, 1), dict(padding=(0, 1, 0), dilation=(1, 1, 3), groups=2)),
+])
+def test_repr_is_torch_nns_plus_the_activation(rank, args, kwargs):
+    """torch.nn's text, field for field and in its order (dilation before output_padding),
+    then the activation."""
+    text = repr(NN[rank](*args, **kwargs))
+    assert repr(CT[rank](*args, **kwargs)) == text[:-1] + ", activation='identity')"
+    assert repr(CT[rank](*args, **kwargs, activation="relu")).endswith(
+        ", activation='relu')")
+
+
+def test_more_constructor_refusals_name_the_layer_and_argument():
+    with pytest.raises(ValueError, match=r"^ConvTranspose2d: out_channels must be divisible by "
+                                         r"groups$"):
+        ct.ConvTranspose2d(4, 6, 3, groups=4)
+    # torch.nn takes these and fails (or misbehaves) only later; convfuse refuses at once
+    with pytest.raises(ValueError, match=r"^ConvTranspose2d: padding must be an int or 2 "
+                                         r"ints, got 'same'$"):
+        ct.ConvTranspose2d(1, 1, 3, padding="same")
+    with pytest.raises(ValueError, match=r"^ConvTranspose1d: padding and output_padding must "
+                                         r"be >= 0, got \(-1,\), \(0,\)$"):
+        ct.ConvTranspose1d(1, 1, 3, padding=-1)
+    with pytest.raises(ValueError, match=r"^ConvTranspose3d: unknown activation 'mish': "
+                                         r"expected None or one of identity, relu,"):
+        ct.ConvTranspose3d(1, 1, 3, activation="mish")
+
+
+@pytest.mark.parametrize("unbatched", [False, True])
+def test_an_empty_output_is_refused_as_torch_nn_refuses_it(unbatched):
+    """torch.nn raises RuntimeError ("Output size is too small"); convfuse's InputShapeError
+    is that and a ValueError, before anything runs."""
+    shape = (1, 4, 4) if unbatched else (1, 1, 4, 4)
+    x = torch.randn(shape)
+    with pytest.raises(RuntimeError, match="too small"):
+        torch.nn.ConvTranspose2d(1, 1, 3, padding=5)(x)
+    m = ct.ConvTranspose2d(1, 1, 3, padding=5)
+    out = "(1, -4, -4)" if unbatched else "(1, 1, -4, -4)"
+    for kind in (RuntimeError, ValueError):
+        with pytest.raises(kind, match=rf"^ConvTranspose2d: the output would be empty: input "
+                                       rf"{re.escape(str(shape))} gives {re.escape(out)}$"):
+            m(x)
+
+
+def test_residual_refusals():
+    m = ct.ConvTranspose2d(2, 3, 3, stride=2)
+    x = torch.randn(1, 2, 4, 4)  # output (1, 3, 9, 9)
+    with pytest.raises(TypeError, match=r"^ConvTranspose2d: residual must be a torch\.Tensor or "
+                                        r"None, got ndarray$"):
+        m(x, residual=torch.zeros(1, 3, 9, 9).numpy())
+    with pytest.raises(ValueError, match=r"^ConvTranspose2d: residual has shape \(1, 3, 8, 8\)"
+                                         r", the output has shape \(1, 3, 9, 9\)$"):
+        m(x, residual=torch.zeros(1, 3, 8, 8))
+    with pytest.raises(ValueError, match=r"^ConvTranspose2d: residual has shape \(3, 8, 8\), "
+                                         r"the output has shape \(3, 9, 9\)$"):
+        m(x[0], residual=torch.zeros(3, 8, 8))
+    with pytest.raises(TypeError, match=r"^ConvTranspose2d: residual is torch\.float64 on cpu, "
+                                        r"the input torch\.float32 on cpu$"):
+        m(x, residual=torch.zeros(1, 3, 9, 9, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("act", ["identity", "relu"])
+def test_unbatched_input_with_a_residual_matches_torch_nn(act):
+    ref, ours = _pair(2, (2, 3, 3), dict(stride=2, padding=1, output_padding=1),
+                      torch.float64, act)
+    nn_act = torch.relu if act == "relu" else (lambda t: t)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 8, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = ours(x, residual=r)
+    assert y.shape == (3, 8, 10)
+    x2, r2 = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    y2 = nn_act(ref(x2) + r2)
+    torch.testing.assert_close(y, y2, **TOL[torch.float64])
+    dy = torch.randn(3, 8, 10, generator=gen, dtype=torch.float64)
+    y.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float64])
+    torch.testing.assert_close(r.grad, r2.grad, **TOL[torch.float64])
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad, **TOL[torch.float64])
 
 
 def test_initialisation_draw_for_draw():

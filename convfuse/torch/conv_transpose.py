@@ -30,7 +30,7 @@ from . import (
 )
 from ._call_plan import FusedCall
 from ._signature import lookup, tensor_key
-from .conv import CALLS, _ConvLayer
+from .conv import CALLS, InputShapeError, _ConvLayer
 
 # N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
 # the engine's empty-batch op would make CuPy arrays where the pointer path makes none
@@ -163,9 +163,10 @@ class _ConvTransposeNd(_ConvLayer):
         x = input.unsqueeze(0) if unbatched else input
         shape = _transpose_ops.output_shape(x.shape, self.weight.shape, self.stride,
                                             self.padding, opad, self.dilation, self.groups)
-        if any(n < 1 for n in shape[2:]):
-            raise ValueError(f"{name}: the output would be empty: input {tuple(input.shape)}"
-                             f" gives {tuple(shape)}")
+        if any(n < 1 for n in shape[2:]):  # torch.nn's RuntimeError ("... too small")
+            raise InputShapeError(f"{name}: the output would be empty: input "
+                                  f"{tuple(input.shape)} gives "
+                                  f"{tuple(shape[1:] if unbatched else shape)}")
         if any(o >= s and o >= d for o, s, d in zip(opad, self.stride, self.dilation)):
             raise ValueError(f"{name}: output_padding must be smaller than either stride or "
                              f"dilation, got output_padding={tuple(opad)}, stride="
@@ -186,12 +187,12 @@ class _ConvTransposeNd(_ConvLayer):
     def extra_repr(self) -> str:
         s = (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
              f"stride={self.stride}")
-        if any(self.padding):
+        if any(self.padding):  # torch.nn's order (_ConvNd.extra_repr)
             s += f", padding={self.padding}"
-        if any(self.output_padding):
-            s += f", output_padding={self.output_padding}"
         if any(d != 1 for d in self.dilation):
             s += f", dilation={self.dilation}"
+        if any(self.output_padding):
+            s += f", output_padding={self.output_padding}"
         if self.groups != 1:
             s += f", groups={self.groups}"
         if self.bias is None:
