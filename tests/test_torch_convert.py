@@ -240,3 +240,72 @@ def test_convert_leaves_batchnorm_subclasses_and_keeps_flags():
     bn = seq[3]
     assert isinstance(bn, ct.BatchNorm2d) and bn.activation == "tanh" and not bn.training
     assert bn.weight is None and bn.running_mean is None and isinstance(seq[4], nn.Identity)
+
+
+class _SkipSequential(nn.Sequential):
+    """A Sequential whose forward adds a skip around its children: folding the ReLU into the
+    conv would apply it before the skip instead of after."""
+
+    def forward(self, x):
+        return self[1](self[0](x) + x)
+
+
+def test_a_sequential_with_its_own_forward_folds_nothing():
+    torch.manual_seed(0)
+    model = _SkipSequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()).double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    ct.convert(model)
+    assert isinstance(model[0], ct.Conv2d) and model[0].activation == "identity"
+    assert type(model[1]) is nn.ReLU
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+    plain = type("PlainSubclass", (nn.Sequential,), {})(nn.Conv2d(4, 4, 3), nn.ReLU())
+    ct.convert(plain)  # nn.Sequential's own forward: folded
+    assert plain[0].activation == "relu" and type(plain[1]) is nn.Identity
+
+
+def test_hooks_on_a_conv_or_batchnorm_keep_it_with_a_warning():
+    """A backward or state-dict hook would be lost with the module: it stays, warned."""
+    seen = []
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1))
+    model[0].register_full_backward_hook(lambda m, gi, go: seen.append("conv"))
+    model[1].register_full_backward_pre_hook(lambda m, go: seen.append("bn"))
+    model[2].register_state_dict_pre_hook(lambda m, prefix, keep_vars: seen.append("sd"))
+    with pytest.warns(UserWarning) as got:
+        ct.convert(model)
+    texts = [str(w.message) for w in got]
+    assert len(texts) == 3
+    assert "Conv2d has backward hooks, which convfuse's layer would not run" in texts[0]
+    assert "BatchNorm2d has backward-pre hooks" in texts[1]
+    assert "Conv2d has state-dict-pre hooks" in texts[2]
+    assert [type(m) for m in model] == [nn.Conv2d, nn.BatchNorm2d, nn.Conv2d]
+    model(torch.randn(2, 2, 5, 5)).sum().backward()
+    model.state_dict()
+    assert sorted(seen) == ["bn", "conv", "sd"]
+
+
+def test_a_hooked_activation_is_not_folded():
+    torch.manual_seed(0)
+    seen = []
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 3, 1), nn.ReLU()).double()
+    model[1].register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))
+    ref = copy.deepcopy(model)
+    x = torch.randn(1, 2, 5, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is left unconverted: no warning
+        ct.convert(model)
+    assert isinstance(model[0], ct.Conv2d) and model[0].activation == "identity"
+    assert type(model[1]) is nn.ReLU  # still runs its hook
+    assert model[2].activation == "relu" and type(model[3]) is nn.Identity
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert len(seen) == 2  # one call each, before and after the conversion
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-12, atol=1e-12)
+
+
+def test_attributes_a_user_set_come_along():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3))
+    model[0].is_stem, model[1].frozen = True, "yes"
+    ct.convert(model)
+    assert isinstance(model[0], ct.Conv2d) and model[0].is_stem is True
+    assert isinstance(model[1], ct.BatchNorm2d) and model[1].frozen == "yes"
+    assert model[0].activation == "identity"  # the layer's own attributes are its own

@@ -166,7 +166,7 @@ def test_a_subclass_convfuse_would_change_stays_with_a_warning_naming_it_and_why
         "_ExtraParameter holds ['scale'] beyond",
         "_OwnBatchNorm has its own forward (_OwnBatchNorm.forward), which convfuse's "
         "BatchNorm2d would not run",
-        "Conv2d has forward hooks",
+        "Conv2d has forward hooks, which convfuse's layer would not run",
         "ParametrizedConv2d's weight is parametrized (torch.nn.utils.parametrize)",
         "no fused layer for LazyBatchNorm2d, a lazy module",
     ]

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._convert_kinds import activation_of
+from ._convert_kinds import CALL_HOOKS, activation_of
 
 
 class Block(NamedTuple):
@@ -223,8 +223,8 @@ def _imported(block: Block | Inverted) -> type | None:
 
 
 def _hooked(module: nn.Module) -> bool:
-    return any(getattr(module, h, None) for h in (
-        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+    """Hooks a call runs (a fused block keeps the module, so its state-dict hooks stay)."""
+    return any(getattr(module, attr, None) for attr, _ in CALL_HOOKS)
 
 
 def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | None:

@@ -7,7 +7,9 @@ A module converts when a class it derives from is a known kind (first match in i
 and what convfuse's layer replaces is all the module does: the methods the kind's forward
 runs (`methods`) are the kind's own, not a subclass's override; its Parameters, buffers and
 submodules are the kind's, under the kind's names (nothing the new layer would drop);
-no forward hooks; no parametrization. So torchvision's Conv3DSimple (an nn.Conv3d that only
+no hooks of any kind (forward, backward or state-dict: the new layer would not run them,
+and folding an activation changes what a forward or backward hook would see); no
+parametrization. So torchvision's Conv3DSimple (an nn.Conv3d that only
 changes __init__) converts, and a subclass with its own forward is left, with a warning
 naming the class whose forward would be lost. timm's classes are found without importing
 timm: they are looked up in sys.modules, where they are when a model holds them.
@@ -40,6 +42,21 @@ class Kind(NamedTuple):
     state: State  # its Parameters', buffers' and submodules' names
     build: Build  # (module, kind's class, activation) -> the convfuse layer, or None (warned)
     folds_next: bool = True  # takes the activation after it in an nn.Sequential
+
+
+#: A module's own hook dicts, by what they are called in a warning: those a call runs,
+#: then the state dict's.
+CALL_HOOKS = (("_forward_hooks", "forward"), ("_forward_pre_hooks", "forward-pre"),
+              ("_backward_hooks", "backward"), ("_backward_pre_hooks", "backward-pre"))
+HOOKS = (*CALL_HOOKS,
+         ("_state_dict_hooks", "state-dict"), ("_state_dict_pre_hooks", "state-dict-pre"),
+         ("_load_state_dict_pre_hooks", "load-state-dict-pre"),
+         ("_load_state_dict_post_hooks", "load-state-dict-post"))
+
+
+def hooks_of(module: nn.Module) -> list[str]:
+    """The kinds of hook registered on `module` itself (empty: none)."""
+    return [what for attr, what in HOOKS if getattr(module, attr, None)]
 
 
 def activation_of(module: nn.Module) -> str | None:
@@ -82,7 +99,18 @@ def on_parameters_of(conv: nn.Module, cls: type[L], args: tuple[Any, ...],
     for name in new._parameters:
         new._parameters[name] = conv._parameters.get(name)  # StdConv2d: gain None
     new.train(conv.training)
+    _carry_attributes(conv, new)
     return new
+
+
+def _carry_attributes(old: nn.Module, new: nn.Module) -> None:
+    """What a user set on `old` beyond its class's state (`conv.is_stem = True`: public
+    names the new layer has neither on itself nor on its class) comes along, so code that
+    reads it finds it after conversion."""
+    mine, cls = vars(new), type(new)
+    for name, value in vars(old).items():
+        if not name.startswith("_") and name not in mine and not hasattr(cls, name):
+            mine[name] = value
 
 
 def on_buffers_of(bn: Any, cls: type[B], activation: str | None, **extra: Any) -> B | None:
@@ -101,6 +129,7 @@ def on_buffers_of(bn: Any, cls: type[B], activation: str | None, **extra: Any) -
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         new._buffers[name] = bn._buffers[name]
     new.training = bn.training  # not train(): the children keep their own flags
+    _carry_attributes(bn, new)
     return new
 
 
@@ -219,8 +248,10 @@ def classify(module: nn.Module, kinds: dict[type, Kind],
         names = ", ".join(owned.keys())
         return None, None, (f"{name}'s {names} is parametrized (torch.nn.utils.parametrize): "
                             "convfuse's layer would drop the parametrization")
-    if module._forward_hooks or module._forward_pre_hooks:
-        return None, None, f"{name} has forward hooks, which convfuse's layer would not run"
+    hooks = hooks_of(module)
+    if hooks:
+        return None, None, (f"{name} has {', '.join(hooks)} hooks, which convfuse's layer "
+                            "would not run")
     for method in kind.methods:
         mine = getattr(cls, method, None)
         if mine is not getattr(base, method, None):

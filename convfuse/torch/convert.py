@@ -2,23 +2,26 @@
 them) for convfuse's fused layers, sharing the same Parameters and buffers.
 
 Note [conversion rules]
-Inside an nn.Sequential the order of the children is the order of the forward, so a
-convolution or batch norm followed by an activation convfuse has (activation_of) becomes
-one fused module: it takes the convolution's place and the activation becomes nn.Identity,
-so indices and state-dict keys stay the same. Outside nn.Sequential the forward order is
-unknown (ResNet's BasicBlock applies one ReLU twice, once after the residual add), so
-convolutions and batch norms are converted alone, except in the few blocks whose forward
-convert knows (torchvision's and timm's ResNet blocks: Note [residual blocks] in
-_convert_blocks.py), whose batch norms take their activations and the residual, and the
-MobileNet and EfficientNet blocks of torchvision and timm (Note [inverted residual
-blocks]), whose last batch norm takes the block's input. Conv -> BatchNorm -> activation
-needs no rule of its own: the conv sees a BatchNorm next (not an activation) and converts
-alone, then the BatchNorm folds the activation; the same fuses a pre-activation BatchNorm
--> ReLU -> Conv. convfuse does not fold BatchNorm into the convolution's weights: in
-training the statistics are the batch's, so they cannot be. Which modules count as a
-convolution or a batch norm, subclasses and the model zoos' own classes included, is
-_convert_kinds.py's (Note [which subclasses convert]); every one that is left gets one
-warning with the reason.
+Inside an nn.Sequential that runs nn.Sequential's own forward the order of the children is
+the order of the forward, so a convolution or batch norm followed by an activation
+convfuse has (activation_of), with no hooks, becomes one fused module: it takes the
+convolution's place and the activation becomes nn.Identity, so indices and state-dict keys
+stay the same (code that runs a slice of the Sequential ending at the convolution, a
+feature tap, now gets the activation's output: convert such a model with the tap's
+activation kept, or tap after it). Outside such an nn.Sequential (a subclass with its own
+forward included) the forward order is unknown (ResNet's BasicBlock applies one ReLU
+twice, once after the residual add), so convolutions and batch norms are converted alone,
+except in the few blocks whose forward convert knows (torchvision's and timm's ResNet
+blocks: Note [residual blocks] in _convert_blocks.py), whose batch norms take their
+activations and the residual, and the MobileNet and EfficientNet blocks of torchvision and
+timm (Note [inverted residual blocks]), whose last batch norm takes the block's input.
+Conv -> BatchNorm -> activation needs no rule of its own: the conv sees a BatchNorm next
+(not an activation) and converts alone, then the BatchNorm folds the activation; the same
+fuses a pre-activation BatchNorm -> ReLU -> Conv. convfuse does not fold BatchNorm into
+the convolution's weights: in training the statistics are the batch's, so they cannot be.
+Which modules count as a convolution or a batch norm, subclasses and the model zoos' own
+classes included, is _convert_kinds.py's (Note [which subclasses convert]); every one that
+is left gets one warning with the reason.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import warnings
 from torch import nn
 
 from . import _convert_blocks
-from ._convert_kinds import Kind, activation_of, classify, known_kinds
+from ._convert_kinds import Kind, activation_of, classify, hooks_of, known_kinds
 from .batchnorm import _BatchNormNd
 from .conv import _ConvNd
 from .conv_transpose import _ConvTransposeNd
@@ -95,9 +98,10 @@ def convert(model: nn.Module) -> nn.Module:
     ScaledStdConv2d and their Same variants (Note [which subclasses convert]). The
     Parameters and buffers are the same objects, so an optimizer built before the conversion
     keeps working. Every convolution or batch norm left in torch.nn's hands gets one warning
-    naming it and why: a subclass with its own forward, extra state, hooks or a
-    parametrization; dtypes convfuse cannot run (integer or complex); the lazy modules;
-    SyncBatchNorm.
+    naming it and why: a subclass with its own forward, extra state, hooks of any kind
+    (forward, backward, state-dict) or a parametrization; an activation with hooks is not
+    folded. Attributes a user set on a converted module come along. Also left: dtypes
+    convfuse cannot run (integer or complex); the lazy modules; SyncBatchNorm.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
@@ -121,7 +125,9 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
                       f"unconverted ({why})", stacklevel=4)
     if kind is None:
         return None
-    act = activation_of(follower) if follower is not None and kind.folds_next else None
+    # a hooked activation stays: nn.Identity in its place would run none of its hooks
+    act = activation_of(follower) if (follower is not None and kind.folds_next
+                                       and not hooks_of(follower)) else None
     fused = kind.build(module, base, act)
     if fused is None:  # refused by convfuse's constructor, which warned
         return None
@@ -131,7 +137,10 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
 def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
     names = [n for n, m in parent._modules.items() if m is not None]
     children = [m for m in parent._modules.values() if m is not None]  # names' order
-    sequential = isinstance(parent, nn.Sequential)
+    # only nn.Sequential's own forward runs the children in their order, each on the last
+    # one's output: a subclass's forward may use them otherwise (a skip around them)
+    sequential = (isinstance(parent, nn.Sequential) and "forward" not in parent.__dict__
+                  and type(parent).forward is nn.Sequential.forward)
     i = 0
     while i < len(children):
         follower = children[i + 1] if sequential and i + 1 < len(children) else None
