@@ -19,14 +19,13 @@ import numpy as np
 
 from .. import dtypes
 from ..backend import resolve_device, to_device
-from ..errors import DeviceMismatchError
 from ..nn.adaptive_pool import AdaptiveAvgPool2d
 from ..nn.batchnorm import BatchNorm2d
 from ..nn.container import Flatten, Sequential
 from ..nn.conv import Conv2d, _ConvNd
 from ..nn.fold import clone, fold_conv_bn, fold_layer, foldable
 from ..nn.linear import Linear
-from ..nn.module import Layer
+from ..nn.module import Layer, forward_keeping_contexts
 from ..nn.pooling import MaxPool2d
 from ..nn.residual import ResidualBase, check_contexts
 from ..nn.simple import Identity
@@ -149,6 +148,9 @@ class ResNet(Layer):
                 self.avgpool, self.flatten, self.fc]
 
     def __call__(self, x: Any) -> Any:
+        return forward_keeping_contexts(self, self._forward, x)
+
+    def _forward(self, x: Any) -> Any:
         self._check_input(x)
         if x.ndim != 4:
             raise ValueError(f"ResNet expects a 4-d input ({self.layout}), got shape "
@@ -163,21 +165,23 @@ class ResNet(Layer):
     def backward(self, dlogits: Any) -> Any:
         """Gradients of every parameter (accumulated); returns dx, or None while
         `needs_input_grad` is False (the default)."""
-        ctx = self._take_ctx()
-        try:
-            self._check_input(dlogits, "dlogits")
-            if tuple(dlogits.shape) != ctx[0] or dlogits.dtype != ctx[1]:
-                raise ValueError(
-                    f"ResNet: dlogits has shape {tuple(dlogits.shape)} and dtype "
-                    f"{dlogits.dtype}, but the logits had shape {ctx[0]} and dtype {ctx[1]}")
-        except (TypeError, ValueError, DeviceMismatchError):
-            self._ctx = ctx  # checked before any layer runs: nothing changed
-            raise
-        check_contexts(self)
+        ctx = self._check_backward()
+        self._check_input(dlogits, "dlogits")
+        if tuple(dlogits.shape) != ctx[0] or dlogits.dtype != ctx[1]:
+            raise ValueError(
+                f"ResNet: dlogits has shape {tuple(dlogits.shape)} and dtype "
+                f"{dlogits.dtype}, but the logits had shape {ctx[0]} and dtype {ctx[1]}")
+        self._ctx = None  # everything checkable was, before any layer runs
         g = dlogits
         for layer in reversed(self._chain()):
             g = layer.backward(g)
         return g
+
+    def _check_backward(self) -> Any:
+        """The model's context and every layer's below it."""
+        ctx = self._peek_ctx()
+        check_contexts(self)
+        return ctx
 
     def _fold(self) -> ResNet:
         """The evaluation ResNet with stem conv + bn1 and every block folded

@@ -6,7 +6,7 @@ import inspect
 from collections.abc import Iterator
 from typing import Any
 
-from .module import Layer
+from .module import Layer, forward_keeping_contexts
 
 
 class Flatten(Layer):
@@ -92,21 +92,25 @@ class Sequential(Layer):
         return self
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
+        """The layers in order; `residual=` goes to the last. If a layer raises, every
+        layer keeps the context of the last forward that returned (Note [a failed forward
+        keeps the contexts])."""
+        return forward_keeping_contexts(self, self._forward, x, residual)
+
+    def _forward(self, x: Any, residual: Any) -> Any:
         layers = self.layers
-        if residual is not None and not layers:
-            raise ValueError("Sequential: an empty Sequential cannot take a residual")
+        if residual is not None:  # checked before any layer runs
+            if not layers:
+                raise ValueError("Sequential: an empty Sequential cannot take a residual")
+            if not _takes_residual(type(layers[-1])):
+                raise TypeError(
+                    f"Sequential: residual= goes to the last layer, but "
+                    f"{type(layers[-1]).__name__} takes no residual (end the Sequential with "
+                    "a Conv or BatchNorm layer)"
+                )
         last = len(layers) - 1
         for i, layer in enumerate(layers):
-            if i == last and residual is not None:
-                if not _takes_residual(type(layer)):
-                    raise TypeError(
-                        f"Sequential: residual= goes to the last layer, but "
-                        f"{type(layer).__name__} takes no residual (end the Sequential with a "
-                        "Conv or BatchNorm layer)"
-                    )
-                x = layer(x, residual=residual)
-            else:
-                x = layer(x)
+            x = layer(x, residual=residual) if i == last and residual is not None else layer(x)
         self._ctx = (residual is not None,)
         return x
 
@@ -134,6 +138,17 @@ class Sequential(Layer):
 
     def __len__(self) -> int:
         return len(self.__dict__.get("_module_names", ()))
+
+    def __setitem__(self, i: int, layer: Layer) -> None:
+        """Replace the layer at index `i` in its place (torch.nn.Sequential's)."""
+        if not isinstance(layer, Layer):
+            raise TypeError(f"Sequential: item {i} must be a convfuse layer, got "
+                            f"{type(layer).__name__}")
+        names = list(self.__dict__.get("_module_names", ()))
+        if not isinstance(i, int) or isinstance(i, bool) or not -len(names) <= i < len(names):
+            raise IndexError(f"Sequential: index {i!r} is out of range for {len(names)} "
+                             "layers")
+        setattr(self, names[i], layer)
 
     def __getitem__(self, i: int | slice) -> Layer:
         layers = self.layers

@@ -8,6 +8,7 @@ Everything stays an ordinary attribute, so the hot path reads `self.weight` at n
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -67,7 +68,9 @@ class Layer:
 
     # -- calls: subclasses define __call__ (or forward) and backward ---------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        if not self.__dict__.get("_module_names"):
+            return self.forward(*args, **kwargs)
+        return forward_keeping_contexts(self, self.forward, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no forward")
@@ -94,11 +97,9 @@ class Layer:
             if value is not None:
                 _check_array(value, f"{type(self).__name__}: buffer {name!r}")
         elif isinstance(value, Parameter):
-            self._unregister(name)
-            self._registry("_param_names").append(name)
+            self._register("_param_names", name)
         elif isinstance(value, Layer):
-            self._unregister(name)
-            self._registry("_module_names").append(name)
+            self._register("_module_names", name)
         elif name in self.__dict__.get("_param_names", ()) and value is not None:
             raise TypeError(
                 f"{type(self).__name__}: cannot assign {type(value).__name__} as parameter "
@@ -115,6 +116,14 @@ class Layer:
         self._unregister(name)
         object.__delattr__(self, name)
 
+    def _register(self, which: str, name: str) -> None:
+        """`name` in registry `which`: where it stands if it is there already (replacing a
+        child or parameter keeps its place, as torch.nn's dicts do: a Sequential's order is
+        its forward's), else last, out of any other registry."""
+        if name not in self.__dict__.get(which, ()):
+            self._unregister(name)
+            self._registry(which).append(name)
+
     def _unregister(self, name: str) -> None:
         for which in _REGISTRIES:
             reg = self.__dict__.get(which)
@@ -129,8 +138,7 @@ class Layer:
                              f"got {name!r}")
         if value is not None:
             _check_array(value, f"{type(self).__name__}: buffer {name!r}")
-        self._unregister(name)
-        self._registry("_buffer_names").append(name)
+        self._register("_buffer_names", name)
         nonpersistent = self._registry("_nonpersistent")
         if not persistent and name not in nonpersistent:
             nonpersistent.append(name)
@@ -142,8 +150,7 @@ class Layer:
         if module is not None and not isinstance(module, Layer):
             raise TypeError(f"{type(self).__name__}.add_module: {name!r} is a "
                             f"{type(module).__name__}, not a convfuse layer")
-        self._unregister(name)
-        self._registry("_module_names").append(name)
+        self._register("_module_names", name)
         object.__setattr__(self, name, module)
 
     # -- traversal ---------------------------------------------------------------------------
@@ -398,6 +405,44 @@ class Layer:
 
 
 Module = Layer
+
+
+# Note [a failed forward keeps the contexts]
+# A layer's forward sets its context only when it returns, so a layer that raises keeps the
+# last good forward's. A container's forward runs its children one by one: if child k
+# raises, children 0..k-1 already hold this failed call's contexts, and a backward after it
+# (meant for the last good forward) would use their inputs with the good call's dy, wrong
+# gradients without an error. So a container's forward, the outermost one only (inner
+# ones run inside it), saves every context below it first and puts them back if anything
+# below raises: one walk of the module tree per call, nothing per layer.
+_saving = threading.local()
+
+
+def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: Any,
+                             **kwargs: Any) -> Any:
+    """forward(*args, **kwargs), leaving every context under `root` as it was if it
+    raises (Note [a failed forward keeps the contexts])."""
+    if getattr(_saving, "active", False):
+        return forward(*args, **kwargs)
+    saved = []
+    stack = [root]
+    while stack:
+        d = stack.pop().__dict__
+        saved.append((d, d.get("_ctx_value"), d.get("_ctx_versions")))
+        stack.extend(c for n in d.get("_module_names", ()) if (c := d.get(n)) is not None)
+    _saving.active = True
+    try:
+        return forward(*args, **kwargs)
+    except BaseException:
+        for d, value, versions in saved:
+            d["_ctx_value"] = value
+            if versions is None:
+                d.pop("_ctx_versions", None)
+            else:
+                d["_ctx_versions"] = versions
+        raise
+    finally:
+        _saving.active = False
 
 
 def check_grad(layer: str, name: str, p: Parameter) -> None:

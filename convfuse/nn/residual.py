@@ -18,7 +18,7 @@ from .batchnorm import _BatchNorm
 from .container import Sequential
 from .conv import _ConvNd
 from .fold import fold_chain, fold_layer
-from .module import Layer
+from .module import Layer, forward_keeping_contexts
 
 
 def fused_tail(layer: Layer, owner: str) -> _ConvNd | _BatchNorm:
@@ -86,6 +86,9 @@ class ResidualBase(Layer):
             shortcut.needs_input_grad = bool(value)
 
     def __call__(self, x: Any) -> Any:
+        return forward_keeping_contexts(self, self._forward, x)
+
+    def _forward(self, x: Any) -> Any:
         self._check_block_input(x)
         shortcut = self._shortcut()
         skip = x if shortcut is None else shortcut(x)
@@ -99,23 +102,25 @@ class ResidualBase(Layer):
 
     forward = __call__
 
+    def _check_backward(self) -> Any:
+        """The block's context and, below it, every layer's (checked before a container
+        holding the block writes any gradient)."""
+        ctx = self._peek_ctx()
+        check_contexts(self)
+        return ctx
+
     def backward(self, dy: Any) -> Any:
         """dx = d body + d shortcut (None when `needs_input_grad` is False)."""
-        ctx = self._take_ctx()
-        shape, dtype, device = ctx
-        try:
-            # Checked here, before any layer runs, so a bad dy changes no gradient.
-            self._check_block_input(dy, "dy")
-            if tuple(dy.shape) != shape or dy.dtype != dtype or device_of(dy) != device:
-                raise ValueError(
-                    f"{type(self).__name__}: dy has shape {tuple(dy.shape)}, dtype {dy.dtype} "
-                    f"on {device_of(dy)!r}, but the forward's output has shape {shape}, dtype "
-                    f"{dtype} on {device!r}"
-                )
-        except Exception:
-            self._ctx = ctx
-            raise
-        check_contexts(self)
+        shape, dtype, device = self._check_backward()
+        # Checked here, before any layer runs, so a bad dy changes no gradient.
+        self._check_block_input(dy, "dy")
+        if tuple(dy.shape) != shape or dy.dtype != dtype or device_of(dy) != device:
+            raise ValueError(
+                f"{type(self).__name__}: dy has shape {tuple(dy.shape)}, dtype {dy.dtype} "
+                f"on {device_of(dy)!r}, but the forward's output has shape {shape}, dtype "
+                f"{dtype} on {device!r}"
+            )
+        self._ctx = None  # everything checkable was: consumed, as Layer's rule says
         *head, tail = self._body_layers()
         g, dskip = tail.backward(dy)
         for layer in reversed(head):
