@@ -210,3 +210,43 @@ def test_assigning_num_batches_tracked_makes_the_host_count_stale():
     assert bn._host_count == 5
     bn.num_batches_tracked = np.asarray(0, np.int64)
     assert bn._host_count is None
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_backward_differentiates_the_forward_that_ran(rng, train):
+    """activation, eps and layout assigned between forward and backward take effect at the
+    next forward: the backward is the forward's (as the conv layers' is)."""
+    x, dy = rng.standard_normal((4, 3, 5, 5)), rng.standard_normal((4, 3, 5, 5))
+
+    def grads(change):
+        bn = cf.BatchNorm2d(3, activation="relu", dtype="float64", device="cpu")
+        bn.train(train)
+        bn.running_var[...] = 1.5
+        bn(x)
+        change(bn)
+        return bn.backward(dy), bn.weight.grad.copy(), bn.bias.grad.copy()
+
+    def swap(bn):
+        bn.activation, bn.eps = "sigmoid", 0.5
+
+    for a, b in zip(grads(swap), grads(lambda bn: None)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_bias_set_to_none_trains_as_torch_nn_without_bias(rng):
+    x = rng.standard_normal((4, 3, 5, 5))
+    dy = rng.standard_normal((4, 3, 5, 5))
+    ours = cf.BatchNorm2d(3, activation="relu", dtype="float64", device="cpu")
+    ours.bias = None
+    ref = torch.nn.BatchNorm2d(3, bias=False, dtype=torch.float64)
+    ours.weight.data[...] = [0.5, 1.0, 2.0]
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.relu(ref(xt))
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_allclose(ours(x), yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    dx = ours.backward(dy)
+    np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ours.weight.grad, ref.weight.grad.numpy(), rtol=1e-10,
+                               atol=1e-12)

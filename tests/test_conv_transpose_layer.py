@@ -211,3 +211,17 @@ def test_sequential_hands_the_residual_to_a_final_conv_transpose(rng):
     dx, dskip = seq.backward(np.ones_like(y))
     np.testing.assert_allclose(dskip, (y > 0).astype(float))
     assert dx.shape == x.shape
+
+
+def test_output_size_as_a_list_on_a_fresh_layer():
+    """torch.nn's common spelling, output_size=[H, W]: the same output as the tuple, from the
+    first call on (a list cannot key the call cache)."""
+    x = np.random.default_rng(0).standard_normal((1, 2, 4, 4))
+    first = convfuse.ConvTranspose2d(2, 3, 3, stride=2, dtype="float64", device="cpu", seed=0)
+    again = convfuse.ConvTranspose2d(2, 3, 3, stride=2, dtype="float64", device="cpu", seed=0)
+    y = first(x, output_size=[10, 10])
+    assert y.shape == (1, 3, 10, 10)
+    np.testing.assert_array_equal(y, again(x, output_size=(10, 10)))
+    np.testing.assert_array_equal(first(x, output_size=[10, 10]), y)  # cached layer too
+    with pytest.raises(TypeError, match="output_size must be a sequence of ints"):
+        first(x, output_size="10")

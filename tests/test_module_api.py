@@ -52,11 +52,21 @@ def test_named_parameters_follow_definition_order_and_pytorch_keys():
     assert len(list(net.modules())) == 6
 
 
-def test_shared_layer_counts_once():
+def test_a_shared_layer_counts_once_but_saves_under_each_name():
+    """parameters() lists a shared layer's once; state_dict() has its entries under each
+    name it is reachable by, as torch.nn's does (a checkpoint of such a torch model loads
+    strictly)."""
+    torch = pytest.importorskip("torch")
     conv = cf.Conv2d(1, 1, 1, device="cpu")
     net = cf.Sequential(conv, conv)
     assert len(net.parameters()) == 2
-    assert list(net.state_dict()) == ["0.weight", "0.bias"]
+    tconv = torch.nn.Conv2d(1, 1, 1)
+    expected = list(torch.nn.Sequential(tconv, tconv).state_dict())
+    assert expected == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert list(net.state_dict()) == expected
+    sd = {k: v.detach().numpy() for k, v in torch.nn.Sequential(tconv, tconv).state_dict().items()}
+    assert net.load_state_dict(sd) == ([], [])
+    np.testing.assert_array_equal(conv.weight.data, tconv.weight.detach().numpy())
 
 
 def test_assigning_a_non_parameter_to_a_parameter_name_is_refused():
@@ -259,3 +269,35 @@ def test_a_hand_written_block_without_its_own_context_works_inside_sequential(rn
     ref = cf.Conv2d(2, 3, 3, padding=1, dtype="float64", device="cpu", seed=1)
     ref(x)
     np.testing.assert_array_equal(dx, ref.backward(np.ones((2, 3, 4, 4))))
+
+
+def test_replacing_a_child_or_parameter_keeps_its_place():
+    """torch.nn's dicts keep a replaced entry where it was: a Sequential's children order is
+    its forward's, so moving a replaced layer to the end would run the layers in another
+    order."""
+    x = np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32)
+    seq = cf.Sequential(cf.Conv2d(3, 3, 1, device="cpu", seed=0), cf.ReLU())
+    new = cf.Conv2d(3, 3, 1, device="cpu", seed=1)
+    seq.add_module("0", new)
+    assert [n for n, _ in seq.named_children()] == ["0", "1"]
+    np.testing.assert_array_equal(seq(x), np.maximum(new(x), 0))
+    other = cf.Conv2d(3, 3, 1, device="cpu", seed=2)
+    setattr(seq, "0", other)
+    seq[-1] = cf.Identity()
+    assert [type(m) for m in seq] == [cf.Conv2d, cf.Identity] and seq[0] is other
+    np.testing.assert_array_equal(seq(x), other(x))
+    conv = seq[0]
+    conv.weight = cf.Parameter(np.zeros((3, 3, 1, 1), np.float32))
+    assert list(conv.state_dict()) == ["weight", "bias"]
+    conv.register_buffer("stat", np.zeros(2))
+    conv.register_buffer("stat", np.ones(2))
+    assert list(conv.state_dict()) == ["weight", "bias", "stat"]
+
+
+def test_sequential_setitem_refusals():
+    seq = cf.Sequential(cf.ReLU(), cf.ReLU())
+    with pytest.raises(IndexError, match="Sequential: index 2 is out of range for 2 layers"):
+        seq[2] = cf.ReLU()
+    with pytest.raises(TypeError, match="Sequential: item 0 must be a convfuse layer, got int"):
+        seq[0] = 3
+    assert [type(m) for m in seq] == [cf.ReLU, cf.ReLU]

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from .. import activations, dtypes, ops
-from ..backend import is_cupy, resolve_device, to_device
+from ..backend import array_module, is_cupy, resolve_device, to_device
 from ..errors import CaptureError
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
@@ -183,7 +183,10 @@ class _BatchNorm(Layer):
             y, saved = ops.batchnorm_forward_inference(
                 x, w, b, self.running_mean, self.running_var, self.layout, self.eps,
                 self.activation, residual)
-        self._ctx = (saved, x, residual is not None, g)
+        # what backward differentiates is this call's: eps, layout and activation as they
+        # were (an assignment between the two calls takes effect at the next forward)
+        self._ctx = (saved, x, residual is not None, g, self.eps, self.layout,
+                     self.activation)
         return y
 
     forward = __call__
@@ -194,15 +197,21 @@ class _BatchNorm(Layer):
         return self._backward_with(dy, self._backward)
 
     def _backward(self, ctx: Any, dy: Any) -> Any:
-        saved, x, has_residual, _ = ctx
+        saved, x, has_residual, _, eps, layout, activation = ctx
         dy = self._check_dy(dy, x.shape, x.dtype)
+        weight, bias = self.weight, self.bias
+        weight_grad = None if weight is None else weight.grad
+        bias_grad = None if bias is None else bias.grad
+        if weight is not None and bias is None:
+            # the op writes both parameters' gradients or neither: a bias set to None after
+            # construction gets a scratch gradient, dropped (y does not depend on it)
+            bias_grad = array_module(weight_grad).zeros_like(weight_grad)
         dx, _, _, dres = ops.batchnorm_backward(
-            dy, x, self.weight.data if self.weight is not None else None,
-            self.bias.data if self.bias is not None else None, saved, self.layout,
-            self.eps, self.activation, has_residual, need_dx=self.needs_input_grad,
-            weight_grad=self.weight.grad if self.weight is not None else None,
-            bias_grad=self.bias.grad if self.bias is not None else None,
-            param_beta=1.0 if self.weight is not None else 0.0)
+            dy, x, None if weight is None else weight.data,
+            None if bias is None else bias.data, saved, layout,
+            eps, activation, has_residual, need_dx=self.needs_input_grad,
+            weight_grad=weight_grad, bias_grad=bias_grad,
+            param_beta=1.0 if weight is not None else 0.0)
         return (dx, dres) if has_residual else dx
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -171,6 +171,8 @@ class _ConvTransposeNd(_FusedConvLayer):
                  output_size: Sequence[int] | None = None) -> Any:
         """act(conv_transpose(x) + bias + residual_scale * residual). A non-C-contiguous x
         or residual is copied once into a contiguous array (the caller's is never modified)."""
+        if isinstance(output_size, list):  # torch.nn's common spelling; a key needs a tuple
+            output_size = tuple(output_size)
         return self._apply(x, residual, output_size)
 
     forward = __call__

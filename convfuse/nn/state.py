@@ -33,9 +33,10 @@ class IncompatibleKeys(NamedTuple):
 
 
 def _entries(model: Layer) -> Iterator[tuple[str, Layer, str, Any, bool]]:
-    """(key, owning module, attribute, current array, is_parameter) in PyTorch's order."""
-    for prefix, mod in model.named_modules():
-        pre = f"{prefix}." if prefix else ""
+    """(key, owning module, attribute, current array, is_parameter) in PyTorch's order: a
+    module reachable under two names has its entries under both, as torch.nn's state_dict
+    walks its children (named_modules would list it once)."""
+    for pre, mod in _walk(model, ""):
         for name, p in mod._own("_param_names"):
             yield pre + name, mod, name, p.data, True
         skip = mod.__dict__.get("_nonpersistent", ())
@@ -44,11 +45,15 @@ def _entries(model: Layer) -> Iterator[tuple[str, Layer, str, Any, bool]]:
                 yield pre + name, mod, name, b, False
 
 
+def _walk(mod: Layer, pre: str) -> Iterator[tuple[str, Layer]]:
+    yield pre, mod
+    for name, child in mod.named_children():
+        yield from _walk(child, f"{pre}{name}.")
+
+
 def state_dict(model: Layer) -> OrderedDict[str, np.ndarray]:
     out: OrderedDict[str, np.ndarray] = OrderedDict()
     for key, mod, name, value, _ in _entries(model):
-        if key in out:  # a module reachable twice keeps its first key, as PyTorch
-            continue
         host = to_device(mod._param_to_state(name, value), "cpu")
         out[key] = np.array(host, copy=True)
     return out
