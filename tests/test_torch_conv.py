@@ -269,3 +269,154 @@ def test_opcheck_fake_layouts_match_the_real_ops(case):
     torch.library.opcheck(torch.ops.convfuse.conv_bias_act_backward,
                           (torch.randn_like(y), x, w, z, *hyper, "silu", True, True, True,
                            True))
+
+
+def _both(make, change, x, **tol):
+    """make(module) built the same in torch.nn and convfuse.torch (the same parameters),
+    changed alike, called on x: the outputs and input gradients agree."""
+    torch.manual_seed(0)
+    theirs = make(torch.nn)
+    ours = make(ct)
+    ours.load_state_dict(theirs.state_dict())
+    change(theirs)
+    change(ours)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = theirs(xa), ours(xb)
+    torch.testing.assert_close(yb, ya, **tol)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy)
+    torch.testing.assert_close(xb.grad, xa.grad, **tol)
+    return ours
+
+
+def _set(**values):
+    def change(m):
+        for k, v in values.items():
+            setattr(m, k, v)
+    return change
+
+
+@pytest.mark.parametrize("make, values", [
+    (lambda M: M.Conv2d(4, 6, 3, dtype=torch.float64), dict(stride=2)),
+    (lambda M: M.Conv2d(4, 6, 3, dtype=torch.float64), dict(dilation=2, padding=2)),
+    (lambda M: M.Conv1d(4, 6, 3, dtype=torch.float64), dict(stride=[2])),
+    (lambda M: M.ConvTranspose2d(4, 6, 3, dtype=torch.float64), dict(stride=2)),
+    (lambda M: M.ConvTranspose2d(4, 6, 3, dtype=torch.float64),
+     dict(stride=(2, 2), output_padding=1)),
+    (lambda M: M.ConvTranspose2d(4, 6, 3, dtype=torch.float64), dict(dilation=2)),
+])
+def test_hyperparameters_assigned_as_ints_after_construction(make, values):
+    """torch.nn takes `conv.stride = 2` (an int where the constructor made a tuple): so does
+    convfuse, at the next call, with torch.nn's result."""
+    x = torch.randn(2, 4, 9) if "Conv1d" in repr(make(torch.nn)) else torch.randn(2, 4, 9, 9)
+    _both(make, _set(**values), x.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_an_invalid_assigned_stride_is_refused_naming_the_layer():
+    conv = ct.Conv2d(4, 6, 3)
+    conv.stride = 0
+    with pytest.raises(ValueError, match=r"^Conv2d: stride and dilation must be >= 1, got 0"):
+        conv(torch.randn(1, 4, 5, 5))
+    conv.stride = (1, 2, 3)
+    with pytest.raises(ValueError, match=r"^Conv2d: stride must be an int or 2 ints"):
+        conv(torch.randn(1, 4, 5, 5))
+
+
+@pytest.mark.parametrize("padding, kernel, size", [("same", 5, 9), (1, 5, 9), (0, 1, 2)])
+def test_a_swapped_weight_sets_the_kernel_as_in_torch_nn(padding, kernel, size):
+    """torch.nn's convolution reads the kernel off the weight, not `kernel_size`: a weight
+    of another kernel size assigned after construction (model surgery) computes with it,
+    its 'same' padding and its output shape included."""
+    weight = torch.randn(6, 4, kernel, kernel, dtype=torch.float64)
+
+    def swap(m):
+        m.weight = torch.nn.Parameter(weight.clone())
+
+    ours = _both(lambda M: M.Conv2d(4, 6, 3, padding=padding, dtype=torch.float64), swap,
+                 torch.randn(2, 4, size, size, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    out = ours.output_shape((2, 4, size, size))
+    r = torch.randn(out, dtype=torch.float64)  # a residual of that shape is taken
+    torch.testing.assert_close(ours(torch.zeros(2, 4, size, size, dtype=torch.float64),
+                                    residual=r), r + ours.bias.view(1, -1, 1, 1))
+
+
+def test_dtype_and_device_refusals_are_torch_nns_runtime_errors_too():
+    """Code written for torch.nn catches RuntimeError; convfuse's own classes still say
+    TypeError / DeviceMismatchError."""
+    from convfuse.errors import DeviceMismatchError
+
+    cases = [
+        (torch.nn.Conv2d(4, 6, 3), ct.Conv2d(4, 6, 3), torch.randn(1, 4, 5, 5).double()),
+        (torch.nn.Conv2d(4, 6, 3), ct.Conv2d(4, 6, 3), torch.ones(1, 4, 5, 5, dtype=torch.int64)),
+        (torch.nn.ConvTranspose2d(4, 6, 3), ct.ConvTranspose2d(4, 6, 3),
+         torch.randn(1, 4, 5, 5).double()),
+        (torch.nn.BatchNorm2d(4), ct.BatchNorm2d(4), torch.randn(2, 4, 5, 5).double()),
+        (torch.nn.ConvTranspose2d(4, 6, 3, output_padding=1), ct.ConvTranspose2d(
+            4, 6, 3, output_padding=1), torch.randn(1, 4, 5, 5)),
+    ]
+    for theirs, ours, x in cases:
+        with pytest.raises(RuntimeError):
+            theirs(x)
+        with pytest.raises(RuntimeError, match=f"^{type(ours).__name__}: "):
+            ours(x)
+    with pytest.raises(TypeError):
+        ct.Conv2d(4, 6, 3)(torch.randn(1, 4, 5, 5).double())
+    on_meta = torch.randn(1, 4, 5, 5, device="meta")
+    for layer in (ct.Conv2d(4, 6, 3), ct.BatchNorm2d(4)):
+        with pytest.raises(DeviceMismatchError, match="input is on meta"):
+            layer(on_meta)
+        with pytest.raises(RuntimeError):
+            layer(on_meta)
+    conv = ct.Conv2d(4, 6, 3)
+    with pytest.raises(ct.InputTypeError, match=r"residual is torch\.float64 on cpu"):
+        conv(torch.randn(1, 4, 5, 5), residual=torch.randn(1, 6, 3, 3).double())
+
+
+def test_numpy_integers_for_counts_as_torch_nn():
+    """A count read off an array's shape is a NumPy integer: torch.nn takes it, so does
+    convfuse (stored as int); a bool is still refused."""
+    conv = ct.Conv2d(np.int64(4), np.int32(6), 3, groups=np.int64(2))
+    ref = torch.nn.Conv2d(np.int64(4), np.int32(6), 3, groups=np.int64(2))
+    assert (conv.in_channels, conv.out_channels, conv.groups) == (4, 6, 2)
+    assert type(conv.in_channels) is int and conv.weight.shape == ref.weight.shape
+    bn = ct.BatchNorm2d(np.int64(3), eps=np.float32(1e-3), momentum=np.float64(0.2))
+    assert bn.num_features == 3 and bn.running_mean.shape == (3,)
+    with pytest.raises(ValueError, match=r"^Conv2d: in_channels must be a positive int"):
+        ct.Conv2d(True, 6, 3)
+    with pytest.raises(TypeError, match=r"^BatchNorm2d: momentum must be a number or None"):
+        ct.BatchNorm2d(3, momentum="0.1")
+
+
+@pytest.mark.parametrize("make", [
+    lambda M: M.Conv2d(2, 2, 3, padding=(1, 2)), lambda M: M.Conv3d(2, 2, 3, padding=1),
+    lambda M: M.Conv1d(2, 2, 4, padding="same"), lambda M: M.Conv2d(2, 2, 3, padding="valid"),
+    lambda M: M.ConvTranspose2d(2, 2, 3, padding=(1, 2)), lambda M: M.ConvTranspose1d(2, 2, 3),
+])
+def test_reversed_padding_attribute_is_torch_nns(make):
+    """Code that pads by hand reads _reversed_padding_repeated_twice: the same value and
+    type as torch.nn's."""
+    ours, theirs = make(ct), make(torch.nn)
+    assert ours._reversed_padding_repeated_twice == theirs._reversed_padding_repeated_twice
+    assert type(ours._reversed_padding_repeated_twice) is \
+        type(theirs._reversed_padding_repeated_twice)
+
+
+def test_a_model_on_the_meta_device_infers_shapes_as_torch_nn():
+    """A model built on torch.device("meta") (shape inference, deferred initialisation)
+    runs the custom ops' fake kernels: meta outputs and gradients of torch.nn's shapes."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                    torch.nn.ReLU(), torch.nn.ConvTranspose2d(8, 4, 3, 2))
+        ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8),
+                                  torch.nn.ReLU(), torch.nn.ConvTranspose2d(8, 4, 3, 2))
+    ct.convert(model)
+    assert isinstance(model[0], ct.Conv2d) and isinstance(model[3], ct.ConvTranspose2d)
+    x = torch.randn(2, 3, 8, 8, device="meta", requires_grad=True)
+    y = model(x)
+    assert y.device.type == "meta" and y.shape == ref(x).shape == (2, 4, 13, 13)
+    y.sum().backward()
+    assert x.grad.device.type == "meta" and x.grad.shape == x.shape
+    assert model[0].weight.grad.shape == model[0].weight.shape
+    model.eval()
+    assert model(x).shape == (2, 4, 13, 13)

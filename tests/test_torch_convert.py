@@ -309,3 +309,27 @@ def test_attributes_a_user_set_come_along():
     assert isinstance(model[0], ct.Conv2d) and model[0].is_stem is True
     assert isinstance(model[1], ct.BatchNorm2d) and model[1].frozen == "yes"
     assert model[0].activation == "identity"  # the layer's own attributes are its own
+
+
+@pytest.mark.parametrize("needs_input_grad", [True, False])
+def test_flop_counter_counts_what_it_counts_for_torch_nn(needs_input_grad):
+    """FlopCounterMode gives a converted model torch.nn's count (torch's own formulas, on
+    the custom ops), forward and backward, convolutions of every kind."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 4, 3, stride=2, groups=4),
+                          nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1, bias=False))
+    converted = ct.convert(copy.deepcopy(model))
+    x = torch.randn(2, 3, 8, 8, requires_grad=needs_input_grad)
+    totals = []
+    for m in (model, converted):
+        with FlopCounterMode(display=False) as counter:
+            m(x).sum().backward()
+        totals.append(counter.get_total_flops())
+    assert totals[0] > 0 and totals[1] == totals[0]
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        converted(x)
+    with FlopCounterMode(display=False) as reference, torch.no_grad():
+        model(x)
+    assert counter.get_total_flops() == reference.get_total_flops()

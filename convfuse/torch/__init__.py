@@ -25,13 +25,18 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "without it)"
     ) from exc
 
+from . import _flops
+from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
-from .conv import Conv1d, Conv2d, Conv3d, InputShapeError
+from .conv import Conv1d, Conv2d, Conv3d
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .convert import activation_of, convert, fused_batchnorm, fused_conv, fused_conv_transpose
 from .dynamo import backend, explain
 
+_flops.register()  # after the ops exist (conv, conv_transpose)
+
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
-           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputShapeError",
+           "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputDeviceError",
+           "InputShapeError", "InputTypeError",
            "activation_of", "backend", "convert", "explain", "fused_batchnorm", "fused_conv",
            "fused_conv_transpose"]

@@ -14,9 +14,9 @@ The custom ops stay what every tracer sees: under torch.compile / export (dynamo
 torch.compiler.is_compiling()), torch.jit tracing, a torch function or dispatch mode (fake
 tensors, make_fx, FlopCounter, ...), a torch.func transform (vmap, grad, jvp: functorch's
 interpreter stack is not empty), or any argument that is a tensor subclass or a functorch
-wrapper, the layers call torch.ops.convfuse.* as before, so whatever intercepts operators
-sees the operators it knows. torch.func.functional_call alone swaps parameters for plain
-tensors and keeps the eager path.
+wrapper, or an input on the meta device, the layers call torch.ops.convfuse.* as before,
+so whatever intercepts operators sees the operators it knows. torch.func.functional_call
+alone swaps parameters for plain tensors and keeps the eager path.
 
 Autocast: the custom ops' Autocast kernels cast before autograd sees the op (Note
 [autocast]); the eager path applies the same cast (`_autocast.cast_args`) before the
@@ -44,10 +44,14 @@ def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     if (_compiling() or _tracing() is not None or _dispatch_modes()
             or _function_modes() or _interpreters() is not None):
         return False
-    for t in tensors:  # noqa: SIM110 (a loop, not all(<generator>): it runs at every call)
+    for t in tensors:  # a loop, not all(<generator>): it runs at every call
         if t is not None and (type(t) not in _PLAIN or _wrapped(t)):
             return False
-    return True
+    # meta tensors (shape inference on a model built on torch.device("meta")): the custom
+    # ops' fake kernels give the outputs; the first argument says (the others' devices
+    # must be its own, which the checks enforce)
+    first = tensors[0] if tensors else None
+    return first is None or not first.is_meta
 
 
 def call_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

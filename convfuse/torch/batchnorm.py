@@ -14,20 +14,26 @@ not take them for PyTorch's own.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import activations
+from ..geometry import is_int
 from . import _bn_plan, _eager, _host_arrays
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
+from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._module_state import PlainClasses
 from ._signature import SignatureCache, keyable
-from .conv import InputShapeError
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _torch_allows_zero_eps_in_eval() -> bool:
@@ -75,11 +81,16 @@ class _BatchNormNd(_host_arrays.HoldsViews):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) \
-                or num_features < 1:
+        # Python or NumPy numbers (a count read off an array's shape is a NumPy integer;
+        # torch.nn takes them too), never a bool
+        if not is_int(num_features) or num_features < 1:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps != eps:
+        num_features = int(num_features)
+        if not _is_real(eps) or eps != eps:
             raise ValueError(f"{name}: eps must be a number, got {eps!r}")
+        if momentum is not None and not _is_real(momentum):
+            raise TypeError(f"{name}: momentum must be a number or None, got "
+                            f"{type(momentum).__name__} {momentum!r}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f"{name}: momentum must lie in [0, 1] or be None, got {momentum!r}")
         factory = {"device": device, "dtype": dtype}
@@ -151,18 +162,19 @@ class _BatchNormNd(_host_arrays.HoldsViews):
             raise InputShapeError(f"{name}: input has {x.shape[1]} channels, the layer expects "
                              f"{self.num_features}")
         if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
-                            "computes in float32, float64, float16 or bfloat16")
+            raise InputTypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
+                                 "computes in float32, float64, float16 or bfloat16")
         for what, t in (("weight", self.weight), ("bias", self.bias),
                         ("running_mean", self.running_mean), ("running_var", self.running_var)):
             if t is None:
                 continue
             # PyTorch's mixed precision: float16/bfloat16 data with float32 statistics.
             if t.dtype != x.dtype and not (x.dtype in _HALF and t.dtype == torch.float32):
-                raise TypeError(f"{name}: input dtype {x.dtype} does not match the {what}'s "
-                                f"{t.dtype}")
+                raise InputTypeError(f"{name}: input dtype {x.dtype} does not match the "
+                                     f"{what}'s {t.dtype}")
             if t.device != x.device:
-                raise ValueError(f"{name}: input is on {x.device}, the {what} on {t.device}")
+                raise InputDeviceError(f"{name}: input is on {x.device}, the {what} on "
+                                       f"{t.device}")
         # torch.nn's checks, made before anything runs: eps positive when normalising with
         # the batch's statistics, non-negative otherwise (torch 2.11 wants it positive
         # always: the rule of the installed torch is followed), and more than one value
@@ -186,8 +198,9 @@ class _BatchNormNd(_host_arrays.HoldsViews):
             raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the input "
                              f"has shape {tuple(x.shape)}")
         if residual.dtype != x.dtype or residual.device != x.device:
-            raise TypeError(f"{name}: residual is {residual.dtype} on {residual.device}, the "
-                            f"input {x.dtype} on {x.device}")
+            raise (InputDeviceError if residual.device != x.device else InputTypeError)(
+                f"{name}: residual is {residual.dtype} on {residual.device}, the input "
+                f"{x.dtype} on {x.device}")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import activations
-from ..errors import ConvfuseError
-from ..geometry import ConvGeometry, IntOrTuple, as_tuple, same_padding
+from ..geometry import ConvGeometry, IntOrTuple, as_tuple, is_int, same_padding
 from . import _autocast, _eager, _host_arrays, _ops  # _ops registers torch.ops.convfuse.*
 from ._arrays import SUPPORTED_DTYPES
 from ._call_plan import FusedCall
+from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._module_state import PlainClasses
 from ._signature import SignatureCache, lookup, tensor_key
 
@@ -57,11 +57,6 @@ def _zero_padding(pads: tuple[tuple[int, int], ...],
     instead of at every call."""
     extra = tuple(p for left, right in reversed(pads) for p in (0, right - left))
     return (extra if any(extra) else None), tuple(left for left, _ in pads)
-
-
-class InputShapeError(ConvfuseError, ValueError, RuntimeError):
-    """An input torch.nn's layer refuses for its shape (torch raises RuntimeError there,
-    convfuse's convention is ValueError: this is both)."""
 
 
 class _ConvLayer(_host_arrays.HoldsViews):
@@ -100,12 +95,34 @@ class _ConvLayer(_host_arrays.HoldsViews):
                 None if residual is None else tensor_key(residual),
                 _autocast.enabled(dev.type), self._hyper(), self.activation, extra)
 
-    def _check_counts(self, in_channels: int, out_channels: int, groups: int) -> None:
+    def _window(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(kernel, stride, dilation) as a call uses them, torch.nn's way: the kernel is the
+        weight's (torch.nn's convolution reads the weight's shape; `kernel_size` only
+        describes the layer, and a swapped weight may differ), stride and dilation the
+        attributes as they are now, an int or a sequence (torch.nn takes either, assigned
+        after construction too). Read where a signature is checked and planned, not per
+        cached call; an invalid value is refused naming the layer."""
+        rank = self._rank
+        try:
+            stride = as_tuple(self.stride, rank, "stride")
+            dilation = as_tuple(self.dilation, rank, "dilation")
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
+        if min(stride + dilation) < 1:
+            raise ValueError(f"{type(self).__name__}: stride and dilation must be >= 1, got "
+                             f"{self.stride!r}, {self.dilation!r}")
+        return tuple(int(k) for k in self.weight.shape[2:]), stride, dilation
+
+    def _check_counts(self, in_channels: int, out_channels: int,
+                      groups: int) -> tuple[int, int, int]:
+        """The three counts as ints: each a positive Python or NumPy integer (a count read
+        off an array's shape is a NumPy one; torch.nn takes it too), never a bool."""
         for what, value in (("in_channels", in_channels), ("out_channels", out_channels),
                             ("groups", groups)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{type(self).__name__}: {what} must be a positive int, got "
                                  f"{value!r}")
+        return int(in_channels), int(out_channels), int(groups)
 
     def _factory(self, device: Any, dtype: torch.dtype | None) -> dict[str, Any]:
         """The parameters' factory arguments, in a dtype convfuse computes in."""
@@ -160,11 +177,11 @@ class _ConvLayer(_host_arrays.HoldsViews):
             raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
                                   f"{self.in_channels}")
         if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
-            raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
-                            f"{self.weight.dtype}")
+            raise InputTypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
+                                 f"{self.weight.dtype}")
         if x.device != self.weight.device:
-            raise ValueError(f"{name}: input is on {x.device}, the weight on "
-                             f"{self.weight.device}")
+            raise InputDeviceError(f"{name}: input is on {x.device}, the weight on "
+                                   f"{self.weight.device}")
 
 
 class _ConvNd(_ConvLayer):
@@ -190,7 +207,8 @@ class _ConvNd(_ConvLayer):
     ) -> None:
         super().__init__()
         name, rank = type(self).__name__, self._rank
-        self._check_counts(in_channels, out_channels, groups)
+        in_channels, out_channels, groups = self._check_counts(in_channels, out_channels,
+                                                               groups)
         if in_channels % groups or out_channels % groups:
             raise ValueError(
                 f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must "
@@ -210,7 +228,10 @@ class _ConvNd(_ConvLayer):
         self.padding_mode = padding_mode
         self.output_padding = (0,) * rank
         # torch.nn's name and order: (left, right) per spatial dim, last dim first (F.pad's)
-        self._reversed_padding_repeated_twice = [p for lr in reversed(pads) for p in lr]
+        # (a tuple for numeric padding, a list for a string, as torch.nn's)
+        reversed_pads = [p for lr in reversed(pads) for p in lr]
+        self._reversed_padding_repeated_twice = reversed_pads if isinstance(padding, str) \
+            else tuple(reversed_pads)
         self._make_parameters((out_channels, in_channels // groups, *self.kernel_size), bias,
                               out_channels, factory)
 
@@ -232,11 +253,13 @@ class _ConvNd(_ConvLayer):
             if padding not in ("same", "valid"):
                 raise ValueError(f"invalid padding string {padding!r}, should be one of "
                                  "{'same', 'valid'}")
-            if padding == "same" and any(s != 1 for s in self.stride):
+            kernel, stride, dilation = self._window() if "weight" in self._parameters else (
+                self.kernel_size, self.stride, self.dilation)  # (the constructor's call)
+            if padding == "same" and any(s != 1 for s in stride):
                 raise ValueError("padding='same' is not supported for strided convolutions")
             if padding == "valid":
                 return padding, ((0, 0),) * rank
-            return padding, same_padding(self.kernel_size, self.dilation)
+            return padding, same_padding(kernel, dilation)
         pad = as_tuple(padding, rank, "padding")
         if any(p < 0 for p in pad):
             raise ValueError(f"padding must be >= 0, got {padding!r}")
@@ -262,10 +285,10 @@ class _ConvNd(_ConvLayer):
                     "torch.nn.functional.pad)")
         out = self.output_shape(x.shape)
         if any(n < 1 for n in out[-rank:]):
+            kernel, _, dilation = self._window()
             raise InputShapeError(
                 f"{name}: kernel larger than the padded input: input shape {tuple(x.shape)}, "
-                f"kernel_size={self.kernel_size}, dilation={self.dilation}, "
-                f"padding={self.padding!r}")
+                f"kernel_size={kernel}, dilation={dilation}, padding={self.padding!r}")
         if residual is None:
             return
         if not isinstance(residual, torch.Tensor):
@@ -276,15 +299,17 @@ class _ConvNd(_ConvLayer):
                              f"has shape {out}")
         if residual.device != x.device or (residual.dtype != x.dtype
                                            and not _autocast.casts(x, residual)):
-            raise TypeError(f"{name}: residual is {residual.dtype} on {residual.device}, the "
-                            f"input {x.dtype} on {x.device}")
+            raise (InputDeviceError if residual.device != x.device else InputTypeError)(
+                f"{name}: residual is {residual.dtype} on {residual.device}, the input "
+                f"{x.dtype} on {x.device}")
 
     def output_shape(self, input_shape: Any) -> tuple[int, ...]:
         """The output's shape for an input of `input_shape`, batched or unbatched."""
         rank = self._rank
+        kernel, stride, dilation = self._window()
         spatial = tuple(
             (int(n) + left + right - d * (k - 1) - 1) // s + 1 for n, k, s, (left, right), d in
-            zip(input_shape[-rank:], self.kernel_size, self.stride, self._pads, self.dilation))
+            zip(input_shape[-rank:], kernel, stride, self._pads, dilation))
         return (*(int(n) for n in input_shape[:-rank - 1]), self.out_channels, *spatial)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -316,8 +341,9 @@ class _ConvNd(_ConvLayer):
         if x.shape[0] == 0:
             y = self._empty_batch(x, weight, bias, padding, residual)
         else:
+            _, stride, dilation = self._window()
             y, _ = _ops.conv_bias_act_call(
-                x, weight, bias, residual, list(self.stride), padding, list(self.dilation),
+                x, weight, bias, residual, list(stride), padding, list(dilation),
                 self.groups, self.activation)
         return y if batched else y.squeeze(0)
 
@@ -331,7 +357,8 @@ class _ConvNd(_ConvLayer):
         extra, symmetric = _zero_padding(self._pads)
         if extra is not None:
             return GENERAL
-        hyper = (list(self.stride), list(symmetric), list(self.dilation), self.groups)
+        _, stride, dilation = self._window()
+        hyper = (list(stride), list(symmetric), list(dilation), self.groups)
         prep = _ops.prepare(ConvGeometry, x, weight, hyper,
                             (tensor_key(bias), tensor_key(residual)))
         return FusedCall(prep, "conv_bias_act", _ops.CONV_BACKWARD, "conv_backward", hyper,
@@ -352,8 +379,8 @@ class _ConvNd(_ConvLayer):
                      padding: list[int], residual: torch.Tensor | None) -> torch.Tensor:
         """N = 0: nothing to compute. torch's own convolution gives what torch.nn gives
         (the empty output in its memory format; zero weight and bias gradients)."""
-        y = _FUNCTIONAL[self._rank](x, weight, bias, self.stride, padding, self.dilation,
-                                    self.groups)
+        _, stride, dilation = self._window()
+        y = _FUNCTIONAL[self._rank](x, weight, bias, stride, padding, dilation, self.groups)
         return y if residual is None else y + residual
 
     def extra_repr(self) -> str:

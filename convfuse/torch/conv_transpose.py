@@ -29,8 +29,9 @@ from . import (
     _transpose_ops,  # registers torch.ops.convfuse.conv_transpose_*
 )
 from ._call_plan import FusedCall
+from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._signature import lookup, tensor_key
-from .conv import CALLS, InputShapeError, _ConvLayer
+from .conv import CALLS, _ConvLayer
 
 # N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
 # the engine's empty-batch op would make CuPy arrays where the pointer path makes none
@@ -61,7 +62,8 @@ class _ConvTransposeNd(_ConvLayer):
         name, rank = type(self).__name__, self._rank
         if padding_mode != "zeros":  # torch.nn's check and words
             raise ValueError(f'Only "zeros" padding mode is supported for {name}')
-        self._check_counts(in_channels, out_channels, groups)
+        in_channels, out_channels, groups = self._check_counts(in_channels, out_channels,
+                                                               groups)
         if in_channels % groups:
             raise ValueError(f"{name}: in_channels must be divisible by groups")
         if out_channels % groups:
@@ -83,17 +85,35 @@ class _ConvTransposeNd(_ConvLayer):
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
         self.transposed = True
+        self._reversed_padding_repeated_twice = tuple(  # torch.nn's, read by code that pads
+            p for v in reversed(self.padding) for p in (v, v))
         self._make_parameters((in_channels, out_channels // groups, *self.kernel_size), bias,
                               out_channels, factory)
 
+    def _pads(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(padding, output_padding) as they are now, an int or a sequence each (torch.nn
+        takes either, assigned after construction too), refused naming the layer when
+        invalid (as _window's stride and dilation)."""
+        rank, op = self._rank, "transposed convolution"
+        try:
+            padding = as_tuple(self.padding, rank, "padding", op)
+            output_padding = as_tuple(self.output_padding, rank, "output_padding", op)
+        except ValueError as exc:
+            raise ValueError(f"{type(self).__name__}: {exc}") from None
+        if min(padding + output_padding) < 0:
+            raise ValueError(f"{type(self).__name__}: padding and output_padding must be >= 0, "
+                             f"got {self.padding!r}, {self.output_padding!r}")
+        return padding, output_padding
+
     def _output_padding(self, x: torch.Tensor,
                         output_size: Sequence[int] | None) -> tuple[int, ...]:
+        padding, output_padding = self._pads()
         if output_size is None:
-            return self.output_padding
+            return output_padding
+        kernel, stride, dilation = self._window()
         sizes = [int(v) for v in output_size]
-        return output_padding_for(x.shape[-self._rank:], sizes, self.stride, self.padding,
-                                  self.kernel_size, self.dilation,
-                                  non_spatial=x.dim() - self._rank)
+        return output_padding_for(x.shape[-self._rank:], sizes, stride, padding, kernel,
+                                  dilation, non_spatial=x.dim() - self._rank)
 
     def forward(self, input: torch.Tensor, output_size: Sequence[int] | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,14 +140,16 @@ class _ConvTransposeNd(_ConvLayer):
         res = residual
         if res is not None and unbatched:
             res = res.unsqueeze(0)
+        _, stride, dilation = self._window()
+        padding, _ = self._pads()
         if x.shape[0] == 0:  # nothing to compute: torch's own op, as Conv's _empty_batch
-            y = _FUNCTIONAL[self._rank](x, weight, bias, self.stride, self.padding, opad,
-                                        self.groups, self.dilation)
+            y = _FUNCTIONAL[self._rank](x, weight, bias, stride, padding, opad, self.groups,
+                                        dilation)
             y = y if res is None else y + res
         else:
             y, _ = _transpose_ops.conv_transpose_bias_act_call(
-                x, weight, bias, res, list(self.stride), list(self.padding), list(opad),
-                list(self.dilation), self.groups, self.activation)
+                x, weight, bias, res, list(stride), list(padding), list(opad),
+                list(dilation), self.groups, self.activation)
         return y.squeeze(0) if unbatched else y
 
     def _plan(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -137,8 +159,8 @@ class _ConvTransposeNd(_ConvLayer):
         if (x.dim() != self._rank + 2 or x.shape[0] == 0
                 or _autocast.enabled(x.device.type)):
             return opad
-        hyper = (list(self.stride), list(self.padding), list(opad), list(self.dilation),
-                 self.groups)
+        _, stride, dilation = self._window()
+        hyper = (list(stride), list(self._pads()[0]), list(opad), list(dilation), self.groups)
         prep = _transpose_ops.prepare(ConvTransposeGeometry, x, weight,
                                       (hyper[0], hyper[1], hyper[3], hyper[4]),
                                       (tensor_key(bias), tensor_key(residual)), hyper[2])
@@ -161,16 +183,17 @@ class _ConvTransposeNd(_ConvLayer):
             raise type(exc)(f"{name}: {exc}") from None
         unbatched = input.dim() == self._rank + 1
         x = input.unsqueeze(0) if unbatched else input
-        shape = _transpose_ops.output_shape(x.shape, self.weight.shape, self.stride,
-                                            self.padding, opad, self.dilation, self.groups)
+        _, stride, dilation = self._window()
+        shape = _transpose_ops.output_shape(x.shape, self.weight.shape, stride,
+                                            self._pads()[0], opad, dilation, self.groups)
         if any(n < 1 for n in shape[2:]):  # torch.nn's RuntimeError ("... too small")
             raise InputShapeError(f"{name}: the output would be empty: input "
                                   f"{tuple(input.shape)} gives "
                                   f"{tuple(shape[1:] if unbatched else shape)}")
-        if any(o >= s and o >= d for o, s, d in zip(opad, self.stride, self.dilation)):
-            raise ValueError(f"{name}: output_padding must be smaller than either stride or "
-                             f"dilation, got output_padding={tuple(opad)}, stride="
-                             f"{self.stride}, dilation={self.dilation}")
+        if any(o >= s and o >= d for o, s, d in zip(opad, stride, dilation)):
+            raise InputShapeError(f"{name}: output_padding must be smaller than either stride "
+                                  f"or dilation, got output_padding={tuple(opad)}, stride="
+                                  f"{stride}, dilation={dilation}")
         res = residual
         if res is not None:
             given = tuple(res.shape)
@@ -180,8 +203,9 @@ class _ConvTransposeNd(_ConvLayer):
                                  f"output has shape {tuple(shape[1:] if unbatched else shape)}")
             if res.device != x.device or (res.dtype != x.dtype
                                           and not _autocast.casts(x, res)):
-                raise TypeError(f"{name}: residual is {res.dtype} on {res.device}, the input "
-                                f"{x.dtype} on {x.device}")
+                raise (InputDeviceError if res.device != x.device else InputTypeError)(
+                    f"{name}: residual is {res.dtype} on {res.device}, the input {x.dtype} on "
+                    f"{x.device}")
         return tuple(opad)
 
     def extra_repr(self) -> str:
