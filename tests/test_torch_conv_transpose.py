@@ -513,3 +513,21 @@ def test_converted_unet_under_compile_equals_the_unconverted_model():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
     for a, b in zip(conv.buffers(), ref.buffers()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_spatial_input_and_float_output_sizes_are_refused_as_torch_nn():
+    x = torch.randn(1, 2, 0, 4)
+    with pytest.raises(RuntimeError):
+        torch.nn.ConvTranspose2d(2, 3, 3)(x)
+    with pytest.raises(RuntimeError, match=r"^ConvTranspose2d: input shape \(1, 2, 0, 4\) has "
+                                           r"an empty spatial dimension$"):
+        ct.ConvTranspose2d(2, 3, 3)(x)
+    x = torch.randn(1, 2, 4, 4)
+    with pytest.raises(TypeError):
+        torch.nn.ConvTranspose2d(2, 3, 3, stride=2)(x, output_size=[10.0, 10.0])
+    with pytest.raises(TypeError, match=r"^ConvTranspose2d: output_size must hold ints, got "
+                                        r"\[10\.0, 10\.0\]$"):
+        ct.ConvTranspose2d(2, 3, 3, stride=2)(x, output_size=[10.0, 10.0])
+    for sizes in (torch.tensor([10, 10]), torch.Size([10, 10]), [torch.tensor(10)] * 2):
+        assert ct.ConvTranspose2d(2, 3, 3, stride=2)(x, output_size=sizes).shape == \
+            (1, 3, 10, 10)

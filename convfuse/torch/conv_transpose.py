@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import activations
-from ..geometry import IntOrTuple, as_tuple
+from ..geometry import IntOrTuple, as_tuple, is_int
 from ..transpose_geometry import ConvTransposeGeometry, output_padding_for
 from . import (
     _autocast,
@@ -111,6 +111,10 @@ class _ConvTransposeNd(_ConvLayer):
         if output_size is None:
             return output_padding
         kernel, stride, dilation = self._window()
+        if any(not (is_int(v) or (isinstance(v, torch.Tensor) and v.dim() == 0
+                                  and not v.is_floating_point() and not v.is_complex()))
+               for v in output_size):  # torch.nn's TypeError for floats, never truncated
+            raise TypeError(f"output_size must hold ints, got {list(output_size)!r}")
         sizes = [int(v) for v in output_size]
         return output_padding_for(x.shape[-self._rank:], sizes, stride, padding, kernel,
                                   dilation, non_spatial=x.dim() - self._rank)
@@ -174,6 +178,9 @@ class _ConvTransposeNd(_ConvLayer):
         anything runs; returns the output_padding the call runs with."""
         name = type(self).__name__
         self._check_input(input)
+        if any(n < 1 for n in input.shape[-self._rank:]):  # torch.nn: a RuntimeError
+            raise InputShapeError(f"{name}: input shape {tuple(input.shape)} has an empty "
+                                  "spatial dimension")
         if residual is not None and not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
                             f"{type(residual).__name__}")
