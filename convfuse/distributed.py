@@ -43,7 +43,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .backend import is_cupy
+import numpy as np
+
+from .backend import array_module, is_cupy
 from .nn.parameter import Parameter
 
 
@@ -127,8 +129,15 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     torch = _torch()
     dist = torch.distributed
     for p in _parameters(model):
-        with _on_cupy_stream(torch, p.data):
-            dist.broadcast(_as_tensor(p.data), src=src, group=group)
+        a = p.data
+        # a parameter need not be C-contiguous (a transposed view trains fine): broadcast
+        # a contiguous copy and write it back, or the collective's own copy is the only one
+        # that receives rank src's values
+        buf = a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+        with _on_cupy_stream(torch, a):
+            dist.broadcast(_as_tensor(buf), src=src, group=group)
+            if buf is not a:
+                a[...] = buf
 
 
 def flat_gradients(optimizer: Any) -> list[Any]:
@@ -179,6 +188,9 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
     happen inside a capture, so run one first (broadcast_parameters, or the eager warm-up
     step graph.capture runs). Call it between the backward and `optimizer.step()`.
     """
+    if not isinstance(average, (bool, np.bool_)):  # "no" would average, being truthy
+        raise TypeError(f"allreduce_gradients: average must be a bool, got "
+                        f"{type(average).__name__} {average!r}")
     torch = _torch()
     dist = torch.distributed
     buffers = flat_gradients(optimizer)

@@ -93,6 +93,15 @@ def _mixed_dtype_check(rank: int) -> dict[str, np.ndarray]:
     out = {f"grad{i}": np.asarray(p.grad, dtype=np.float64)
            for i, p in enumerate(q for lyr in layers for q in lyr.parameters())}
     out["calls"] = np.array(sorted(str(c) for c in calls))
+    # a parameter that is not C-contiguous (a Fortran-ordered weight trains fine) is
+    # broadcast in place all the same
+    from convfuse.distributed import broadcast_parameters
+
+    lin = cf.Linear(4, 3, seed=rank, dtype="float64")
+    lin.weight.data = np.asfortranarray(lin.weight.data)
+    broadcast_parameters(lin)
+    out["bcast_weight"], out["bcast_bias"] = lin.weight.data, lin.bias.data
+    out["bcast_fortran"] = np.array(lin.weight.data.flags.f_contiguous)
     return out
 
 
@@ -182,6 +191,10 @@ def test_allreduce_gradients_two_ranks_equal_single_process(tmp_path):
         assert list(r["calls"]) == ["torch.bfloat16", "torch.float32"]  # one per dtype
         for key in (k for k in r if k.startswith("grad")):
             np.testing.assert_array_equal(r[key], np.full_like(r[key], 3.0))  # 1 + 2
+        source = cf.Linear(4, 3, seed=0, dtype="float64")  # rank 0's
+        np.testing.assert_array_equal(r["bcast_weight"], source.weight.data)
+        np.testing.assert_array_equal(r["bcast_bias"], source.bias.data)
+        assert r["bcast_fortran"]  # in place: the same array, still Fortran-ordered
 
 
 def test_ddp_with_convfuse_layers_two_ranks_equal_single_process(tmp_path):
@@ -199,6 +212,9 @@ def test_helpers_refuse_without_a_process_group_or_a_convfuse_optimizer():
     model = _cf_model(0)
     assert [g.dtype for g in flat_gradients(cf.optim.SGD(model.parameters(), lr=0.1))] == \
         [np.dtype("float64")]
+    with pytest.raises(TypeError, match=r"^allreduce_gradients: average must be a bool, got "
+                                        r"str 'no'$"):
+        allreduce_gradients(cf.optim.SGD(_cf_model(0).parameters(), lr=0.1), average="no")
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             allreduce_gradients(cf.optim.SGD(_cf_model(0).parameters(), lr=0.1))
