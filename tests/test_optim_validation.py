@@ -56,6 +56,18 @@ def test_duplicate_parameters_are_refused():
         SGD([p, q, p], lr=0.1)
 
 
+@pytest.mark.parametrize("second", [lambda w: w, lambda w: w[1:3], lambda w: w.reshape(2, 2)])
+def test_parameters_sharing_memory_are_refused(second):
+    """Two Parameters over one array (or overlapping views) would be copied into separate
+    flat slots and silently untied by the first step: refused, and nothing is moved."""
+    w = np.ones(4)
+    a, b = Parameter(w), Parameter(second(w))
+    with pytest.raises(ValueError, match=r"params\[2\] shares memory with params\[0\]"):
+        SGD([a, Parameter(np.zeros(2)), b], lr=0.1)
+    assert a.data is w and np.shares_memory(b.data, w)
+    SGD([a, Parameter(np.zeros(4))], lr=0.1)  # separate memory: taken
+
+
 def test_grad_that_does_not_match_data_is_refused():
     p = Parameter(np.zeros((2, 3), np.float32))
     p.grad = np.zeros((3, 2), np.float32)
@@ -81,3 +93,24 @@ def test_none_grad_becomes_zeros():
     p.grad = None
     SGD([p], lr=0.1)
     assert p.grad is not None and p.grad.shape == (3,) and not p.grad.any()
+
+
+def test_sgd_takes_torch_optim_sgds_arguments_in_its_order():
+    """Positional calls written for torch.optim.SGD mean the same: (params, lr, momentum,
+    dampening, weight_decay, nesterov), lr defaulting to 1e-3 as in torch; a nonzero
+    dampening, which the fused update does not implement, is refused rather than dropped."""
+    import inspect
+
+    torch = pytest.importorskip("torch")
+    ours = list(inspect.signature(SGD).parameters.values())
+    theirs = [p for p in inspect.signature(torch.optim.SGD).parameters.values()
+              if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in ours] == [p.name for p in theirs]
+    assert [p.default for p in ours[1:]] == [p.default for p in theirs[1:]]
+    opt = SGD(_p(), 0.1, 0.9, 0.0, 1e-4, True)
+    assert opt.lr == 0.1 and opt.defaults == {"momentum": 0.9, "weight_decay": 1e-4,
+                                              "nesterov": True}
+    with pytest.raises(ValueError, match=r"^SGD: dampening=0\.5 is not supported"):
+        SGD(_p(), 0.1, 0.9, 0.5)
+    with pytest.raises(TypeError, match=r"^SGD: dampening must be a real number, got str"):
+        SGD(_p(), dampening="0")

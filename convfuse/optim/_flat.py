@@ -25,6 +25,7 @@ from .. import dtypes
 from ..backend import array_module, device_of, is_cupy
 from ..errors import DeviceMismatchError
 from ..nn.parameter import Parameter
+from ..ops._checks import overlaps
 
 ALIGN_BYTES = 256
 
@@ -137,6 +138,13 @@ def check_params(params: Iterable[Parameter]) -> list[Parameter]:
                     f"params[{i}] has grad {p.grad.dtype}{tuple(p.grad.shape)} but data "
                     f"{p.data.dtype}{tuple(p.data.shape)}"
                 )
+    for i, p in enumerate(plist):  # once per optimizer: pairwise is fine
+        for j in range(i):
+            if overlaps(plist[j].data, p.data):
+                raise ValueError(
+                    f"params[{i}] shares memory with params[{j}]: each parameter gets its own "
+                    "slot in the optimizer's flat buffer, which would untie them; tie weights "
+                    "by sharing one Parameter object instead")
     where = {(p.device, _device_id(p.data)) for p in plist}
     where |= {(device_of(p.grad), _device_id(p.grad)) for p in plist if p.grad is not None}
     if len(where) > 1:

@@ -25,8 +25,11 @@ from ._flat import FlatGroup
 class SGD(FlatOptimizer):
     """Stochastic gradient descent over flat buffers; one fused launch per dtype per step.
 
-    `SGD(params, lr, momentum=0.0, weight_decay=0.0, nesterov=False)`. The momentum buffer
-    is float32 for float16/bfloat16 parameters.
+    `SGD(params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)`:
+    torch.optim.SGD's arguments, order and defaults, so positional calls written for it
+    mean the same here. `dampening` is there for that order: only its default, 0, is
+    supported (a nonzero one is refused). The momentum buffer is float32 for
+    float16/bfloat16 parameters.
     """
 
     _kernel = "sgd"
@@ -34,11 +37,19 @@ class SGD(FlatOptimizer):
     def __init__(
         self,
         params: Iterable[Parameter],
-        lr: float,
+        lr: float = 1e-3,
         momentum: float = 0.0,
+        dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
     ) -> None:
+        try:
+            damped = real(dampening, "dampening") != 0.0
+        except TypeError as exc:
+            raise TypeError(f"SGD: {exc}") from None
+        if damped:
+            raise ValueError(f"SGD: dampening={dampening!r} is not supported: convfuse's fused "
+                             "update is torch.optim.SGD's with dampening=0 (its default)")
         super().__init__(
             params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
         )
