@@ -36,7 +36,14 @@ class Mean:
         return None if self._buffer is None else device_of(self._buffer)
 
     def add(self, value: Any, count: int = 1) -> None:
-        """Add a 0-d array (or a host number) and its count; the first add picks the device."""
+        """Add a 0-d array (or a host number) and its count; the first add picks the device.
+        A refused value or count raises, naming Mean.add, with nothing added."""
+        try:
+            self._add(value, count)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"Mean.add: {exc}") from None
+
+    def _add(self, value: Any, count: int) -> None:
         if isinstance(count, bool) or not isinstance(count, numbers.Integral):
             raise TypeError(f"count must be an int, got {type(count).__name__}")
         if count < 0:

@@ -88,8 +88,9 @@ def test_compute_before_anything_was_added():
 )
 def test_bad_values_and_counts(value, count, error, match):
     acc = metrics.Mean()
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as got:
         acc.add(value, count)
+    assert str(got.value).startswith("Mean.add: ")
     assert acc.device is None
 
 
