@@ -395,8 +395,11 @@ class _Direct:  # pragma: gpu
 def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:
     if not ctx.has_residual:
         return None
-    # dz may be the caller's dy (identity): hand back a new array, never an alias.
-    return dz * ctx.residual_scale if (ctx.residual_scale != 1.0 or dz is dy) else dz
+    # dz may be the caller's dy (identity): hand back a new array, never an alias. The
+    # scale is cast to dz's dtype: bfloat16 times a Python float is float32 in ml_dtypes
+    if ctx.residual_scale != 1.0 or dz is dy:
+        return dz * dz.dtype.type(ctx.residual_scale)
+    return dz
 
 
 def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: Any,

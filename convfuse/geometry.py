@@ -255,6 +255,10 @@ class ConvGeometry(ConvShapes):
         dilation_t = as_tuple(dilation, rank, "dilation")
         w_cf = to_channels_first(w_shape, channels_last)
         pad_t = resolve_padding(padding, w_cf[2:], dilation_t, stride_t)
+        # an integer (a torch SymInt too: __index__), never a bool: int() would truncate
+        # 2.9 or parse "2", another convolution
+        if isinstance(groups, (bool, np.bool_)) or not hasattr(groups, "__index__"):
+            raise ValueError(f"groups must be an int, got {groups!r}")  # as_tuple's rule
         geom = cls(x_shape, w_shape, stride_t, pad_t, dilation_t, int(groups), channels_last)
         geom._validate()
         return geom

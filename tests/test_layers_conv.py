@@ -141,6 +141,23 @@ def test_residual_scale_scales_forward_and_gradient(rng):
     assert dz is not r
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_scaled_residual_gradient_keeps_bfloat16(rng, transposed):
+    """dresidual comes back in the data's dtype, as dx, dw and db do (bfloat16 times a
+    Python float is float32 in ml_dtypes): passing it on as another layer's dy works."""
+    bf16 = np.dtype("bfloat16")
+    cls = cf.ConvTranspose2d if transposed else cf.Conv2d
+    layer = cls(2, 2, 1, dtype="bfloat16", device="cpu", seed=0)
+    layer.residual_scale = 0.5
+    x = rng.standard_normal((1, 2, 3, 3)).astype(bf16)
+    z = rng.standard_normal(layer(x).shape).astype(bf16)
+    layer(x, residual=z)
+    r = rng.standard_normal(z.shape).astype(bf16)
+    dx, dz = layer.backward(r)
+    assert dx.dtype == dz.dtype == bf16
+    np.testing.assert_array_equal(dz.astype(np.float64), 0.5 * r.astype(np.float64))
+
+
 def test_default_init_matches_pytorch_bounds_and_seed():
     layer = cf.Conv2d(6, 8, (3, 5), groups=2, device="cpu", seed=7)
     bound = 1 / math.sqrt(3 * 3 * 5)

@@ -168,6 +168,11 @@ FUNCTIONAL = [
      "activation"),
     (lambda: F.conv_bias_act(X4, np.ones((3, 2, 3, 3), np.float32), None,
                              stride="2"), "stride"),
+    # int() would have run another convolution: groups 2.9 as 2, "1" as 1, True as 1
+    (lambda: F.conv_bias_act(np.ones((1, 4, 3, 3)), np.ones((4, 2, 1, 1)), groups=2.9),
+     "groups"),
+    (lambda: F.conv_bias_act(X4, np.ones((3, 2, 3, 3), np.float32), groups="1"), "groups"),
+    (lambda: F.conv_bias_act(X4, np.ones((3, 2, 3, 3), np.float32), groups=True), "groups"),
 ]
 
 
