@@ -263,3 +263,39 @@ def test_activation_backward_bias_in_pieces_is_bitwise_the_same_for_any_thread_c
     dz = dy * (saved > 0) if act == "relu" else (dy if act == "identity" else results[0][0])
     np.testing.assert_allclose(results[0][0], dz, rtol=1e-15)
     np.testing.assert_allclose(results[0][1], dz.sum(axis=g.reduce_axes), rtol=1e-12)
+
+
+def test_a_call_from_another_python_thread_is_bitwise_the_main_threads():
+    """threadpoolctl >= 3.6 ignores a thread count set from a thread other than the one
+    that first set it (OpenBLAS on pthreads): the engine's one-BLAS-thread blocks must hold
+    from any thread, or a conv run off the main thread (a server, an executor) differs in
+    the last bits."""
+    import contextlib
+    import threading
+
+    if not _threads._blas_controllers():
+        pytest.skip("threadpoolctl finds no BLAS to hold to one thread here")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 16, 24, 24)).astype(np.float32)
+    w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    main = cf.functional.conv_bias_act(x, w, padding=1)
+    seen, out = [], {}
+    real = _threads.single_threaded_blas
+
+    def spied():
+        with real():
+            seen.append([lib.get_num_threads() for lib in _threads._blas_controllers()])
+            yield
+
+    def work():
+        out["y"] = cf.functional.conv_bias_act(x, w, padding=1)
+
+    _threads.single_threaded_blas = contextlib.contextmanager(spied)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+    finally:
+        _threads.single_threaded_blas = real
+    assert seen and all(counts == [1] * len(counts) for counts in seen)
+    np.testing.assert_array_equal(out["y"], main)

@@ -170,16 +170,31 @@ def _blas_controllers() -> list[Any]:
     return _blas_libs
 
 
+def _set_blas_threads(lib: Any, n: int) -> None:
+    """lib's thread count, from any Python thread. threadpoolctl >= 3.6 lets only one
+    "controlling" thread change a process-wide pool (OpenBLAS on pthreads), ignoring the
+    others without a word: a call from another thread then ran its GEMM blocks on several
+    BLAS threads, and its results differed in the last bits from the main thread's. The
+    blocks here are already serialised by _blas_lock and undone at depth 0, so the real
+    setter is called where threadpoolctl has one."""
+    real = getattr(lib, "_real_set_num_threads", None)
+    if real is not None:
+        real(n)
+    else:
+        lib.set_num_threads(n)
+
+
 @contextmanager
 def single_threaded_blas() -> Iterator[None]:
-    """BLAS on one thread within the block (nested and concurrent blocks share it)."""
+    """BLAS on one thread within the block (nested and concurrent blocks share it), whichever
+    thread enters it."""
     global _blas_depth, _blas_saved
     libs = _blas_controllers()
     with _blas_lock:
         if _blas_depth == 0:
             _blas_saved = [(lib, lib.get_num_threads()) for lib in libs]
             for lib, _ in _blas_saved:
-                lib.set_num_threads(1)
+                _set_blas_threads(lib, 1)
         _blas_depth += 1
     try:
         yield
@@ -188,7 +203,7 @@ def single_threaded_blas() -> Iterator[None]:
             _blas_depth -= 1
             if _blas_depth == 0:
                 for lib, n in _blas_saved:
-                    lib.set_num_threads(n)
+                    _set_blas_threads(lib, n)
 
 
 def gemm_blocks(n: int) -> list[tuple[int, int]]:
