@@ -218,7 +218,8 @@ def _zeros(n: int, dtype: np.dtype) -> np.ndarray:
 
 
 def relu(z: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """np.maximum(z, 0), value for value (NaN passes, -0.0 stays), against a row of zeros
+    """np.maximum(z, 0), value for value (NaN passes; -0.0 comes out +0.0, where torch keeps
+    the sign: maximum returns its second operand for equal values), against a row of zeros
     broadcast along the last axis: NumPy's maximum with a scalar operand ran 4x slower here
     than with an array (0.37 against 0.09 ms on 464K float32 elements)."""
     if z.ndim == 0:
