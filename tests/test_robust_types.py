@@ -311,3 +311,21 @@ def test_module_api_arguments_are_typed():
     _expect(lambda: setattr(lin, "needs_input_grad", "no"), "Linear", "needs_input_grad")
     _expect(lambda: lin.train("yes"), "Linear", "mode")
     assert lin.needs_input_grad is True and lin.training is True
+
+
+@pytest.mark.parametrize("call, name, arg", [
+    (lambda: F.conv_bias_act(X4, np.ones((3, 2, 3, 3), np.float32),
+                             residual=np.ones((1, 3, 2, 2), np.float32),
+                             residual_scale=10**400), "conv_bias_act", "residual_scale"),
+    (lambda: cf.BatchNorm2d(2, eps=10**400, device="cpu"), "BatchNorm2d", "eps"),
+    (lambda: cf.BatchNorm2d(2, momentum=-10**400, device="cpu"), "BatchNorm2d", "momentum"),
+    (lambda: cf.Dropout(10**400), "Dropout", "p"),
+    (lambda: cf.optim.SGD([cf.Parameter(np.zeros(2))], lr=10**400), "SGD", "learning rate"),
+])
+def test_ints_beyond_floats_range_are_refused_naming_the_argument(call, name, arg):
+    """10**400 has no float: refused as out of range (ValueError naming the argument), not
+    an OverflowError naming nothing, nor accepted as inf."""
+    with pytest.raises(ValueError) as got:
+        call()
+    assert arg in str(got.value)
+    assert str(got.value).startswith(f"{name}:")

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import activations
 from ..geometry import as_tuple, is_int
+from ..ops._checks import as_float
 from ..pad_geometry import PADDING_MODES, split_padding
 
 
@@ -85,7 +86,7 @@ def seed(value: Any) -> int | None:
 def finite_real(value: Any, what: str) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
-    out = float(value)
+    out = as_float(value)
     if not math.isfinite(out):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return out

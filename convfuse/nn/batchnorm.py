@@ -35,6 +35,7 @@ import numpy as np
 from .. import activations, dtypes, ops
 from ..backend import array_module, is_cupy, resolve_device, to_device
 from ..errors import CaptureError
+from ..ops._checks import as_float
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
@@ -240,7 +241,7 @@ class _BatchNorm(Layer):
 def _real(layer: str, what: str, value: Any, lo: float, hi: float | None) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{layer}: {what} must be a real number, got {type(value).__name__}")
-    v = float(value)
+    v = as_float(value)
     if not (v >= lo and (hi is None or v <= hi)) or v != v or v == float("inf"):
         bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo} and finite"
         raise ValueError(f"{layer}: {what} must be {bound}, got {value!r}")

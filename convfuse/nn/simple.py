@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import activations, ops
 from ..backend import array_module
+from ..ops._checks import as_float
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, renamed
 
@@ -126,7 +127,7 @@ class Dropout(_Stateless):
         if isinstance(value, (bool, np.bool_)) or not isinstance(
                 value, (int, float, np.floating, np.integer)):
             raise TypeError(f"Dropout: p must be a number, got {type(value).__name__}")
-        if not 0.0 <= float(value) <= 1.0:
+        if not 0.0 <= as_float(value) <= 1.0:
             raise ValueError(f"Dropout: p must be in [0, 1], got {value}")
         self.__dict__["_p"] = float(value)
 

@@ -238,13 +238,23 @@ def check_pool_geometry(op: str, pgeom: Any) -> Any:
     return pgeom
 
 
+def as_float(value: Any) -> float:
+    """float(value) for a real number, with an int beyond float's range (10**400) as +-inf
+    rather than an OverflowError that names nothing: the callers' finiteness and range
+    checks then refuse it, naming the argument."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_scalar(op: str, name: str, value: Any) -> float:
     """A finite real number, returned as a float."""
     if type(value) is float and math.isfinite(value):  # the common case, without the ABC
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{op}: {name} must be a real number, got {type(value).__name__}")
-    out = float(value)
+    out = as_float(value)
     if not math.isfinite(out):
         raise ValueError(f"{op}: {name} must be finite, got {value!r}")
     return out

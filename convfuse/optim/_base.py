@@ -18,6 +18,7 @@ step raises (check_homes) instead of silently updating nothing.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +30,7 @@ from ..backend import to_device
 from ..errors import CaptureError, ConvfuseError
 from ..nn.module import renamed
 from ..nn.parameter import Parameter
+from ..ops._checks import as_float
 from ._flat import (
     FlatGroup,
     build_groups,
@@ -48,12 +50,12 @@ def real(value: Any, what: str) -> float:
     """`value` as a Python float; TypeError naming `what` unless it is a real number."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
+    return as_float(value)
 
 
 def check_lr(lr: Any) -> float:
     value = real(lr, "lr")
-    if not value >= 0.0:  # `not >=` rather than `<`, so that NaN is refused too
+    if not 0.0 <= value < math.inf:  # `not` of the range, so that NaN is refused too
         raise ValueError(f"Invalid learning rate: {lr}")
     return value
 
