@@ -349,3 +349,100 @@ def test_autocast_around_the_compiled_model_or_without_a_dtype_fuses_the_convolu
     assert y.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), expected.float(), rtol=0.05, atol=0.05)
     assert convfuse_ops(graphs) == 2
+
+
+class _FrozenBranch(nn.Module):
+    """A frozen feature branch (under no_grad) added to a trainable one: fine-tuning."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            f = self.frozen(x)
+        return F.relu(f + self.head(x))
+
+
+def test_a_chain_never_spans_a_grad_mode_switch():
+    """The fused op runs where the chain ends: a conv computed under no_grad must not be
+    fused into an add and activation after it, or the frozen branch gets gradients."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _FrozenBranch().double()
+    ref = copy.deepcopy(model)
+    compiled, records, _ = compile_recorded(model)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = compiled(x), ref(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    y.sum().backward()
+    yr.sum().backward()
+    assert model.frozen.weight.grad is None and model.frozen.bias.grad is None
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.head.weight.grad, ref.head.weight.grad, rtol=1e-12,
+                               atol=1e-12)
+    # the frozen conv fused alone (stopped at the switch), the head with the add and relu
+    assert [(r.pattern, r.reason.endswith("switches grad mode in between"))
+            for r in records] == [("conv2d", True), ("conv2d+add+relu", False)], records
+
+
+class _GlobalContext(nn.Module):
+    """GCNet / squeeze-excitation style: a conv on the pooled (N, C, 1, 1) context added to
+    the full map, which broadcasts the conv's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 1)
+        self.bn = nn.BatchNorm2d(4)
+        self.t = nn.ConvTranspose2d(4, 4, 1)
+
+    def forward(self, x):
+        ctx = x.mean((2, 3), keepdim=True)
+        return x + self.c(ctx) + F.relu(self.bn(self.c(ctx)) + x) + self.t(ctx)
+
+
+def test_a_residual_add_that_broadcasts_the_chains_output_is_left_to_torch():
+    records, _ = assert_matches_torch(_GlobalContext(), torch.randn(2, 4, 5, 5))
+    assert any("changes the shape (2, 4, 1, 1) to (2, 4, 5, 5)" in r.reason
+               for r in records), records
+
+
+class _WritesBetween(nn.Module):
+    """Writes into the conv's input between the conv and its activation, by spellings an
+    in-place method name does not show."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.c = nn.Conv2d(3, 3, 3, padding=1)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "view":
+            x = x * 1
+            y = self.c(x[:, :, 1:])
+            x.relu_()  # the base of the conv's input
+        else:
+            y = self.c(x)
+            if self.how == "setitem":
+                x[:, 0] = 0.0
+            else:
+                torch.mul(x, 2.0, out=x)
+        return F.relu(y)
+
+
+@pytest.mark.parametrize("how", ["setitem", "out", "view"])
+def test_a_write_into_the_heads_input_in_between_stops_the_chain(how):
+    import copy
+
+    torch.manual_seed(0)
+    model = _WritesBetween(how)
+    ref = copy.deepcopy(model)
+    compiled, records, _ = compile_recorded(model)
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():  # eager is right here (with autograd it refuses the write)
+        y, yr = compiled(x.clone()), ref(x.clone())
+    torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
+    assert [r.pattern for r in records if r.fused] == ["conv2d"], records

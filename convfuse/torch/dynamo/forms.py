@@ -309,6 +309,52 @@ def mutated(node: Node) -> Node | None:
     return None
 
 
+def written(node: Node) -> Node | None:
+    """The tensor node `node` writes into, by any spelling: an in-place op (`mutated`),
+    `t[i] = v` (operator.setitem) or an `out=` argument; None for a node that writes
+    nothing."""
+    target = mutated(node)
+    if target is not None:
+        return target
+    if node.op == "call_function" and node.target is operator.setitem \
+            and node.args and isinstance(node.args[0], Node):
+        return node.args[0]
+    out = node.kwargs.get("out")
+    return out if isinstance(out, Node) else None
+
+
+#: Ops whose result is a view of their first argument (the same memory).
+_VIEWS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose", "t",
+    "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "select", "narrow", "slice",
+    "as_strided", "diagonal", "unfold", "movedim", "swapaxes", "swapdims", "split", "chunk",
+    "unbind", "getitem", "__getitem__", "contiguous", "detach", "alias", "real", "imag",
+    "view_as_real", "view_as_complex", "unsafe_split",
+})
+
+
+def storage_root(node: Node) -> Node:
+    """The node whose memory `node` may be a view of: followed back through view ops (and
+    `reshape`/`contiguous`, which may return one), so two nodes with the same root may
+    alias."""
+    seen = 0
+    while node.args and isinstance(node.args[0], Node) and seen < 64:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or name not in _VIEWS:
+            break
+        node, seen = node.args[0], seen + 1
+    return node
+
+
+def changes_grad_mode(node: Node) -> bool:
+    """torch.no_grad / enable_grad / set_grad_enabled / inference_mode, as Dynamo records
+    them: a call that switches autograd on or off for the nodes after it."""
+    if node.op != "call_function":
+        return False
+    name = getattr(node.target, "__name__", "")
+    return name in ("_set_grad_enabled", "_enter_inference_mode", "_exit_inference_mode")
+
+
 def value(node: Any) -> torch.Tensor | None:
     """The example (fake) tensor Dynamo recorded for a node, or None."""
     v = node.meta.get("example_value") if isinstance(node, Node) else None

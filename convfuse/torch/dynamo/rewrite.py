@@ -9,8 +9,12 @@ it matches, which reads best (STYLE.md). They cannot say what this rewrite must 
    silently drops the other use;
  - in-place forms, whose later readers refer to the mutated tensor, not to the node that
    mutated it (`out.add_(r); relu(out)`) — canonicalised first, below;
- - nothing between the chain's first and last node may write its inputs or read the
-   running statistics the fused op now updates later;
+ - the fused op runs at the chain's last node, so nothing between its first and last
+   node may write the head's inputs (in place, `t[i] = v`, `out=`, through a view or
+   its base: forms.written, forms.storage_root) or read the running statistics the fused
+   op now updates later, nor switch grad mode (a conv under no_grad fused into an add
+   after it would give a frozen branch gradients); and the chain keeps the head's shape
+   (an add that broadcasts the conv's output, a squeeze-excitation context, is torch's);
  - dtypes: under autocast a convolution's output has the autocast dtype and a residual
    add may promote; a chain is fused only where each step keeps the dtype, or where the
    cast is the convolution's own under a known autocast region (the fused op's autocast
@@ -207,20 +211,29 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
     stats = inputs - {head.x, head.weight, head.bias}
 
     def step(nxt: Node, extra: Node | None) -> str:
-        """Why `nxt` cannot join the chain ('' if it can)."""
+        """Why `nxt` cannot join the chain ('' if it can). The fused op runs at the chain's
+        last node and reads the head's inputs there, in the grad mode there: nothing in
+        between may write them (by any spelling, through any view) or switch grad mode."""
         if nxt in claimed:
             return f"{nxt.name} belongs to another chain"
         v = forms.value(nxt)
         if v is None or v.dtype != dtype or regions.get(nxt) != regions.get(head.node):
             return f"{nxt.name} changes dtype or autocast region"
+        if v.shape != out.shape:  # a residual add that broadcasts the chain's output
+            return f"{nxt.name} changes the shape {tuple(out.shape)} to {tuple(v.shape)}"
         if extra is not None:
             r = forms.value(extra)
             if r is None or r.shape != v.shape or r.dtype != dtype or r.device != v.device:
                 return f"the residual {extra.name} differs in shape, dtype or device"
         watched = inputs | ({extra} if extra is not None else set())
+        roots = {forms.storage_root(w) for w in watched}
         n = head.node.next
         while n is not nxt:
-            if forms.mutated(n) in watched or (stats and stats & set(n.all_input_nodes)):
+            if forms.changes_grad_mode(n):
+                return f"{n.name} switches grad mode in between"
+            target = forms.written(n)
+            if (target is not None and forms.storage_root(target) in roots) \
+                    or (stats and stats & set(n.all_input_nodes)):
                 return f"{n.name} writes an input or reads the statistics in between"
             n = n.next
         return ""
