@@ -7,6 +7,7 @@ without the failure, in float64."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -150,3 +151,37 @@ def test_a_sequential_checks_inside_a_residual_before_writing():
     with pytest.raises(TypeError):
         model.backward(_arr(2, 2))
     assert not np.any(model[2].weight.grad)
+
+
+def test_an_inner_container_that_fails_and_is_caught_keeps_its_contexts():
+    """A forward with a fallback: its child Sequential raises part-way, the forward catches
+    it and goes on. The child's layers keep the last good forward's contexts; and a model
+    another forward calls (not a child) gets the same rule."""
+
+    class WithFallback(cf.Module):
+        def __init__(self, other):
+            self.fast = _chain()
+            self.other = other  # a child here; `outside` below is not one
+
+        def forward(self, x, residual=None, outside=None):
+            try:
+                y = self.fast(x, residual=residual)
+            except ValueError:
+                y = None
+            if outside is not None:
+                with contextlib.suppress(ValueError):
+                    outside(x, residual=residual)
+            return y
+
+    x1, x2, r, dy = _arr(2, 2, 5, 5), _arr(2, 2, 5, 5), _arr(2, 3, 5, 5), _arr(2, 3, 5, 5)
+    model, outside = WithFallback(cf.Identity()), _chain()
+    clean_fast, clean_outside = _chain(), _chain()
+    model(x1, residual=r, outside=outside)
+    assert model(x2, residual=np.zeros((2, 3, 4, 4)), outside=outside) is None
+    clean_fast(x1, residual=r)
+    clean_outside(x1, residual=r)
+    for failed, clean in ((model.fast, clean_fast), (outside, clean_outside)):
+        for a, b in zip(failed.backward(dy), clean.backward(dy)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(_grads(failed), _grads(clean)):
+            np.testing.assert_array_equal(a, b)

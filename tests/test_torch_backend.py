@@ -424,6 +424,10 @@ class _WritesBetween(nn.Module):
             x = x * 1
             y = self.c(x[:, :, 1:])
             x.relu_()  # the base of the conv's input
+        elif self.how == "mT":
+            x = x * 1
+            y = self.c(x.mT)  # a view by an op no list of view names has
+            x.relu_()
         else:
             y = self.c(x)
             if self.how == "setitem":
@@ -433,7 +437,7 @@ class _WritesBetween(nn.Module):
         return F.relu(y)
 
 
-@pytest.mark.parametrize("how", ["setitem", "out", "view"])
+@pytest.mark.parametrize("how", ["setitem", "out", "view", "mT"])
 def test_a_write_into_the_heads_input_in_between_stops_the_chain(how):
     import copy
 

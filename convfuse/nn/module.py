@@ -412,37 +412,67 @@ Module = Layer
 # last good forward's. A container's forward runs its children one by one: if child k
 # raises, children 0..k-1 already hold this failed call's contexts, and a backward after it
 # (meant for the last good forward) would use their inputs with the good call's dy, wrong
-# gradients without an error. So a container's forward, the outermost one only (inner
-# ones run inside it), saves every context below it first and puts them back if anything
-# below raises: one walk of the module tree per call, nothing per layer.
-_saving = threading.local()
+# gradients without an error. So the outermost container call saves every context below
+# it first (one walk of the module tree per call, nothing per layer) and puts them back
+# if anything below raises. A container called inside it, as a child (covered by that
+# snapshot) or as another model a forward calls (not covered: it adds its own subtree),
+# puts its own subtree back from the snapshot when it raises, so a forward that catches
+# the error and goes on (a fallback path) still finds the contexts as they were.
+_snapshot = threading.local()
+
+
+def _subtree(root: Layer) -> Iterator[dict[str, Any]]:
+    stack = [root]
+    while stack:
+        d = stack.pop().__dict__
+        yield d
+        stack.extend(c for n in d.get("_module_names", ()) if (c := d.get(n)) is not None)
+
+
+def _restore(root: Layer, saved: dict[int, tuple[Any, Any]]) -> None:
+    for d in _subtree(root):
+        entry = saved.get(id(d))
+        if entry is None:
+            continue
+        value, versions = entry
+        d["_ctx_value"] = value
+        if versions is None:
+            d.pop("_ctx_versions", None)
+        else:
+            d["_ctx_versions"] = versions
 
 
 def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: Any,
                              **kwargs: Any) -> Any:
     """forward(*args, **kwargs), leaving every context under `root` as it was if it
     raises (Note [a failed forward keeps the contexts])."""
-    if getattr(_saving, "active", False):
-        return forward(*args, **kwargs)
-    saved = []
-    stack = [root]
-    while stack:
-        d = stack.pop().__dict__
-        saved.append((d, d.get("_ctx_value"), d.get("_ctx_versions")))
-        stack.extend(c for n in d.get("_module_names", ()) if (c := d.get(n)) is not None)
-    _saving.active = True
+    saved: dict[int, tuple[Any, Any]] | None = getattr(_snapshot, "saved", None)
+    if saved is not None and id(root.__dict__) in saved:  # inside a covering call
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            _restore(root, saved)
+            raise
+    mine = {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
+    outermost = saved is None
+    table: dict[int, tuple[Any, Any]]
+    if saved is None:
+        table = _snapshot.saved = mine
+    else:  # a model called inside another's forward: its own subtree joins the snapshot
+        table = saved
+        mine = {k: v for k, v in mine.items() if k not in table}
+        table.update(mine)
     try:
         return forward(*args, **kwargs)
     except BaseException:
-        for d, value, versions in saved:
-            d["_ctx_value"] = value
-            if versions is None:
-                d.pop("_ctx_versions", None)
-            else:
-                d["_ctx_versions"] = versions
+        _restore(root, table)
         raise
     finally:
-        _saving.active = False
+        if outermost:
+            _snapshot.saved = None
+        else:
+            for k in mine:
+                table.pop(k, None)
 
 
 def check_grad(layer: str, name: str, p: Parameter) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...activations import ELU_ALPHA, LEAKY_RELU_SLOPE
 
@@ -344,6 +345,28 @@ def storage_root(node: Node) -> Node:
             break
         node, seen = node.args[0], seen + 1
     return node
+
+
+def storage_of(node: Node) -> Any:
+    """An id of the memory Dynamo's example (fake) tensor for `node` lives in: views share
+    their base's (whatever op made them: `.mT`, moveaxis, tensor_split, ...), other tensors
+    have their own; None where the node records no tensor."""
+    v = value(node)
+    if v is None:
+        return None
+    try:
+        return StorageWeakRef(v.untyped_storage()).cdata
+    except Exception:  # a tensor without storage (a subclass): unknown
+        return None
+
+
+def may_alias(a: Node, b: Node) -> bool:
+    """Whether writing `a` may change `b`: the same recorded storage, or (where a node
+    records none) the same root through known view ops."""
+    sa, sb = storage_of(a), storage_of(b)
+    if sa is not None and sb is not None:
+        return bool(sa == sb)
+    return storage_root(a) is storage_root(b)
 
 
 def changes_grad_mode(node: Node) -> bool:

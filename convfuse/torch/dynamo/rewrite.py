@@ -11,10 +11,11 @@ it matches, which reads best (STYLE.md). They cannot say what this rewrite must 
    mutated it (`out.add_(r); relu(out)`) — canonicalised first, below;
  - the fused op runs at the chain's last node, so nothing between its first and last
    node may write the head's inputs (in place, `t[i] = v`, `out=`, through a view or
-   its base: forms.written, forms.storage_root) or read the running statistics the fused
-   op now updates later, nor switch grad mode (a conv under no_grad fused into an add
-   after it would give a frozen branch gradients); and the chain keeps the head's shape
-   (an add that broadcasts the conv's output, a squeeze-excitation context, is torch's);
+   its base: forms.written, and forms.may_alias on the recorded storages) or read the
+   running statistics the fused op now updates later, nor switch grad mode (a conv under
+   no_grad fused into an add after it would give a frozen branch gradients); and the
+   chain keeps the head's shape (an add that broadcasts the conv's output, a
+   squeeze-excitation context, is torch's);
  - dtypes: under autocast a convolution's output has the autocast dtype and a residual
    add may promote; a chain is fused only where each step keeps the dtype, or where the
    cast is the convolution's own under a known autocast region (the fused op's autocast
@@ -226,13 +227,12 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
             if r is None or r.shape != v.shape or r.dtype != dtype or r.device != v.device:
                 return f"the residual {extra.name} differs in shape, dtype or device"
         watched = inputs | ({extra} if extra is not None else set())
-        roots = {forms.storage_root(w) for w in watched}
         n = head.node.next
         while n is not nxt:
             if forms.changes_grad_mode(n):
                 return f"{n.name} switches grad mode in between"
             target = forms.written(n)
-            if (target is not None and forms.storage_root(target) in roots) \
+            if (target is not None and any(forms.may_alias(target, w) for w in watched)) \
                     or (stats and stats & set(n.all_input_nodes)):
                 return f"{n.name} writes an input or reads the statistics in between"
             n = n.next
