@@ -333,3 +333,81 @@ def test_flop_counter_counts_what_it_counts_for_torch_nn(needs_input_grad):
     with FlopCounterMode(display=False) as reference, torch.no_grad():
         model(x)
     assert counter.get_total_flops() == reference.get_total_flops()
+
+
+def test_a_forward_set_on_an_instance_keeps_the_module():
+    """Offloading hooks and LoRA-style patches set `module.forward` on the instance: such a
+    conv, batch norm or activation computes something else, so it stays (the activation
+    unfolded), and the model computes what it did."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 3, 1), nn.ReLU(),
+                          nn.BatchNorm2d(3)).double()
+    conv, act, bn = model[0], model[3], model[4]
+    conv.forward = lambda x, c=conv: nn.Conv2d.forward(c, x) * 0.5
+    act.forward = lambda x: torch.relu(x) + 1.0
+    bn.forward = lambda x, b=bn: nn.BatchNorm2d.forward(b, x) - 2.0
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    with pytest.warns(UserWarning) as got:
+        ct.convert(model)
+    texts = [str(w.message) for w in got]
+    assert len(texts) == 2 and all("has its own forward set on the instance" in t
+                                   for t in texts)
+    assert model[0] is conv and model[4] is bn
+    assert isinstance(model[2], ct.Conv2d) and model[2].activation == "identity"
+    assert model[3] is act
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+class _NormEvalBackbone(nn.Module):
+    """mmdetection's pattern: train() puts every batch norm back in eval mode, found by
+    isinstance(m, nn.BatchNorm2d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU())
+
+    def forward(self, x):
+        return self.body(x)
+
+    def train(self, mode=True):
+        super().train(mode)
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+        return self
+
+
+class _AlwaysEvalBN(nn.BatchNorm2d):
+    def train(self, mode=True):
+        return super().train(False)
+
+
+def test_train_overrides_keep_the_batch_norms_they_may_switch():
+    torch.manual_seed(0)
+    model = _NormEvalBackbone().double()
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="_NormEvalBackbone overrides train()"):
+        ct.convert(model)
+    assert isinstance(model.body[0], ct.Conv2d)  # convolutions convert all the same
+    assert type(model.body[1]) is nn.BatchNorm2d
+    model.train()
+    ref.train()
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert int(model.body[1].num_batches_tracked) == 0  # still frozen
+    bn = _AlwaysEvalBN(3)
+    with pytest.warns(UserWarning, match="_AlwaysEvalBN has its own train"):
+        assert ct.fused_batchnorm(bn) is None
+
+
+def test_a_conversion_that_raises_part_way_changes_nothing():
+    """Warnings as errors (pytest -W error): the first warning raises after the conv and
+    its activation were folded; the model is as it was."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.SyncBatchNorm(3))
+    children = list(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="SyncBatchNorm"):
+            ct.convert(model)
+    assert list(model) == children and type(model[0]) is nn.Conv2d

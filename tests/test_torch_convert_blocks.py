@@ -432,3 +432,19 @@ def test_a_timm_block_whose_add_is_not_the_last_batch_norms_is_kept(change, monk
     theirs.eval()
     ours.eval()  # drop_path draws random numbers in training
     _agree(theirs, ours, C)
+
+
+def test_random_draws_in_a_fused_block_come_in_torchvisions_order():
+    """The fused block runs the shortcut after the branch, as torchvision's forward does:
+    with dropout in both, the same seed gives the same masks and the same result."""
+    tv = import_torchvision()
+    theirs = _block(tv, downsample=True)
+    theirs.downsample.append(nn.Dropout(0.5))
+    theirs.conv2 = nn.Sequential(theirs.conv2, nn.Dropout(0.5))
+    ours = ct.convert(copy.deepcopy(theirs))
+    assert type(ours).__name__ == "FusedBasicBlock"
+    x = torch.randn(2, 4, 6, 6, dtype=F64)
+    torch.manual_seed(7)
+    want = theirs(x)
+    torch.manual_seed(7)
+    torch.testing.assert_close(ours(x), want, rtol=1e-12, atol=1e-12)

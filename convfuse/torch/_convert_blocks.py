@@ -173,12 +173,14 @@ def _inverted_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
 def _fused_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """The block's forward with each batch norm taking its activation and the last one the
     identity (Note [residual blocks])."""
-    identity = x if self.downsample is None else self.downsample(x)
     *pairs, (conv, bn) = type(self)._fused_pairs
     out = x
     for c, b in pairs:
         out = getattr(self, b)(getattr(self, c)(out))
     out = getattr(self, conv)(out)
+    # the shortcut after the branch, as torchvision's and timm's forwards run them: a
+    # downsample with dropout then draws its random numbers in the same order
+    identity = x if self.downsample is None else self.downsample(x)
     if identity.dtype != out.dtype:  # `out += identity` keeps out's dtype
         identity = identity.to(out.dtype)
     return getattr(self, bn)(out, residual=identity)

@@ -5,14 +5,15 @@ Parameters and buffers, and, for a convolution or batch norm it cannot take, the
 Note [which subclasses convert]
 A module converts when a class it derives from is a known kind (first match in its MRO)
 and what convfuse's layer replaces is all the module does: the methods the kind's forward
-runs (`methods`) are the kind's own, not a subclass's override; its Parameters, buffers and
-submodules are the kind's, under the kind's names (nothing the new layer would drop);
-no hooks of any kind (forward, backward or state-dict: the new layer would not run them,
-and folding an activation changes what a forward or backward hook would see); no
-parametrization. So torchvision's Conv3DSimple (an nn.Conv3d that only
-changes __init__) converts, and a subclass with its own forward is left, with a warning
-naming the class whose forward would be lost. timm's classes are found without importing
-timm: they are looked up in sys.modules, where they are when a model holds them.
+runs (`methods`), and `train`, are the kind's own, not a subclass's override nor set on
+the instance; its Parameters, buffers and submodules are the kind's, under the kind's
+names (nothing the new layer would drop); no hooks of any kind (forward, backward or
+state-dict: the new layer would not run them, and folding an activation changes what a
+forward or backward hook would see); no parametrization. So torchvision's Conv3DSimple (an
+nn.Conv3d that only changes __init__) converts, and a subclass with its own forward is
+left, with a warning naming the class whose forward would be lost. timm's classes are
+found without importing timm: they are looked up in sys.modules, where they are when a
+model holds them.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def hooks_of(module: nn.Module) -> list[str]:
 
 
 def activation_of(module: nn.Module) -> str | None:
-    """The convfuse activation that equals `module` exactly, or None."""
+    """The convfuse activation that equals `module` exactly, or None (also for one whose
+    instance has its own forward: a patched module computes something else)."""
+    if "forward" in module.__dict__:
+        return None
     kind = type(module)
     simple = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh",
               nn.SiLU: "silu"}
@@ -170,7 +174,7 @@ def _timm_std_conv(conv: Any, base: type, activation: str | None) -> nn.Module |
 
 
 def _timm_batchnorm_act(bn: Any, base: type, activation: str | None) -> nn.Module | None:
-    if activation is not None:
+    if activation is not None:  # (convert's block rule declines this before asking)
         raise ValueError("timm's BatchNormAct2d takes no further activation: its own `act` "
                          "is the one convert() folds")
     drop, act = bn.drop, bn.act
@@ -252,7 +256,11 @@ def classify(module: nn.Module, kinds: dict[type, Kind],
     if hooks:
         return None, None, (f"{name} has {', '.join(hooks)} hooks, which convfuse's layer "
                             "would not run")
-    for method in kind.methods:
+    patched = [m for m in (*kind.methods, "train") if m in module.__dict__]
+    if patched:  # set on the instance (offloading hooks, LoRA-style patches)
+        return None, None, (f"{name} has its own {patched[0]} set on the instance, which "
+                            "convfuse's layer would not run")
+    for method in (*kind.methods, "train"):
         mine = getattr(cls, method, None)
         if mine is not getattr(base, method, None):
             owner = next(c for c in cls.__mro__ if method in vars(c))

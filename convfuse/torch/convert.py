@@ -100,26 +100,57 @@ def convert(model: nn.Module) -> nn.Module:
     keeps working. Every convolution or batch norm left in torch.nn's hands gets one warning
     naming it and why: a subclass with its own forward, extra state, hooks of any kind
     (forward, backward, state-dict) or a parametrization; an activation with hooks is not
-    folded. Attributes a user set on a converted module come along. Also left: dtypes
-    convfuse cannot run (integer or complex); the lazy modules; SyncBatchNorm.
+    folded. Attributes a user set on a converted module come along. Also left: a module
+    with its own forward (or train) set on the instance; batch norms under a module whose
+    class overrides train() (it may switch them by isinstance, which the new layers fail);
+    dtypes convfuse cannot run (integer or complex); the lazy modules; SyncBatchNorm. A
+    conversion that raises part-way (a warning turned into an error) changes nothing.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
     kinds = known_kinds()
-    alone = _convert_one(model, None, kinds)
+    guard = _train_override(model, None)
+    alone = _convert_one(model, None, kinds, guard)
     if alone is not None:
         return alone[0]
-    if not _fuse_block(model, kinds):
-        _convert_children(model, kinds)
+    # all or nothing: a raise part-way (a warning turned into an error, a refusal) puts
+    # every module's class and children back as they were
+    before = [(m, m.__class__, dict(m._modules)) for m in model.modules()]
+    try:
+        if guard is not None or not _fuse_block(model, kinds):
+            _convert_children(model, kinds, guard)
+    except BaseException:
+        for m, cls, children in before:
+            m.__class__ = cls
+            m._modules.clear()
+            m._modules.update(children)
+        raise
     return model
 
 
+def _train_override(module: nn.Module, guard: str | None) -> str | None:
+    """The class name of `module` or an ancestor whose train() is its own (mmdetection's
+    norm_eval / frozen-BN backbones set their batch norms' mode by isinstance(m,
+    nn.BatchNorm2d), which convfuse's layers are not), else None."""
+    if guard is not None:
+        return guard
+    cls = type(module)
+    own = cls.train is not nn.Module.train and not cls.__module__.startswith("torch.")
+    return cls.__qualname__ if own else None
+
+
 def _convert_one(module: nn.Module, follower: nn.Module | None,
-                 kinds: dict[type, Kind]) -> tuple[nn.Module, int] | None:
+                 kinds: dict[type, Kind], guard: str | None = None,
+                 ) -> tuple[nn.Module, int] | None:
     """`module` converted, folding `follower` (the next child in an nn.Sequential, or None)
     when it is an activation convfuse has, and how many children that replaced; None, with
-    one warning if `module` is a convolution or batch norm, when it stays."""
+    one warning if `module` is a convolution or batch norm, when it stays. Under `guard`
+    (an enclosing module's own train()) a batch norm stays."""
     base, kind, why = classify(module, kinds)
+    if why is None and kind is not None and kind.family == "batchnorm" and guard is not None:
+        why = (f"{guard} overrides train(), which may set its batch norms' mode by "
+               "isinstance(m, nn.BatchNorm*d): convfuse's BatchNorm is not one")
+        kind = None
     if why is not None:
         warnings.warn(f"convfuse.torch.convert: kept {type(module).__name__} {module!r} "
                       f"unconverted ({why})", stacklevel=4)
@@ -134,7 +165,8 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
     return fused, (2 if act is not None else 1)
 
 
-def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
+def _convert_children(parent: nn.Module, kinds: dict[type, Kind],
+                      guard: str | None = None) -> None:
     names = [n for n, m in parent._modules.items() if m is not None]
     children = [m for m in parent._modules.values() if m is not None]  # names' order
     # only nn.Sequential's own forward runs the children in their order, each on the last
@@ -144,10 +176,11 @@ def _convert_children(parent: nn.Module, kinds: dict[type, Kind]) -> None:
     i = 0
     while i < len(children):
         follower = children[i + 1] if sequential and i + 1 < len(children) else None
-        match = _convert_one(children[i], follower, kinds)
+        child_guard = _train_override(children[i], guard)
+        match = _convert_one(children[i], follower, kinds, child_guard)
         if match is None:
-            if not _fuse_block(children[i], kinds):
-                _convert_children(children[i], kinds)
+            if child_guard is not None or not _fuse_block(children[i], kinds):
+                _convert_children(children[i], kinds, child_guard)
             i += 1
             continue
         fused, used = match
@@ -182,7 +215,12 @@ def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
         _, kind, why = classify(bn, kinds)
         if kind is None or kind.family != "batchnorm" or why is not None:
             return False  # converted alone below, with its warning
-    fused = [_fused(block._modules[name], "batchnorm", act) for name, act in bns]
+    try:
+        fused = [_fused(block._modules[name], "batchnorm", act) for name, act in bns]
+    except ValueError as exc:  # a batch norm that takes no activation (timm's BatchNormAct2d)
+        warnings.warn(f"convfuse.torch.convert: left {type(block).__name__} unfused ({exc}); "
+                      "its layers convert alone", stacklevel=4)
+        return False
     if any(f is None for f in fused):  # refused by convfuse's constructor, which warned
         return False
     for (name, _), f in zip(bns, fused):
