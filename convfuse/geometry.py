@@ -9,6 +9,7 @@ channels-first forms the reference engine and cuDNN's descriptors use.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -255,11 +256,15 @@ class ConvGeometry(ConvShapes):
         dilation_t = as_tuple(dilation, rank, "dilation")
         w_cf = to_channels_first(w_shape, channels_last)
         pad_t = resolve_padding(padding, w_cf[2:], dilation_t, stride_t)
-        # an integer (a torch SymInt too: __index__), never a bool: int() would truncate
-        # 2.9 or parse "2", another convolution
-        if isinstance(groups, (bool, np.bool_)) or not hasattr(groups, "__index__"):
-            raise ValueError(f"groups must be an int, got {groups!r}")  # as_tuple's rule
-        geom = cls(x_shape, w_shape, stride_t, pad_t, dilation_t, int(groups), channels_last)
+        # an integer (a torch SymInt or an integer tensor too: operator.index), never a
+        # bool: int() would truncate 2.9 (also a float tensor's) or parse "2"
+        try:
+            if isinstance(groups, (bool, np.bool_)):
+                raise TypeError
+            groups = operator.index(groups)
+        except TypeError:
+            raise ValueError(f"groups must be an int, got {groups!r}") from None  # as_tuple's
+        geom = cls(x_shape, w_shape, stride_t, pad_t, dilation_t, groups, channels_last)
         geom._validate()
         return geom
 

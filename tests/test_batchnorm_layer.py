@@ -214,8 +214,8 @@ def test_assigning_num_batches_tracked_makes_the_host_count_stale():
 
 @pytest.mark.parametrize("train", [True, False])
 def test_backward_differentiates_the_forward_that_ran(rng, train):
-    """activation, eps and layout assigned between forward and backward take effect at the
-    next forward: the backward is the forward's (as the conv layers' is)."""
+    """activation and eps assigned between forward and backward take effect at the next
+    forward: the backward is the forward's (as the conv layers' is)."""
     x, dy = rng.standard_normal((4, 3, 5, 5)), rng.standard_normal((4, 3, 5, 5))
 
     def grads(change):
@@ -233,20 +233,27 @@ def test_backward_differentiates_the_forward_that_ran(rng, train):
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_bias_set_to_none_trains_as_torch_nn_without_bias(rng):
+@pytest.mark.parametrize("dropped", ["weight", "bias"])
+def test_a_parameter_set_to_none_trains_as_torch_nn_with_its_identity(rng, dropped):
+    """weight or bias set to None after construction: the forward computes without it (a
+    weight of ones, a bias of zeros) and the backward trains the other, as torch.nn with
+    that parameter fixed at its identity."""
     x = rng.standard_normal((4, 3, 5, 5))
     dy = rng.standard_normal((4, 3, 5, 5))
     ours = cf.BatchNorm2d(3, activation="relu", dtype="float64", device="cpu")
-    ours.bias = None
-    ref = torch.nn.BatchNorm2d(3, bias=False, dtype=torch.float64)
-    ours.weight.data[...] = [0.5, 1.0, 2.0]
+    gamma, beta = np.array([0.5, 1.0, 2.0]), np.array([0.1, -0.2, 0.3])
+    ours.weight.data[...], ours.bias.data[...] = gamma, beta
+    ref = torch.nn.BatchNorm2d(3, dtype=torch.float64)
     with torch.no_grad():
-        ref.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+        ref.weight.copy_(torch.from_numpy(np.ones(3) if dropped == "weight" else gamma))
+        ref.bias.copy_(torch.from_numpy(np.zeros(3) if dropped == "bias" else beta))
+    setattr(ours, dropped, None)
     xt = torch.tensor(x, requires_grad=True)
     yt = torch.relu(ref(xt))
     yt.backward(torch.tensor(dy))
     np.testing.assert_allclose(ours(x), yt.detach().numpy(), rtol=1e-12, atol=1e-12)
     dx = ours.backward(dy)
     np.testing.assert_allclose(dx, xt.grad.numpy(), rtol=1e-10, atol=1e-12)
-    np.testing.assert_allclose(ours.weight.grad, ref.weight.grad.numpy(), rtol=1e-10,
-                               atol=1e-12)
+    kept = "bias" if dropped == "weight" else "weight"
+    np.testing.assert_allclose(getattr(ours, kept).grad, getattr(ref, kept).grad.numpy(),
+                               rtol=1e-10, atol=1e-12)

@@ -67,6 +67,11 @@ def test_a_shared_layer_counts_once_but_saves_under_each_name():
     sd = {k: v.detach().numpy() for k, v in torch.nn.Sequential(tconv, tconv).state_dict().items()}
     assert net.load_state_dict(sd) == ([], [])
     np.testing.assert_array_equal(conv.weight.data, tconv.weight.detach().numpy())
+    # a checkpoint naming the shared layer once (convfuse's own, before) loads strictly
+    once = {k: v for k, v in sd.items() if k.startswith("0.")}
+    once["0.bias"] = once["0.bias"] + 1
+    assert net.load_state_dict(once) == ([], [])
+    np.testing.assert_array_equal(conv.bias.data, once["0.bias"])
 
 
 def test_assigning_a_non_parameter_to_a_parameter_name_is_refused():
@@ -301,3 +306,13 @@ def test_sequential_setitem_refusals():
     with pytest.raises(TypeError, match="Sequential: item 0 must be a convfuse layer, got int"):
         seq[0] = 3
     assert [type(m) for m in seq] == [cf.ReLU, cf.ReLU]
+
+
+def test_sequential_setitem_at_the_front_keeps_needs_input_grad():
+    x = np.random.default_rng(0).standard_normal((1, 1, 3, 3)).astype(np.float32)
+    seq = cf.Sequential(cf.Conv2d(1, 1, 1, device="cpu"), cf.ReLU())
+    seq.needs_input_grad = False  # fed by data: no dx
+    seq[-2] = cf.Conv2d(1, 1, 1, device="cpu", seed=3)
+    assert seq[0].needs_input_grad is False
+    seq(x)
+    assert seq.backward(np.ones((1, 1, 3, 3), np.float32)) is None

@@ -114,3 +114,17 @@ def test_sgd_takes_torch_optim_sgds_arguments_in_its_order():
         SGD(_p(), 0.1, 0.9, 0.5)
     with pytest.raises(TypeError, match=r"^SGD: dampening must be a real number, got str"):
         SGD(_p(), dampening="0")
+
+
+def test_interleaved_views_of_one_array_do_not_share_and_are_taken():
+    """Their address ranges meet but no element is shared: NumPy's exact answer decides."""
+    base = np.zeros((4, 4))
+    left, right = Parameter(base[:, :2]), Parameter(base[:, 2:])
+    opt = SGD([left, right], lr=0.5)
+    left.grad[...], right.grad[...] = 1.0, 2.0
+    opt.step()
+    np.testing.assert_array_equal(left.data, np.full((4, 2), -0.5))
+    np.testing.assert_array_equal(right.data, np.full((4, 2), -1.0))
+    w = np.ones(4)
+    with pytest.raises(ValueError, match=r"params\[1\] shares memory with params\[0\]"):
+        SGD([Parameter(w[::-1]), Parameter(w[1:2])], lr=0.1)  # a reversed view

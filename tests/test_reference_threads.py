@@ -273,8 +273,10 @@ def test_a_call_from_another_python_thread_is_bitwise_the_main_threads():
     import contextlib
     import threading
 
-    if not _threads._blas_controllers():
-        pytest.skip("threadpoolctl finds no BLAS to hold to one thread here")
+    libs = _threads._blas_controllers()
+    if not libs or max(lib.get_num_threads() for lib in libs) <= 1:
+        pytest.skip("no multi-threaded BLAS here (threadpoolctl finds none, or it runs on "
+                    "one thread anyway): nothing to hold")
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 16, 24, 24)).astype(np.float32)
     w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)

@@ -201,18 +201,25 @@ class _BatchNorm(Layer):
         saved, x, has_residual, _, eps, layout, activation = ctx
         dy = self._check_dy(dy, x.shape, x.dtype)
         weight, bias = self.weight, self.bias
+        w = None if weight is None else weight.data
+        b = None if bias is None else bias.data
         weight_grad = None if weight is None else weight.grad
         bias_grad = None if bias is None else bias.grad
-        if weight is not None and bias is None:
-            # the op writes both parameters' gradients or neither: a bias set to None after
-            # construction gets a scratch gradient, dropped (y does not depend on it)
-            bias_grad = array_module(weight_grad).zeros_like(weight_grad)
+        if (weight is None) != (bias is None):
+            # the op takes both parameters (and writes both gradients) or neither: the one
+            # set to None after construction is its identity (a weight of ones, a bias of
+            # zeros, as the forward computed without it) with a scratch gradient, dropped
+            have = w if w is not None else b
+            xp = array_module(have)
+            if w is None:
+                w, weight_grad = xp.ones_like(have), xp.zeros_like(have)
+            else:
+                b, bias_grad = xp.zeros_like(have), xp.zeros_like(have)
         dx, _, _, dres = ops.batchnorm_backward(
-            dy, x, None if weight is None else weight.data,
-            None if bias is None else bias.data, saved, layout,
+            dy, x, w, b, saved, layout,
             eps, activation, has_residual, need_dx=self.needs_input_grad,
             weight_grad=weight_grad, bias_grad=bias_grad,
-            param_beta=1.0 if weight is not None else 0.0)
+            param_beta=1.0 if w is not None else 0.0)
         return (dx, dres) if has_residual else dx
 
     def __setattr__(self, name: str, value: Any) -> None:

@@ -148,7 +148,14 @@ class Sequential(Layer):
         if not isinstance(i, int) or isinstance(i, bool) or not -len(names) <= i < len(names):
             raise IndexError(f"Sequential: index {i!r} is out of range for {len(names)} "
                              "layers")
-        setattr(self, names[i], layer)
+        device = getattr(layer, "device", None)
+        if device and self.device and device != self.device:  # the constructor's rule
+            raise ValueError(f"Sequential: item {i} is on {device!r}, the other layers on "
+                             f"{self.device!r}")
+        index = i % len(names)
+        setattr(self, names[index], layer)
+        if index == 0:  # needs_input_grad flows to the first layer
+            layer.needs_input_grad = self.needs_input_grad
 
     def __getitem__(self, i: int | slice) -> Layer:
         layers = self.layers

@@ -110,9 +110,16 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
     if bad_keys:
         raise TypeError(f"{name}.load_state_dict: keys must be str, got {bad_keys[:3]!r}")
     entries: dict[str, tuple[Layer, str, Any, bool]] = {}
+    first: dict[tuple[int, str], str] = {}  # (module, attribute) -> its first key
+    alias_of: dict[str, str] = {}  # a shared module's later key -> its first
     for key, mod, attr, value, is_param in _entries(model):
         entries.setdefault(key, (mod, attr, value, is_param))
-    missing = [k for k in entries if k not in sd]
+        home = first.setdefault((id(mod), attr), key)
+        if home != key:
+            alias_of[key] = home
+    # a checkpoint that names a shared module once (convfuse's before it listed every
+    # name, as torch.nn does) still loads: a later name may be absent where the first is
+    missing = [k for k in entries if k not in sd and alias_of.get(k, k) not in sd]
     unexpected = [k for k in sd if k not in entries]
     problems: list[str] = []
     staged: list[tuple[Any, Any, Any]] = []

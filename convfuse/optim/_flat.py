@@ -25,7 +25,6 @@ from .. import dtypes
 from ..backend import array_module, device_of, is_cupy
 from ..errors import DeviceMismatchError
 from ..nn.parameter import Parameter
-from ..ops._checks import overlaps
 
 ALIGN_BYTES = 256
 
@@ -105,6 +104,41 @@ def _padded(n: int, dtype: np.dtype) -> int:
     return -(-n // step) * step
 
 
+def _bounds(a: Any) -> tuple[int, int]:
+    """[first, last) byte addresses an array's elements span, strides of any sign."""
+    start = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
+    if a.size == 0:
+        return start, start
+    lo = hi = start
+    for n, stride in zip(a.shape, a.strides):
+        step = (n - 1) * stride
+        lo, hi = (lo + step, hi) if step < 0 else (lo, hi + step)
+    return lo, hi + a.itemsize
+
+
+def _sharing(plist: list[Parameter]) -> tuple[int, int] | None:
+    """(j, i), j < i, for two parameters whose arrays share memory, or None: address ranges
+    sorted and swept (n log n: optimizers are built, copied and unpickled over thousands of
+    parameters), and where ranges meet, NumPy's exact answer (interleaved views of one
+    array do not share); device ranges that meet count as shared."""
+    spans = sorted((*_bounds(p.data), i) for i, p in enumerate(plist))
+    active: list[tuple[int, int]] = []  # (end, index) of the ranges still open
+    for lo, hi, i in spans:
+        active = [(end, j) for end, j in active if end > lo]
+        for _, j in active:
+            a, b = plist[j].data, plist[i].data
+            if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+                return min(i, j), max(i, j)
+            try:
+                if np.shares_memory(a, b):  # exact; only where ranges meet
+                    return min(i, j), max(i, j)
+            except np.exceptions.TooHardError:
+                return min(i, j), max(i, j)
+        if hi > lo:
+            active.append((hi, i))
+    return None
+
+
 def check_params(params: Iterable[Parameter]) -> list[Parameter]:
     """The parameters as a list, or a typed error naming what is wrong with them."""
     if isinstance(params, Parameter):
@@ -138,13 +172,13 @@ def check_params(params: Iterable[Parameter]) -> list[Parameter]:
                     f"params[{i}] has grad {p.grad.dtype}{tuple(p.grad.shape)} but data "
                     f"{p.data.dtype}{tuple(p.data.shape)}"
                 )
-    for i, p in enumerate(plist):  # once per optimizer: pairwise is fine
-        for j in range(i):
-            if overlaps(plist[j].data, p.data):
-                raise ValueError(
-                    f"params[{i}] shares memory with params[{j}]: each parameter gets its own "
-                    "slot in the optimizer's flat buffer, which would untie them; tie weights "
-                    "by sharing one Parameter object instead")
+    shared = _sharing(plist)
+    if shared is not None:
+        j, i = shared
+        raise ValueError(
+            f"params[{i}] shares memory with params[{j}]: each parameter gets its own slot "
+            "in the optimizer's flat buffer, which would untie them; tie weights by sharing "
+            "one Parameter object instead")
     where = {(p.device, _device_id(p.data)) for p in plist}
     where |= {(device_of(p.grad), _device_id(p.grad)) for p in plist if p.grad is not None}
     if len(where) > 1:

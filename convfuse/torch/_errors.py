@@ -21,6 +21,7 @@ class InputTypeError(ConvfuseError, TypeError, RuntimeError):
     and convfuse's TypeError."""
 
 
-class InputDeviceError(DeviceMismatchError, RuntimeError):
+class InputDeviceError(DeviceMismatchError, TypeError, RuntimeError):
     """An input (or residual) on another device than the layer's parameters: torch.nn's
-    RuntimeError and convfuse's DeviceMismatchError (a ValueError)."""
+    RuntimeError and convfuse's DeviceMismatchError (a ValueError); also a TypeError, which
+    a residual on the wrong device raised before this class existed."""

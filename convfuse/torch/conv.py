@@ -101,7 +101,13 @@ class _ConvLayer(_host_arrays.HoldsViews):
         describes the layer, and a swapped weight may differ), stride and dilation the
         attributes as they are now, an int or a sequence (torch.nn takes either, assigned
         after construction too). Read where a signature is checked and planned, not per
-        cached call; an invalid value is refused naming the layer."""
+        cached call (and remembered for the general path's calls); an invalid value is refused
+        naming the layer."""
+        d = self.__dict__
+        key = (d.get("stride"), d.get("dilation"), self.weight.shape)
+        memo = d.get("_window_memo")
+        if memo is not None and memo[0] == key:  # the general path asks at every call
+            return memo[1]
         rank = self._rank
         try:
             stride = as_tuple(self.stride, rank, "stride")
@@ -111,7 +117,10 @@ class _ConvLayer(_host_arrays.HoldsViews):
         if min(stride + dilation) < 1:
             raise ValueError(f"{type(self).__name__}: stride and dilation must be >= 1, got "
                              f"{self.stride!r}, {self.dilation!r}")
-        return tuple(int(k) for k in self.weight.shape[2:]), stride, dilation
+        window = tuple(int(k) for k in self.weight.shape[2:]), stride, dilation
+        if not isinstance(key[0], list) and not isinstance(key[1], list):
+            d["_window_memo"] = (key, window)  # (a list could change in place, same key)
+        return window
 
     def _check_counts(self, in_channels: int, out_channels: int,
                       groups: int) -> tuple[int, int, int]:

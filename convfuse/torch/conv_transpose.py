@@ -94,6 +94,11 @@ class _ConvTransposeNd(_ConvLayer):
         """(padding, output_padding) as they are now, an int or a sequence each (torch.nn
         takes either, assigned after construction too), refused naming the layer when
         invalid (as _window's stride and dilation)."""
+        d = self.__dict__
+        key = (d.get("padding"), d.get("output_padding"))
+        memo = d.get("_pads_memo")
+        if memo is not None and memo[0] == key:  # the general path asks at every call
+            return memo[1]
         rank, op = self._rank, "transposed convolution"
         try:
             padding = as_tuple(self.padding, rank, "padding", op)
@@ -103,6 +108,8 @@ class _ConvTransposeNd(_ConvLayer):
         if min(padding + output_padding) < 0:
             raise ValueError(f"{type(self).__name__}: padding and output_padding must be >= 0, "
                              f"got {self.padding!r}, {self.output_padding!r}")
+        if not isinstance(key[0], list) and not isinstance(key[1], list):
+            d["_pads_memo"] = (key, (padding, output_padding))  # (a list could change)
         return padding, output_padding
 
     def _output_padding(self, x: torch.Tensor,

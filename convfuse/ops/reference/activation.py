@@ -34,7 +34,7 @@ Where PyTorch's CPU engine gives a NaN, an inf or a 0, so does this engine, sile
   CUDA kernels (hardtanh_backward, elu_backward). Its CPU SIMD loop gives 0 (relu6) and NaN
   (elu) at a NaN instead, so torch's CPU answer there depends on whether the element falls
   in a whole vector or the scalar tail; convfuse does not copy that position dependence.
-  Forward keeps -0.0, as torch does;
+  Forward keeps -0.0, as torch does, but for relu (+0.0 there: `relu`'s docstring);
 - silu and gelu at -inf are NaN (-inf * 0), at +inf +inf, and their gradients at +-inf
   NaN, as in PyTorch; huge |z| overflows intermediate squares harmlessly. NumPy would warn
   (invalid value, overflow); those warnings are suppressed inside the functions that
