@@ -257,3 +257,17 @@ def test_a_parameter_set_to_none_trains_as_torch_nn_with_its_identity(rng, dropp
     kept = "bias" if dropped == "weight" else "weight"
     np.testing.assert_allclose(getattr(ours, kept).grad, getattr(ref, kept).grad.numpy(),
                                rtol=1e-10, atol=1e-12)
+
+
+def test_a_state_dict_without_num_batches_tracked_loads_as_torch_nn_does():
+    """torch.nn fills an absent num_batches_tracked (a state dict without version metadata:
+    any dict of arrays) with the module's own; so does convfuse, under strict loading."""
+    sd = {k: v for k, v in torch.nn.BatchNorm2d(3).state_dict().items()
+          if k != "num_batches_tracked"}
+    assert not torch.nn.BatchNorm2d(3).load_state_dict(sd).missing_keys
+    ours = cf.BatchNorm2d(3, device="cpu")
+    ours.num_batches_tracked[...] = 5
+    assert ours.load_state_dict({k: v.numpy() for k, v in sd.items()}) == ([], [])
+    assert int(ours.num_batches_tracked) == 5
+    with pytest.raises(cf.StateDictError, match=r"missing key.*'running_var'"):
+        ours.load_state_dict({k: v.numpy() for k, v in sd.items() if k != "running_var"})

@@ -119,7 +119,10 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
             alias_of[key] = home
     # a checkpoint that names a shared module once (convfuse's before it listed every
     # name, as torch.nn does) still loads: a later name may be absent where the first is
-    missing = [k for k in entries if k not in sd and alias_of.get(k, k) not in sd]
+    # and, as torch.nn's BatchNorm loads a state dict without version metadata (any dict
+    # of arrays converted from torch's), an absent num_batches_tracked keeps its value
+    missing = [k for k in entries if k not in sd and alias_of.get(k, k) not in sd
+               and entries[k][1] != "num_batches_tracked"]
     unexpected = [k for k in sd if k not in entries]
     problems: list[str] = []
     staged: list[tuple[Any, Any, Any]] = []
