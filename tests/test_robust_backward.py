@@ -326,3 +326,22 @@ def test_backward_through_one_layer_instance_at_two_positions_is_refused_unchang
                                          r"item 0"):
         seq.backward(np.ones((1, 2), np.float32))
     assert not lin.weight.grad.any() and not lin.bias.grad.any()
+
+
+def test_building_an_optimizer_between_forward_and_backward_is_no_write():
+    """The optimizer takes the values over into its flat buffer (the same values): the
+    backward of a forward run before it runs, its gradients land in the optimizer's
+    buffer, and the step equals that of an optimizer built first."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 5, 5)).astype(np.float32)
+
+    def train(build_first):
+        conv = cf.Conv2d(3, 4, 3, activation="relu", device="cpu", seed=0)
+        opt = cf.optim.SGD(conv.parameters(), lr=0.1) if build_first else None
+        y = conv(x)
+        opt = opt or cf.optim.SGD(conv.parameters(), lr=0.1)
+        conv.backward(np.ones_like(y))
+        opt.step()
+        return conv.weight.data.copy(), conv.bias.data.copy()
+
+    for a, b in zip(train(False), train(True)):
+        np.testing.assert_array_equal(a, b)

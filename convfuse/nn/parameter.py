@@ -14,10 +14,11 @@ class Parameter:
     optimizer may re-home both into views of one flat buffer (see convfuse.optim).
 
     `_version` counts writes convfuse knows about: assigning `.data`, an optimizer step
-    and `load_state_dict` bump it. A layer records it at forward and its backward refuses
-    to run if it changed (PyTorch's "modified by an inplace operation" check). Writes made
-    directly into the array (`p.data[...] = v`) are not counted: nothing sees them without
-    a copy or a device sync (README, "Behaviour worth knowing").
+    and `load_state_dict` bump it (an optimizer taking the values over, `rehome`, does
+    not). A layer records it at forward and its backward refuses to run if it changed
+    (PyTorch's "modified by an inplace operation" check). Writes made directly into the
+    array (`p.data[...] = v`) are not counted: nothing sees them without a copy or a
+    device sync (README, "Behaviour worth knowing").
     """
 
     __slots__ = ("_data", "_version", "grad", "name")
@@ -38,6 +39,16 @@ class Parameter:
         device_of(value)
         self._data = value
         self._version += 1
+
+    def rehome(self, data: Any) -> None:
+        """Point at `data`, another array holding the same values (an optimizer's flat
+        buffer takes them over): not a write, so the version stays and a forward saved
+        before still runs its backward."""
+        if tuple(data.shape) != self.shape or data.dtype != self.dtype:
+            raise ValueError(f"rehome: {data.dtype}{tuple(data.shape)} cannot stand for "
+                             f"{self.dtype}{self.shape}")
+        device_of(data)
+        self._data = data
 
     def bump_version(self) -> None:
         """Record an in-place write to `.data` (optimizers and load_state_dict call it)."""

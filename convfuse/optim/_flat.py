@@ -230,7 +230,8 @@ def _rehome(group: FlatGroup, s: Slot) -> None:
         group.grad[s.offset : end] = p.grad.reshape(-1)
     s.data = group.data[s.offset : end].reshape(s.shape)
     s.grad = group.grad[s.offset : end].reshape(s.shape)
-    p.data, p.grad = s.data, s.grad
+    p.rehome(s.data)  # the same values: a forward saved before may still run backward
+    p.grad = s.grad
 
 
 def check_homes(groups: list[FlatGroup]) -> None:
