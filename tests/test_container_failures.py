@@ -185,3 +185,30 @@ def test_an_inner_container_that_fails_and_is_caught_keeps_its_contexts():
             np.testing.assert_array_equal(a, b)
         for a, b in zip(_grads(failed), _grads(clean)):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_container_called_twice_whose_second_call_fails_keeps_the_first():
+    """Called again in the same forward, a container that fails restores what its first
+    call left (not the state before the outer call)."""
+
+    class Twice(cf.Module):
+        def __init__(self):
+            self.s = _chain()
+
+        def forward(self, x, bad=None):
+            y = self.s(x, residual=np.zeros((2, 3, 5, 5)))
+            if bad is not None:
+                with contextlib.suppress(ValueError):  # its first conv runs on 2x
+                    self.s(2 * x, residual=bad)
+            return y
+
+    x1, x2, dy = _arr(2, 2, 5, 5), _arr(2, 2, 5, 5), _arr(2, 3, 5, 5)
+    model, clean = Twice(), _chain()
+    model(x1)
+    model(x2, bad=np.zeros((2, 3, 4, 4)))
+    clean(x1, residual=np.zeros((2, 3, 5, 5)))
+    clean(x2, residual=np.zeros((2, 3, 5, 5)))
+    for a, b in zip(model.s.backward(dy), clean.backward(dy)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_grads(model.s), _grads(clean)):
+        np.testing.assert_array_equal(a, b)

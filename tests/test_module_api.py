@@ -67,11 +67,15 @@ def test_a_shared_layer_counts_once_but_saves_under_each_name():
     sd = {k: v.detach().numpy() for k, v in torch.nn.Sequential(tconv, tconv).state_dict().items()}
     assert net.load_state_dict(sd) == ([], [])
     np.testing.assert_array_equal(conv.weight.data, tconv.weight.detach().numpy())
-    # a checkpoint naming the shared layer once (convfuse's own, before) loads strictly
-    once = {k: v for k, v in sd.items() if k.startswith("0.")}
-    once["0.bias"] = once["0.bias"] + 1
-    assert net.load_state_dict(once) == ([], [])
-    np.testing.assert_array_equal(conv.bias.data, once["0.bias"])
+    # a checkpoint naming the shared layer once (convfuse's own, before) loads strictly,
+    # by either of its names
+    for prefix in ("0.", "1."):
+        once = {k: v + 1 for k, v in sd.items() if k.startswith(prefix)}
+        assert net.load_state_dict(once) == ([], [])
+        np.testing.assert_array_equal(conv.bias.data, once[prefix + "bias"])
+    with pytest.raises(cf.StateDictError, match=r"missing key\(s\) in state_dict: "
+                                                r"'0\.bias', '1\.bias'"):
+        net.load_state_dict({k: v for k, v in sd.items() if not k.endswith("bias")})
 
 
 def test_assigning_a_non_parameter_to_a_parameter_name_is_refused():
@@ -314,5 +318,9 @@ def test_sequential_setitem_at_the_front_keeps_needs_input_grad():
     seq.needs_input_grad = False  # fed by data: no dx
     seq[-2] = cf.Conv2d(1, 1, 1, device="cpu", seed=3)
     assert seq[0].needs_input_grad is False
+    later = cf.ReLU()
+    later.needs_input_grad = False
+    seq[1] = later  # not the first: its input gradient is the first layer's dy
+    assert later.needs_input_grad is True
     seq(x)
     assert seq.backward(np.ones((1, 1, 3, 3), np.float32)) is None

@@ -401,6 +401,23 @@ def test_train_overrides_keep_the_batch_norms_they_may_switch():
         assert ct.fused_batchnorm(bn) is None
 
 
+class _CachingTrain(_NormEvalBackbone):
+    """A train() that only keeps a cache (timm's attention biases) and calls super()'s
+    nn.Module.train: nothing to do with batch norms."""
+
+    def train(self, mode=True):
+        self.cache = {}
+        return nn.Module.train(self, mode)
+
+
+def test_a_train_override_that_leaves_batch_norms_alone_converts_them():
+    model = _CachingTrain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ct.convert(model)
+    assert isinstance(model.body[1], ct.BatchNorm2d) and model.body[1].activation == "relu"
+
+
 def test_a_conversion_that_raises_part_way_changes_nothing():
     """Warnings as errors (pytest -W error): the first warning raises after the conv and
     its activation were folded; the model is as it was."""

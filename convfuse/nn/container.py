@@ -154,8 +154,10 @@ class Sequential(Layer):
                              f"{self.device!r}")
         index = i % len(names)
         setattr(self, names[index], layer)
-        if index == 0:  # needs_input_grad flows to the first layer
-            layer.needs_input_grad = self.needs_input_grad
+        # needs_input_grad flows to the first layer; the others need their input gradient
+        layer.needs_input_grad = self.needs_input_grad if index == 0 else True
+        if self.device is None and device:
+            self.device = device
 
     def __getitem__(self, i: int | slice) -> Layer:
         layers = self.layers

@@ -416,8 +416,9 @@ Module = Layer
 # it first (one walk of the module tree per call, nothing per layer) and puts them back
 # if anything below raises. A container called inside it, as a child (covered by that
 # snapshot) or as another model a forward calls (not covered: it adds its own subtree),
-# puts its own subtree back from the snapshot when it raises, so a forward that catches
-# the error and goes on (a fallback path) still finds the contexts as they were.
+# puts its own subtree back from the snapshot when it raises (or, called a second time in
+# the same outer call, from its own snapshot taken then), so a forward that catches the
+# error and goes on (a fallback path) still finds the contexts as they were.
 _snapshot = threading.local()
 
 
@@ -448,16 +449,27 @@ def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: An
     raises (Note [a failed forward keeps the contexts])."""
     saved: dict[int, tuple[Any, Any]] | None = getattr(_snapshot, "saved", None)
     if saved is not None and id(root.__dict__) in saved:  # inside a covering call
+        entered: set[int] = _snapshot.entered
+        if id(root) not in entered:  # its first call in this one: the snapshot is its state
+            entered.add(id(root))
+            try:
+                return forward(*args, **kwargs)
+            except BaseException:
+                _restore(root, saved)
+                raise
+        # called again in the same outer call: its last good state is its own to save
+        again = {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
         try:
             return forward(*args, **kwargs)
         except BaseException:
-            _restore(root, saved)
+            _restore(root, again)
             raise
     mine = {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
     outermost = saved is None
     table: dict[int, tuple[Any, Any]]
     if saved is None:
         table = _snapshot.saved = mine
+        _snapshot.entered = {id(root)}
     else:  # a model called inside another's forward: its own subtree joins the snapshot
         table = saved
         mine = {k: v for k, v in mine.items() if k not in table}
@@ -469,7 +481,7 @@ def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: An
         raise
     finally:
         if outermost:
-            _snapshot.saved = None
+            _snapshot.saved = _snapshot.entered = None
         else:
             for k in mine:
                 table.pop(k, None)

@@ -110,19 +110,17 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
     if bad_keys:
         raise TypeError(f"{name}.load_state_dict: keys must be str, got {bad_keys[:3]!r}")
     entries: dict[str, tuple[Layer, str, Any, bool]] = {}
-    first: dict[tuple[int, str], str] = {}  # (module, attribute) -> its first key
-    alias_of: dict[str, str] = {}  # a shared module's later key -> its first
+    names: dict[tuple[int, str], list[str]] = {}  # (module, attribute) -> all its keys
     for key, mod, attr, value, is_param in _entries(model):
         entries.setdefault(key, (mod, attr, value, is_param))
-        home = first.setdefault((id(mod), attr), key)
-        if home != key:
-            alias_of[key] = home
+        names.setdefault((id(mod), attr), []).append(key)
     # a checkpoint that names a shared module once (convfuse's before it listed every
-    # name, as torch.nn does) still loads: a later name may be absent where the first is
-    # and, as torch.nn's BatchNorm loads a state dict without version metadata (any dict
-    # of arrays converted from torch's), an absent num_batches_tracked keeps its value
-    missing = [k for k in entries if k not in sd and alias_of.get(k, k) not in sd
-               and entries[k][1] != "num_batches_tracked"]
+    # name, as torch.nn does) still loads: one of its names is enough; and, as torch.nn's
+    # BatchNorm loads a state dict without version metadata (any dict of arrays converted
+    # from torch's), an absent num_batches_tracked keeps its value
+    missing = [k for k, (mod, attr, _, _) in entries.items()
+               if not any(n in sd for n in names[(id(mod), attr)])
+               and attr != "num_batches_tracked"]
     unexpected = [k for k in sd if k not in entries]
     problems: list[str] = []
     staged: list[tuple[Any, Any, Any]] = []

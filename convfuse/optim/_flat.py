@@ -121,7 +121,7 @@ def _sharing(plist: list[Parameter]) -> tuple[int, int] | None:
     sorted and swept (n log n: optimizers are built, copied and unpickled over thousands of
     parameters), and where ranges meet, NumPy's exact answer (interleaved views of one
     array do not share); device ranges that meet count as shared."""
-    spans = sorted((*_bounds(p.data), i) for i, p in enumerate(plist))
+    spans = sorted((*_bounds(p.data), i) for i, p in enumerate(plist) if p.data.size)
     active: list[tuple[int, int]] = []  # (end, index) of the ranges still open
     for lo, hi, i in spans:
         active = [(end, j) for end, j in active if end > lo]

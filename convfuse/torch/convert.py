@@ -27,6 +27,7 @@ is left gets one warning with the reason.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from torch import nn
 
@@ -128,15 +129,31 @@ def convert(model: nn.Module) -> nn.Module:
     return model
 
 
+#: Names whose use in a train() override says it may set batch norms' mode itself.
+_SWITCHES_NORMS = frozenset({"eval", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "_BatchNorm",
+                             "_NormBase", "SyncBatchNorm", "norm_eval", "freeze_bn"})
+
+
+def _names(code: Any) -> set[str]:
+    """Every name a function's code refers to, nested code (comprehensions) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _names(const)
+    return names
+
+
 def _train_override(module: nn.Module, guard: str | None) -> str | None:
-    """The class name of `module` or an ancestor whose train() is its own (mmdetection's
-    norm_eval / frozen-BN backbones set their batch norms' mode by isinstance(m,
-    nn.BatchNorm2d), which convfuse's layers are not), else None."""
+    """The class name of `module` or an ancestor whose own train() may switch batch norms
+    (mmdetection's norm_eval / frozen-BN backbones call m.eval() on every
+    isinstance(m, nn.BatchNorm2d), which convfuse's layers are not), else None. An
+    override that only keeps a cache (timm's attention biases) or calls super() is not."""
     if guard is not None:
         return guard
-    cls = type(module)
-    own = cls.train is not nn.Module.train and not cls.__module__.startswith("torch.")
-    return cls.__qualname__ if own else None
+    train = getattr(type(module).train, "__code__", None)
+    if type(module).train is nn.Module.train or train is None:
+        return None
+    return type(module).__qualname__ if _names(train) & _SWITCHES_NORMS else None
 
 
 def _convert_one(module: nn.Module, follower: nn.Module | None,
