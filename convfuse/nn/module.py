@@ -443,6 +443,10 @@ def _restore(root: Layer, saved: dict[int, tuple[Any, Any]]) -> None:
             d["_ctx_versions"] = versions
 
 
+def _contexts(root: Layer) -> dict[int, tuple[Any, Any]]:
+    return {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
+
+
 def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: Any,
                              **kwargs: Any) -> Any:
     """forward(*args, **kwargs), leaving every context under `root` as it was if it
@@ -450,23 +454,17 @@ def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: An
     saved: dict[int, tuple[Any, Any]] | None = getattr(_snapshot, "saved", None)
     if saved is not None and id(root.__dict__) in saved:  # inside a covering call
         entered: set[int] = _snapshot.entered
-        if id(root) not in entered:  # its first call in this one: the snapshot is its state
-            entered.add(id(root))
-            try:
-                return forward(*args, **kwargs)
-            except BaseException:
-                _restore(root, saved)
-                raise
-        # called again in the same outer call: its last good state is its own to save
-        again = {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
+        table = saved  # its first call in this one: the snapshot is its state
+        if id(root) in entered:  # called again: its last good state is its own to save
+            table = _contexts(root)
+        entered.add(id(root))
         try:
             return forward(*args, **kwargs)
         except BaseException:
-            _restore(root, again)
+            _restore(root, table)
             raise
-    mine = {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
+    mine = _contexts(root)
     outermost = saved is None
-    table: dict[int, tuple[Any, Any]]
     if saved is None:
         table = _snapshot.saved = mine
         _snapshot.entered = {id(root)}
