@@ -324,29 +324,6 @@ def written(node: Node) -> Node | None:
     return out if isinstance(out, Node) else None
 
 
-#: Ops whose result is a view of their first argument (the same memory).
-_VIEWS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose", "t",
-    "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "select", "narrow", "slice",
-    "as_strided", "diagonal", "unfold", "movedim", "swapaxes", "swapdims", "split", "chunk",
-    "unbind", "getitem", "__getitem__", "contiguous", "detach", "alias", "real", "imag",
-    "view_as_real", "view_as_complex", "unsafe_split",
-})
-
-
-def storage_root(node: Node) -> Node:
-    """The node whose memory `node` may be a view of: followed back through view ops (and
-    `reshape`/`contiguous`, which may return one), so two nodes with the same root may
-    alias."""
-    seen = 0
-    while node.args and isinstance(node.args[0], Node) and seen < 64:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if node.op not in ("call_method", "call_function") or name not in _VIEWS:
-            break
-        node, seen = node.args[0], seen + 1
-    return node
-
-
 def storage_of(node: Node) -> Any:
     """An id of the memory Dynamo's example (fake) tensor for `node` lives in: views share
     their base's (whatever op made them: `.mT`, moveaxis, tensor_split, ...), other tensors
@@ -361,12 +338,10 @@ def storage_of(node: Node) -> Any:
 
 
 def may_alias(a: Node, b: Node) -> bool:
-    """Whether writing `a` may change `b`: the same recorded storage, or (where a node
-    records none) the same root through known view ops."""
+    """Whether writing `a` may change `b`: the same recorded storage; where a node records
+    none (Dynamo records one for every tensor node), assumed so."""
     sa, sb = storage_of(a), storage_of(b)
-    if sa is not None and sb is not None:
-        return bool(sa == sb)
-    return storage_root(a) is storage_root(b)
+    return sa is None or sb is None or bool(sa == sb)
 
 
 def changes_grad_mode(node: Node) -> bool:
