@@ -266,3 +266,24 @@ def test_call_errors(rng):
     block.device = "cuda"  # as if moved: a NumPy input is then on the wrong device
     with pytest.raises(cf.DeviceMismatchError, match="Residual is on 'cuda' but its input is"):
         block(np.ones((1, 2, 3, 3)))
+
+
+@pytest.mark.parametrize("act", ["identity", "tanh"])
+def test_assigned_activation_is_the_one_the_block_computes(rng, act):
+    """Assigning a block's activation after construction takes effect at its next call
+    (on the body's last layer, where the add and activation run), as a Conv's does."""
+    block = cf.Residual(cf.Sequential(conv(2, 2, bias=True), bn(2)))
+    x = rng.standard_normal((2, 2, 4, 4))
+    block.activation = act
+    assert block.activation == act and block.body[1].activation == act
+    assert repr(block).splitlines()[1].strip() == f"activation={act!r}"
+    block.body[1].activation = "identity"
+    pre = block.body[1](block.body[0](x), residual=x)  # the block's sum before any activation
+    block.activation = act
+    want = pre if act == "identity" else np.tanh(pre)
+    np.testing.assert_allclose(block(x), want, rtol=1e-13, atol=1e-13)
+    before = block.activation
+    for bad, err in (("swoosh", ValueError), (3, TypeError)):
+        with pytest.raises(err, match="Residual: activation: "):
+            block.activation = bad
+        assert block.activation == before

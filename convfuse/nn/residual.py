@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, TypeGuard
 
-from .. import activations
 from ..backend import device_of
 from ..errors import DeviceMismatchError
+from . import _hyper
 from .batchnorm import _BatchNorm
 from .container import Sequential
 from .conv import _ConvNd
@@ -138,9 +138,7 @@ class ResidualBase(Layer):
         parts = fold_chain(self._body_layers())
         body = parts[0] if len(parts) == 1 else Sequential(*parts)
         shortcut = self._shortcut()
-        folded = Residual._from_parts(
-            body, None if shortcut is None else fold_layer(shortcut),
-            fused_tail(body, type(self).__name__).activation)
+        folded = Residual._from_parts(body, None if shortcut is None else fold_layer(shortcut))
         folded.needs_input_grad = self.needs_input_grad
         return folded
 
@@ -177,7 +175,7 @@ class Residual(ResidualBase):
             raise TypeError(f"Residual: shortcut must be a convfuse layer or None, "
                             f"got {type(shortcut).__name__}")
         try:
-            act = activations.normalize(activation)
+            act = _hyper.activation(activation)
         except (ValueError, TypeError) as exc:
             raise type(exc)(f"Residual: activation: {exc}") from None
         tail = fused_tail(body, "Residual")
@@ -197,23 +195,37 @@ class Residual(ResidualBase):
             raise DeviceMismatchError(
                 f"Residual: body and shortcut are on different devices: {sorted(devices)}")
         tail.activation = act
-        self._assemble(body, shortcut, act, devices.pop() if devices else None)
+        self._assemble(body, shortcut, devices.pop() if devices else None)
 
-    def _assemble(self, body: Layer, shortcut: Layer | None, act: str,
-                  device: str | None) -> None:
+    def _assemble(self, body: Layer, shortcut: Layer | None, device: str | None) -> None:
         self.body = body
         self.shortcut = shortcut
-        self.activation = act
         self.device = device  # type: ignore[assignment]
         self._ctx = None
 
+    @property
+    def activation(self) -> str:
+        """The block's activation: the one its body's last layer applies after the add (Note
+        [residual rides on the last layer]), so reading it says what the block computes and
+        assigning it (validated, as a Conv's is) takes effect at the next call."""
+        return fused_tail(self.body, "Residual").activation
+
+    @activation.setter
+    def activation(self, value: Any) -> None:
+        try:
+            act = _hyper.activation(value)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"Residual: activation: {exc}") from None
+        fused_tail(self.body, "Residual").activation = act
+
     @classmethod
-    def _from_parts(cls, body: Layer, shortcut: Layer | None, activation: str) -> Residual:
-        """A block whose body's last layer already carries `activation` (used by folding)."""
+    def _from_parts(cls, body: Layer, shortcut: Layer | None) -> Residual:
+        """A block whose body's last layer already carries the block's activation (used by
+        folding)."""
         block = cls.__new__(cls)
         fused_tail(body, "Residual")
         device = getattr(body, "device", None)
-        block._assemble(body, shortcut, activation, device)
+        block._assemble(body, shortcut, device)
         return block
 
     def _body_layers(self) -> list[Layer]:
