@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import convfuse as cf
+from convfuse import functional_transpose
 from convfuse.errors import ArrayTooLargeError, SavedTensorModifiedError
 from convfuse.nn import conv as nn_conv
 from convfuse.nn import conv_transpose as nn_transpose
@@ -115,6 +116,56 @@ def test_config_changes_are_seen_by_a_cached_signature():
     with cf.config.flags(max_array_bytes=64), pytest.raises(ArrayTooLargeError):
         layer(x)
     layer(x)  # and back
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: cf.MaxPool2d(2), (2, 3, 32, 32)),
+    (lambda: cf.AvgPool2d(2), (2, 3, 32, 32)),
+    (lambda: cf.Linear(4, 4, seed=0), (1000, 4)),
+    (lambda: cf.ConvTranspose2d(3, 2, 2, stride=2, seed=0), (1, 3, 32, 32)),
+])
+def test_a_lowered_memory_cap_refuses_a_shape_the_layer_already_ran(make, shape):
+    """Note [geometry memos]: a remembered geometry holds only under the flags it was
+    checked with; the warmed layer refuses what a fresh one refuses, with its message."""
+    layer, x = make(), _x(shape)
+    want = layer(x)
+    with cf.config.flags(max_array_bytes=4096):
+        _same_error(lambda: make()(x), lambda: layer(x))
+    np.testing.assert_array_equal(layer(x), want)  # and back
+
+
+@pytest.mark.parametrize("cls", [cf.Conv2d, cf.ConvTranspose2d])
+def test_a_swapped_weight_of_another_kernel_runs_as_on_a_fresh_layer(cls):
+    """Note [geometry memos]: the geometry is the weight's, so a layer that ran a 3x3
+    weight and is given a 5x5 one computes what a fresh layer given it computes."""
+    layer, fresh = (cls(2, 2, 3, padding=1, seed=0, dtype="float64") for _ in range(2))
+    x = _x((1, 2, 6, 6), np.float64)
+    layer(x)
+    w5 = np.random.default_rng(1).standard_normal((2, 2, 5, 5))
+    for target in (layer, fresh):
+        target.weight.data = w5.copy()
+    y = layer(x)
+    np.testing.assert_array_equal(y, fresh(x))
+    conv = functional_transpose.conv_transpose_bias_act if cls is cf.ConvTranspose2d \
+        else cf.functional.conv_bias_act
+    np.testing.assert_allclose(y, conv(x, w5, layer.bias.data, padding=1), rtol=1e-13)
+    assert y.shape == ((1, 2, 8, 8) if cls is cf.ConvTranspose2d else (1, 2, 4, 4))
+
+
+def test_the_geometry_memos_are_bounded():
+    """Note [geometry memos]: a layer fed ever new shapes starts its memo over."""
+    from convfuse.nn._memo import MAX_GEOMETRIES
+
+    layers = [cf.Conv1d(1, 1, 1, seed=0), cf.ConvTranspose1d(1, 1, 1, seed=0)]
+    for n in range(1, 2 * MAX_GEOMETRIES):
+        for layer in layers:
+            layer(_x((1, 1, n)))
+    pool, linear = cf.MaxPool2d(1), cf.Linear(2, 2, seed=0)
+    for n in range(1, 2 * MAX_GEOMETRIES):
+        pool(_x((1, 1, 1, n)))
+        linear(_x((n, 2)))
+    for layer in (*layers, pool, linear):
+        assert 0 < len(layer.__dict__["_geoms"]) <= MAX_GEOMETRIES
 
 
 def test_replaced_weights_are_checked_again(checked):

@@ -24,7 +24,8 @@ Bad input has a signature no good call had, so it still takes the checked path a
 same error before any engine call.
 Assigning stride, padding, dilation (any `_geometry_args`) clears the cache; activation and
 residual_scale are in the key; config flags are compared by identity (config.get() is a new
-object after each change), and a change also redoes the geometries' memory checks.
+object after each change), and a change also redoes the geometries' memory checks (Note
+[geometry memos] in _memo.py).
 """
 
 from __future__ import annotations
@@ -193,10 +194,6 @@ class _FusedConvLayer(Layer):
             if residual is not None:
                 residual = contiguous(residual)
             flags = config.get()
-            d = self.__dict__
-            if d.get("_geoms_flags") is not flags:
-                # the geometries' memory checks read config.max_array_bytes: redo them
-                d["_geoms"], d["_geoms_flags"] = {}, flags
             geometry = self._geometry_kwargs(x, *where)
             bias = None if self.bias is None else self.bias.data
             y, ctx = type(self)._forward_op(

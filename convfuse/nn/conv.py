@@ -26,6 +26,7 @@ from ..geometry import ConvGeometry, IntOrTuple
 from ..pad_geometry import PadGeometry, padded_conv
 from . import _hyper
 from ._conv_base import _FusedConvLayer, assignable
+from ._memo import checked_geometry, forget_geometries
 from .module import USER_ERRORS, renamed
 
 
@@ -40,7 +41,6 @@ class _ConvNd(_FusedConvLayer):
     _padding: tuple[int, ...] | str
     _padding_mode: str
     _dilation: tuple[int, ...]
-    _geoms: dict[tuple[int, ...], tuple[PadGeometry | None, ConvGeometry]]
     _geometry_args = ("stride", "padding", "dilation", "padding_mode")
     _forward_op = conv_bias_act_forward
     _backward_op = conv_bias_act_backward
@@ -101,7 +101,7 @@ class _ConvNd(_FusedConvLayer):
         mode = _hyper.padding_mode(padding_mode)
         d = self.__dict__
         d["_stride"], d["_padding"], d["_dilation"], d["_padding_mode"] = s, p, dl, mode
-        d["_geoms"] = {}  # every cached geometry was for the old values
+        forget_geometries(self)  # every remembered geometry was for the old values
 
     stride = assignable("stride")
     padding = assignable("padding")
@@ -113,20 +113,23 @@ class _ConvNd(_FusedConvLayer):
         """(explicit padding or None, the convolution), validated once per input shape:
         a padding the input cannot take (reflect needs padding < size) raises here, before
         any engine runs."""
-        found = self._geoms.get(tuple(x.shape))
-        if found is None:
+        w_shape = tuple(self.weight.shape)
+
+        def make() -> tuple[PadGeometry | None, ConvGeometry]:
             if x.ndim != self._rank + 2:
                 raise ValueError(
                     f"expects a {self._rank + 2}-d input ({self._layout}), got shape "
                     f"{tuple(x.shape)}"
                 )
             found = padded_conv(
-                x.shape, self.weight.shape, self._stride, self._padding, self._dilation,
+                x.shape, w_shape, self._stride, self._padding, self._dilation,
                 self._groups, self._layout, self._padding_mode,
             )
             check_conv(found[1], self._dtype, self.device)
-            self._geoms[tuple(x.shape)] = found
-        return found
+            return found
+
+        # Note [geometry memos]: the weight's shape too, which may be swapped
+        return checked_geometry(self, (tuple(x.shape), w_shape), make)
 
     def _geometry_kwargs(self, x: Any) -> dict[str, Any]:
         pad, geom = self._geometry(x)

@@ -29,6 +29,7 @@ from ..geometry import IntOrTuple, is_int
 from ..transpose_geometry import ConvTransposeGeometry
 from . import _hyper
 from ._conv_base import _FusedConvLayer, assignable
+from ._memo import checked_geometry, forget_geometries
 from .module import USER_ERRORS, renamed
 
 
@@ -44,7 +45,6 @@ class _ConvTransposeNd(_FusedConvLayer):
     _padding: tuple[int, ...]
     _output_padding: tuple[int, ...]
     _dilation: tuple[int, ...]
-    _geoms: dict[Any, ConvTransposeGeometry]
     _geometry_args = ("stride", "padding", "output_padding", "dilation")
     _forward_op = conv_transpose_bias_act_forward
     _backward_op = conv_transpose_bias_act_backward
@@ -119,7 +119,7 @@ class _ConvTransposeNd(_FusedConvLayer):
                              f"dilation, got output_padding={o}, stride={s}, dilation={dl}")
         d = self.__dict__
         d["_stride"], d["_padding"], d["_output_padding"], d["_dilation"] = s, p, o, dl
-        d["_geoms"] = {}
+        forget_geometries(self)  # every remembered geometry was for the old values
 
     stride = assignable("stride")
     padding = assignable("padding")
@@ -137,22 +137,25 @@ class _ConvTransposeNd(_FusedConvLayer):
                     or not all(is_int(v) for v in output_size):
                 raise TypeError(f"output_size must be a sequence of ints or None, got "
                                 f"{output_size!r}")
-            key: Any = (tuple(x.shape), tuple(int(v) for v in output_size))
+            size: tuple[int, ...] | None = tuple(int(v) for v in output_size)
         else:
-            key = tuple(x.shape)
-        geom = self._geoms.get(key)
-        if geom is None:
+            size = None
+        w_shape = tuple(self.weight.shape)
+
+        def make() -> ConvTransposeGeometry:
             if x.ndim != self._rank + 2:
                 raise ValueError(f"expects a {self._rank + 2}-d input ({self._layout}), got "
                                  f"shape {tuple(x.shape)}")
             geom = ConvTransposeGeometry.create(
-                x.shape, self.weight.shape, self._stride, self._padding, self._output_padding,
-                self._dilation, self._groups, self._layout, output_size)
+                x.shape, w_shape, self._stride, self._padding, self._output_padding,
+                self._dilation, self._groups, self._layout, size)
             check_bytes(geom.output_shape, self._dtype, self.device, "output")
             if geom.batch:
                 check_conv(geom.conv, self._dtype, self.device)
-            self._geoms[key] = geom
-        return geom
+            return geom
+
+        # Note [geometry memos]: the weight's shape too, which may be swapped
+        return checked_geometry(self, (tuple(x.shape), size, w_shape), make)
 
     def output_shape(self, input_shape: Sequence[int],
                      output_size: Sequence[int] | None = None) -> tuple[int, ...]:

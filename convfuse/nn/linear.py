@@ -20,6 +20,7 @@ from ..backend import resolve_device
 from ..functional import conv_bias_act_backward, conv_bias_act_forward, conv_bias_act_known
 from ..geometry import ConvGeometry
 from . import _hyper
+from ._memo import checked_geometry
 from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
 
@@ -54,7 +55,6 @@ class Linear(Layer):
             check_bytes(shape, self._dtype, self.device, "weight")
         except USER_ERRORS as exc:
             raise renamed(exc, "Linear") from None
-        self._geoms: dict[int, ConvGeometry] = {}
         self._ctx = None
         # PyTorch's default init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias alike.
         rng = np.random.default_rng(seed)
@@ -77,6 +77,11 @@ class Linear(Layer):
     dtype = _fixed("dtype", "_dtype")
     del _fixed
 
+    def _checked_geometry(self, n: int) -> ConvGeometry:
+        geom = ConvGeometry.create((n, self._in, 1, 1), (self._out, self._in, 1, 1))
+        check_bytes((n, self._out), self._dtype, self.device, "output")
+        return geom
+
     def _as_conv(self, a: Any) -> Any:
         return a.reshape(*a.shape, 1, 1)
 
@@ -93,11 +98,7 @@ class Linear(Layer):
                                  + _hyper.dtype_hint(self._dtype, x.dtype))
             x = contiguous(x)
             n = int(x.shape[0])
-            geom = self._geoms.get(n)
-            if geom is None:
-                geom = ConvGeometry.create((n, self._in, 1, 1), (self._out, self._in, 1, 1))
-                check_bytes((n, self._out), self._dtype, self.device, "output")
-                self._geoms[n] = geom
+            geom = checked_geometry(self, n, lambda: self._checked_geometry(n))
             bias = None if self.bias is None else self.bias.data
             w = self.weight.data
             # Note [layer call cache] (_conv_base.py): x was checked above; what the op

@@ -18,6 +18,7 @@ from ..errors import DeviceMismatchError
 from ..geometry import IntOrTuple, parse_layout
 from ..pool_geometry import PoolGeometry
 from . import _hyper
+from ._memo import checked_geometry, forget_geometries
 from .module import USER_ERRORS, Layer, contiguous, renamed
 
 _P = TypeVar("_P", bound="_Pool2d")
@@ -29,7 +30,6 @@ class _Pool2d(Layer):
     _stride: tuple[int, ...]
     _padding: tuple[int, ...]
     _layout: str
-    _geoms: dict[tuple[int, ...], PoolGeometry]
 
     def __init__(
         self,
@@ -61,7 +61,13 @@ class _Pool2d(Layer):
         d = self.__dict__
         d["_kernel"], d["_stride"], d["_padding"] = kernel, stride_t, pad
         d["_layout"] = layout.upper()
-        d["_geoms"] = {}  # every cached geometry was for the old values
+        forget_geometries(self)  # every remembered geometry was for the old values
+
+    def _checked_geometry(self, x: Any) -> PoolGeometry:
+        geom = PoolGeometry.create(x.shape, self._kernel, self._stride, self._padding,
+                                   self._mode, self._layout)
+        check_bytes(geom.output_shape, x.dtype, device_of(x), "output")
+        return geom
 
     def _now(self) -> dict[str, Any]:
         return {"kernel_size": self._kernel, "stride": self._stride, "padding": self._padding,
@@ -90,12 +96,8 @@ class _Pool2d(Layer):
                 raise ValueError(f"expects a 4-d input ({self._layout}), got shape "
                                  f"{tuple(x.shape)}")
             x = contiguous(x)
-            geom = self._geoms.get(tuple(x.shape))
-            if geom is None:
-                geom = PoolGeometry.create(x.shape, self._kernel, self._stride, self._padding,
-                                           self._mode, self._layout)
-                check_bytes(geom.output_shape, x.dtype, device_of(x), "output")
-                self._geoms[tuple(x.shape)] = geom
+            geom = checked_geometry(self, (tuple(x.shape), x.dtype, device_of(x)),
+                                    lambda: self._checked_geometry(x))
             y = ops.pool_forward(x, geom)
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
