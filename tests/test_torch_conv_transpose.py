@@ -114,6 +114,19 @@ def test_repeated_calls_with_other_shapes_and_output_size():
         ours(torch.randn(1, 3, 4, 4, dtype=torch.float64), [20, 20])
 
 
+def test_output_size_tensors_are_read_at_each_call():
+    """0-d integer tensors in output_size are keyed by value: filled in place between
+    calls, the second call gets the new size, as torch.nn's, on a fresh layer too."""
+    ref, ours = _pair(2, (3, 4, 3, 2, 1), {}, torch.float64)
+    x = torch.randn(1, 3, 5, 5, dtype=torch.float64)
+    h, w = torch.tensor(9), torch.tensor(9)
+    for size in (9, 10):
+        h.fill_(size)
+        w.fill_(size)
+        assert ours(x, [h, w]).shape == ref(x, [h, w]).shape == (1, 4, size, size)
+        torch.testing.assert_close(ours(x, [h, w]), ref(x, [h, w]), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("act", ["relu", "silu", "tanh", "gelu", "leaky_relu"])
 def test_activation_and_residual_gradcheck(act):
     torch.manual_seed(0)

@@ -132,11 +132,11 @@ class _ConvTransposeNd(_ConvLayer):
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
         it runs in the autocast dtype, a residual cast too (Note [autocast])."""
         weight, bias = self._weight_bias()
-        sizes = None if output_size is None else tuple(output_size)
         path = _eager.call_path(input, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
             call: Any = self._check(input, output_size, residual)
         else:
+            sizes = None if output_size is None else tuple(_size_key(v) for v in output_size)
             key = self._call_key(input, weight, bias, residual, sizes)
             call = lookup(CALLS, key)
             if call is None:
@@ -256,3 +256,13 @@ class ConvTranspose3d(_ConvTransposeNd):
     (N, C, D, H, W)."""
 
     _rank = 3
+
+
+def _size_key(v: Any) -> Any:
+    """An output_size entry as a call key holds it: a 0-d integer tensor by its value (a
+    tensor hashes by identity, and one filled in place would hit the key of its old value),
+    anything else as it is (the checks refuse what is not an int)."""
+    if (isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point()
+            and not v.is_complex()):
+        return int(v)
+    return v
