@@ -118,6 +118,28 @@ def test_the_cpu_runner_steps_aside_for_a_replaced_function(monkeypatch, where):
         torch.testing.assert_close(want, theirs(x))
 
 
+def test_the_cpu_runner_keeps_nothing_the_engine_let_go():
+    """The runner holds its TinyConv weakly: once the engine's LRU drops it, the plan's
+    next call takes the validated path (same numbers) and arms a runner again, so a
+    per-signature cache of thousands of plans keeps no TinyConv the engine would not."""
+    torch.manual_seed(3)
+    ours = cft.convert(torch.nn.Conv2d(1, 2, 3, padding=1))
+    x = torch.randn(1, 1, 5, 4)
+    with torch.no_grad():
+        want = ours(x)
+        ours(x)
+        plan, = (p for p in _plans() if p.prep.geom.input_shape == (1, 1, 5, 4))
+        runner = plan.runner
+        assert runner and runner(x.numpy(), ours.weight.detach().numpy(),
+                                 ours.bias.detach().numpy()) is not None
+        ref_conv._tiny.cache_clear()
+        assert runner(x.numpy(), ours.weight.detach().numpy(),
+                      ours.bias.detach().numpy()) is None  # nothing kept alive
+        assert torch.equal(ours(x), want)  # the validated path, then armed again
+        assert plan.runner and plan.runner is not runner
+        assert torch.equal(ours(x), want)
+
+
 @pytest.mark.parametrize("kind", ["conv", "transpose"])
 @pytest.mark.parametrize("activation", ["identity", "relu", "silu"])
 def test_plan_gradients_match_torch_nn_in_float64(kind, activation):

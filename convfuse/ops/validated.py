@@ -44,8 +44,9 @@ def conv_bias_act_runner(eng: ModuleType, g: Any, dtype: Any, act: str,
     """conv_bias_act's y for one validated signature whose arrays are all `dtype`, as a
     callable (x, w, b) -> y with every per-call decision made, where the engine has one
     for it (the reference engine's tiny convolutions), else None. It computes what
-    `conv_bias_act(eng, x, w, b, g, act)` returns as y; a caller uses it only while
-    neither function is replaced (a spy must see every call)."""
+    `conv_bias_act(eng, x, w, b, g, act)` returns as y, or returns None once the engine
+    dropped what it runs (then the caller runs the validated entry, and may ask again); a
+    caller uses it only while neither function is replaced (a spy must see every call)."""
     make = getattr(eng, "bias_act_runner", None)
     return None if make is None else make(g, dtype, act, residual)
 

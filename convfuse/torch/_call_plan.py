@@ -135,7 +135,10 @@ class FusedCall:
                 ba = None if bias is None else bias.numpy(force=True)
             runner = self.runner
             if runner and self._runnable():
-                return torch.from_numpy(runner(x.numpy(force=True), wa, ba)), None
+                y = runner(x.numpy(force=True), wa, ba)
+                if y is not None:
+                    return torch.from_numpy(y), None
+                self.runner = runner = None  # the engine dropped it: armed again below
             y, z = self._run(self.name, x.numpy(force=True), wa, ba, self.prep.geom, self.act,
                              None if residual is None else residual.numpy(force=True))
             if runner is None:

@@ -487,7 +487,25 @@ def bias_act_runner(geom: ConvGeometry, dtype: np.dtype, act: str, residual: boo
     if residual or act not in ("relu", "identity") or dtype not in _FAST:
         return None
     tiny = _tiny(geom, dtype)
-    return None if tiny is None else functools.partial(tiny.bias_act, act=act)
+    return None if tiny is None else _TinyRunner(tiny, act)
+
+
+class _TinyRunner:
+    """TinyConv.bias_act for one activation, holding the TinyConv weakly: `_tiny`'s LRU
+    decides how many stay alive, not the callers that keep a runner (the torch bridge's
+    per-signature cache holds thousands, and a TinyConv's index arrays reach hundreds of
+    kilobytes). Once the LRU let it go the runner answers None, and its caller takes the
+    validated path, which makes it again."""
+
+    __slots__ = ("act", "tiny")
+
+    def __init__(self, tiny: TinyConv, act: str) -> None:
+        self.tiny, self.act = weakref.ref(tiny), act
+
+    def __call__(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+                 ) -> np.ndarray | None:
+        tiny = self.tiny()
+        return None if tiny is None else tiny.bias_act(x, w, b, self.act)
 
 
 def conv_forward(x: np.ndarray, w: np.ndarray, geom: ConvGeometry) -> np.ndarray:

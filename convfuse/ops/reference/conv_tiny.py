@@ -33,6 +33,7 @@ class TinyConv:
     taps, `dead_rules` conv's (_dead_tap_nans, _full_filter), their non-finite rules."""
 
     __slots__ = (
+        "__weakref__",  # runners hold it weakly (conv._TinyRunner)
         "bias_shape",
         "cd",
         "cl",
