@@ -478,7 +478,7 @@ def _tiny(geom: ConvGeometry, cd: np.dtype, with_data: bool = True) -> TinyConv 
 
 
 def bias_act_runner(geom: ConvGeometry, dtype: np.dtype, act: str, residual: bool,
-                    ) -> Callable[..., np.ndarray] | None:
+                    ) -> Callable[..., np.ndarray | None] | None:
     """For a validated conv_bias_act signature whose arrays are all `dtype` (with a
     residual or not, `act` normalized): a callable (x, w, b) -> y computing what
     conv_bias_act returns as y with no per-call decision, where the signature is the
