@@ -127,6 +127,52 @@ def test_flatten_round_trip_and_sequential_checks(rng):
     np.testing.assert_array_equal(flat.backward(y), x)
     with pytest.raises(TypeError, match="is not a layer"):
         cf.Sequential(cf.Flatten(), "relu")
+
+
+@pytest.mark.parametrize("dims", [(), (0,), (1, 2), (-3, -2), (2, -1), (0, -1)])
+def test_flatten_takes_torch_nn_dims(rng, dims):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 3, 4, 5))
+    flat, ref = cf.Flatten(*dims), torch.nn.Flatten(*dims)
+    y = flat(x)
+    assert y.shape == tuple(ref(torch.from_numpy(x)).shape) and np.shares_memory(y, x)
+    np.testing.assert_array_equal(y, ref(torch.from_numpy(x)).numpy())
+    np.testing.assert_array_equal(flat.backward(y), x)
+    assert repr(flat) == repr(ref)
+
+
+def test_flatten_refuses_dims_the_input_lacks():
+    x = np.zeros((2, 3))
+    with pytest.raises(IndexError, match=r"Flatten: start_dim 2 is out of range .*\(2, 3\)"):
+        cf.Flatten(2)(x)
+    with pytest.raises(IndexError, match="Flatten: start_dim 1 is out of range"):
+        cf.Flatten()(np.zeros(3))  # torch.nn's IndexError too
+    with pytest.raises(ValueError, match="start_dim 1 comes after end_dim 0"):
+        cf.Flatten(1, 0)(x)
+    with pytest.raises(TypeError, match="Flatten: end_dim must be an int, got float"):
+        cf.Flatten(1, -1.0)
+
+
+def test_sequential_takes_named_layers_and_slices_keep_their_names(rng):
+    torch = pytest.importorskip("torch")
+    layers = {"conv": cf.Conv2d(1, 2, 3, dtype="float64", seed=0), "flat": cf.Flatten(),
+              "fc": cf.Linear(2, 3, dtype="float64", seed=1)}
+    model = cf.Sequential(layers)
+    assert [name for name, _ in model.named_children()] == ["conv", "flat", "fc"]
+    assert list(model.state_dict()) == ["conv.weight", "conv.bias", "fc.weight", "fc.bias"]
+    x = rng.standard_normal((2, 1, 3, 3))
+    np.testing.assert_array_equal(model(x), layers["fc"](layers["flat"](layers["conv"](x))))
+    part = model[1:]
+    assert list(part.state_dict()) == ["fc.weight", "fc.bias"]
+    ref = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(),
+                              torch.nn.Linear(2, 3))
+    assert list(cf.Sequential(*model)[1:].state_dict()) == list(ref[1:].state_dict())
+    with pytest.raises(ValueError, match=r"Sequential: 'a\.b' cannot name a layer"):
+        cf.Sequential({"a.b": cf.Flatten()})
+    with pytest.raises(ValueError, match="'forward' cannot name a layer"):
+        cf.Sequential({"forward": cf.Flatten()})
+    with pytest.raises(TypeError, match="layer names must be str, got int"):
+        cf.Sequential({0: cf.Flatten()})
     if not cf.gpu_available():
         with pytest.raises(cf.DeviceUnavailableError):
             make_net().to("cuda")

@@ -3,29 +3,51 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..geometry import is_int
 from .module import Layer, forward_keeping_contexts
 
 
 class Flatten(Layer):
-    """(N, ...) -> (N, prod(...)); a view of a contiguous input, so it costs nothing (a
-    non-contiguous input is copied by the reshape, as NumPy does)."""
+    """torch.nn.Flatten: dims start_dim..end_dim (negative counts from the end) become one,
+    by default (N, ...) -> (N, prod(...)); a view of a contiguous input, so it costs nothing
+    (a non-contiguous input is copied by the reshape, as NumPy does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        for name, value in (("start_dim", start_dim), ("end_dim", end_dim)):
+            if not is_int(value):
+                raise TypeError(f"Flatten: {name} must be an int, got {type(value).__name__} "
+                                f"{value!r}")
+        self.start_dim, self.end_dim = int(start_dim), int(end_dim)
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
 
+    def _flat_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        ndim = max(len(shape), 1)  # torch.nn: a 0-d tensor flattens as a 1-d one
+        start, end = self.start_dim, self.end_dim
+        for name, value in (("start_dim", start), ("end_dim", end)):
+            if not -ndim <= value < ndim:  # torch.nn's IndexError
+                raise IndexError(f"Flatten: {name} {value} is out of range for an input of "
+                                 f"shape {shape}")
+        start, end = start % ndim, end % ndim
+        if start > end:
+            raise ValueError(f"Flatten: start_dim {self.start_dim} comes after end_dim "
+                             f"{self.end_dim} for an input of shape {shape}")
+        if not shape:
+            return (1,)
+        return (*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:])
+
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
-        if x.ndim < 2:
-            raise ValueError(
-                f"Flatten: expects at least 2 dims (N, ...), got shape {tuple(x.shape)}"
-            )
-        y = x.reshape(x.shape[0], -1)
+        y = x.reshape(self._flat_shape(tuple(x.shape)))
         self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype)
         return y
+
+    def extra_repr(self) -> str:
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
 
     forward = __call__
 
@@ -43,7 +65,9 @@ class Flatten(Layer):
 class Sequential(Layer):
     """Layers applied in order; backward runs them in reverse.
 
-    Children are registered as "0", "1", ... so state_dict keys match torch.nn.Sequential.
+    Children are registered as "0", "1", ... so state_dict keys match torch.nn.Sequential;
+    like torch.nn.Sequential, it also takes one mapping of names to layers
+    (`Sequential({"conv": c, "bn": b})`), and a slice keeps the layers' names.
     `seq(x, residual=r)` hands `r` to the last layer (which must take `residual=`, like
     Conv2d or BatchNorm2d), so `act(body(x) + r)` costs no extra pass; backward then returns
     `(dx, dresidual)`. `needs_input_grad` flows to the first layer: the others always need
@@ -57,16 +81,26 @@ class Sequential(Layer):
     forward again.
     """
 
-    def __init__(self, *layers: Layer) -> None:
-        for i, layer in enumerate(layers):
+    def __init__(self, *layers: Layer | Mapping[str, Layer]) -> None:
+        if len(layers) == 1 and isinstance(layers[0], Mapping):
+            named: list[tuple[Any, Any]] = list(layers[0].items())
+        else:
+            named = [(str(i), layer) for i, layer in enumerate(layers)]
+        for name, layer in named:
             if not isinstance(layer, Layer):
-                raise TypeError(f"Sequential: item {i} ({type(layer).__name__}) is not a layer "
-                                "(a convfuse.nn.Module)")
-        devices: set[str] = {lyr.device for lyr in layers if getattr(lyr, "device", None)}
+                raise TypeError(f"Sequential: item {name} ({type(layer).__name__}) is not a "
+                                "layer (a convfuse.nn.Module)")
+            if not isinstance(name, str):
+                raise TypeError(f"Sequential: layer names must be str, got "
+                                f"{type(name).__name__} {name!r}")
+            if not name or "." in name or hasattr(Sequential, name):
+                raise ValueError(f"Sequential: {name!r} cannot name a layer (empty, holding "
+                                 "'.', or an attribute of Sequential)")
+        devices: set[str] = {lyr.device for _, lyr in named if getattr(lyr, "device", None)}
         if len(devices) > 1:
             raise ValueError(f"Sequential layers are on different devices: {sorted(devices)}")
-        for i, layer in enumerate(layers):
-            self.add_module(str(i), layer)
+        for name, layer in named:
+            self.add_module(name, layer)
         self.device = devices.pop() if devices else None  # type: ignore[assignment]
         self._ctx = None
 
@@ -160,10 +194,9 @@ class Sequential(Layer):
             self.device = device
 
     def __getitem__(self, i: int | slice) -> Layer:
-        layers = self.layers
-        if isinstance(i, slice):
-            return Sequential(*layers[i])
-        return layers[i]
+        if isinstance(i, slice):  # the layers keep their names, as torch.nn's slice does
+            return Sequential(dict(list(self.named_children())[i]))
+        return self.layers[i]
 
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
