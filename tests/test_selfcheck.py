@@ -20,7 +20,7 @@ import pytest
 
 from convfuse import _binding, cli
 from convfuse.backend import gpu_unavailable_reason
-from convfuse.selfcheck import GPU_ONLY, run
+from convfuse.selfcheck import GPU_ONLY, NO_KERNELS, run
 from convfuse.selfcheck.report import FAIL, PASS, SKIP, CheckResult, Report
 
 NO_GPU = gpu_unavailable_reason() is not None
@@ -53,7 +53,7 @@ def test_checks_cover_the_issue(report):
 @pytest.mark.skipif(not NO_GPU, reason="describes a machine without a GPU")
 def test_without_a_gpu_it_says_what_it_could_not_check(report):
     assert report.gpu_reason == gpu_unavailable_reason()
-    assert report.not_checked == list(GPU_ONLY)
+    assert report.not_checked == [*GPU_ONLY, NO_KERNELS]  # the fixture's run(kernels=False)
     assert not any(c.group.startswith("gpu") for c in report.checks)
     out = io.StringIO()
     from convfuse.selfcheck.report import write_text

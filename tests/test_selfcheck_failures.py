@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from convfuse import _binding
-from convfuse.selfcheck import GPU_ONLY, cpu_checks, install, reference_checks, run
+from convfuse.selfcheck import (
+    GPU_ONLY,
+    NO_KERNELS,
+    cpu_checks,
+    install,
+    reference_checks,
+    run,
+)
 from convfuse.selfcheck.report import FAIL, SKIP, CheckResult, write_gpu_matrix
 from convfuse.selfcheck.runner import CheckFailed, relative_error, run_check
 from tests import _selfcheck_helpers
@@ -207,7 +214,7 @@ def test_cpu_only_on_a_gpu_machine_skips_the_gpu_checks(monkeypatch, quick):
     monkeypatch.setattr(sc, "gpu_unavailable_reason", lambda: None)
     rep = run(cpu_only=True, kernels=False)
     assert rep.gpu_reason == "GPU checks skipped (--cpu-only)"
-    assert rep.not_checked == list(GPU_ONLY) and rep.ok
+    assert rep.not_checked == [*GPU_ONLY, NO_KERNELS] and rep.ok
     assert not any(c.group.startswith("gpu") for c in rep.checks)
 
 
@@ -238,3 +245,16 @@ def test_table_cells_for_skips_and_errorless_failures():
     assert "skip" in text.splitlines()[3] and text.splitlines()[4].split()[-1] == "FAIL"
     assert "x" * 107 + "..." in text and "x" * 108 not in text
     assert relative_error(np.zeros(0), np.zeros(0)) == 0.0
+
+
+def test_the_kernels_compile_is_listed_as_unchecked_only_when_skipped(monkeypatch, quick):
+    import convfuse.selfcheck as sc
+
+    monkeypatch.setattr(sc, "gpu_unavailable_reason", lambda: "no GPU (as if)")
+    monkeypatch.setattr(cpu_checks, "kernels_compile", lambda: None)
+    with_kernels = run()
+    assert any(c.group == "kernels" for c in with_kernels.checks)
+    assert with_kernels.not_checked == list(GPU_ONLY)
+    without = run(kernels=False)
+    assert not any(c.group == "kernels" for c in without.checks)
+    assert without.not_checked == [*GPU_ONLY, NO_KERNELS]

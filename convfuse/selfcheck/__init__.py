@@ -22,11 +22,13 @@ GPU_ONLY = (
     "cuDNN compute calls (fused conv+bias+activation, backward data/filter/bias, "
     "activation, pooling) give the reference engine's results",
     "algorithm choice, workspace sizes and autotuning (they need a cuDNN handle)",
-    "the custom CUDA kernels' results (activations, loss, optimizers): here they were "
-    "only compiled",
+    "the custom CUDA kernels' results (activations, loss, optimizers): without a GPU "
+    "they can only be compiled",
     "float16/bfloat16 tensor-core paths and TF32",
     "the fused optimizers and CUDA-graph capture of a training step",
 )
+#: Listed as not checked where the kernels' compile was skipped (--no-kernels).
+NO_KERNELS = "the custom CUDA kernels' NVRTC compile (--no-kernels)"
 
 
 def run(cpu_only: bool = False, kernels: bool = True) -> Report:
@@ -64,6 +66,8 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
     if kernels:
         checks.append(run_check("kernels", "CUDA kernels compile (NVRTC)",
                                 cpu_checks.kernels_compile))
+    else:
+        report.not_checked.append(NO_KERNELS)
     for name, fn in reference_checks.REFERENCE_CHECKS:
         checks.append(run_check("reference", name, fn))
     if reason is None and lib is not None:  # pragma: gpu
@@ -113,4 +117,4 @@ def selfcheck(json_path: str | None = None, out: TextIO | None = None,
     return report.exit_code
 
 
-__all__ = ["GPU_ONLY", "Report", "gpu_unusable_reason", "run", "selfcheck"]
+__all__ = ["GPU_ONLY", "NO_KERNELS", "Report", "gpu_unusable_reason", "run", "selfcheck"]
