@@ -21,7 +21,7 @@ from convfuse.selfcheck import (
     run,
 )
 from convfuse.selfcheck.report import FAIL, SKIP, CheckResult, write_gpu_matrix
-from convfuse.selfcheck.runner import CheckFailed, relative_error, run_check
+from convfuse.selfcheck.runner import CheckFailed, Outcome, relative_error, run_check
 from tests import _selfcheck_helpers
 
 quick = _selfcheck_helpers.quick  # fixture
@@ -251,7 +251,7 @@ def test_the_kernels_compile_is_listed_as_unchecked_only_when_skipped(monkeypatc
     import convfuse.selfcheck as sc
 
     monkeypatch.setattr(sc, "gpu_unavailable_reason", lambda: "no GPU (as if)")
-    monkeypatch.setattr(cpu_checks, "kernels_compile", lambda: None)
+    monkeypatch.setattr(cpu_checks, "kernels_compile", lambda: Outcome("compiled (as if)"))
     with_kernels = run()
     assert any(c.group == "kernels" for c in with_kernels.checks)
     assert with_kernels.not_checked == list(GPU_ONLY)
