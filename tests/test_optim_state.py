@@ -68,10 +68,45 @@ def test_load_state_dict_rejects_mismatches(rng):
     sgd = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="unknown SGD hyperparameter"):
         sgd.load_state_dict(good)
-    plain = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1).state_dict()
-    with pytest.raises(ValueError, match=r"needs state \(\), this optimizer keeps"):
-        sgd.load_state_dict(plain)
+    bad = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1).state_dict()
+    bad["state"][1]["step"] = 2
+    with pytest.raises(ValueError, match="share one step count"):
+        sgd.load_state_dict(bad)  # a momentum change refused with it changes nothing
+    assert sgd.defaults["momentum"] == 0.9 and "momentum_buffer" in sgd.state_dict()["state"][0]
     assert opt.state_dict()["state"][0]["step"] == 0  # nothing was half-loaded
+
+
+@pytest.mark.parametrize(("saved", "built"), [(0.9, 0.0), (0.0, 0.9)])
+def test_load_state_dict_takes_the_checkpoints_momentum_as_torch_optim(rng, saved, built):
+    """torch.optim's load_state_dict takes the checkpoint's hyperparameters whatever the
+    optimizer was built with; the momentum buffer comes (or goes) with them."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 6)
+    ours = make_params(rng, np.float64, shapes)
+    theirs = [torch.tensor(p.data, requires_grad=True) for p in ours]
+    opt, ref = SGD(ours, lr=0.1, momentum=saved), torch.optim.SGD(theirs, lr=0.1,
+                                                                   momentum=saved)
+
+    def steps(gs):
+        run(opt, ours, gs)
+        for g in gs:
+            for t, gi in zip(theirs, g):
+                t.grad = torch.tensor(gi)
+            ref.step()
+
+    steps(grads[:3])
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    fresh = [Parameter(p.data.copy()) for p in ours]
+    opt = SGD(fresh, lr=0.5, momentum=built)
+    ref = torch.optim.SGD(theirs, lr=0.5, momentum=built)
+    opt.load_state_dict(sd)
+    ref.load_state_dict(ref_sd)
+    ours = fresh
+    assert opt.defaults["momentum"] == ref.param_groups[0]["momentum"] == saved
+    steps(grads[3:])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-14, atol=1e-15)
 
 
 def test_a_step_on_another_stream_waits_for_the_host_written_state(monkeypatch):

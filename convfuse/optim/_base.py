@@ -26,13 +26,14 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, kernels
-from ..backend import to_device
+from ..backend import array_module, to_device
 from ..errors import CaptureError, ConvfuseError
 from ..nn.module import renamed
 from ..nn.parameter import Parameter
 from ..ops._checks import as_float
 from ._flat import (
     FlatGroup,
+    aligned_zeros,
     build_groups,
     check_homes,
     check_params,
@@ -274,14 +275,20 @@ class FlatOptimizer:
         hyper = {k: v for k, v in group.items() if k not in ("lr", "params")}
         defaults = self._validated(**hyper)
         names = self._state_names_of(defaults)
-        if names != self._state_names():
-            raise ValueError(f"state_dict needs state {names}, this optimizer keeps "
-                             f"{self._state_names()}")
         lr = check_lr(group.get("lr"))
         plan = self._checked_entries(state_dict["state"], names)
+        fresh = None
+        if names != self._state_names():
+            # torch.optim takes the checkpoint's hyperparameters whatever the optimizer was
+            # built with: SGD(momentum=0.9)'s state into SGD(lr) brings its momentum buffer,
+            # allocated here, after every check and before anything changes. (Other
+            # buffers than the captured ones: a captured step is captured again after it.)
+            fresh = [self._new_state(g, names) for g in self._groups]
         self.defaults = defaults
         self.lr = lr
-        for g in self._groups:
+        for i, g in enumerate(self._groups):
+            if fresh is not None:
+                g.state = fresh[i]
             with device_context(g.device_id):
                 for s in g.slots:
                     for name in names:
@@ -290,6 +297,14 @@ class FlatOptimizer:
                 self._set_steps(g, plan[g.slots[0].index]["step"])
         if self._device_id >= 0:  # pragma: gpu
             self._mark_filled()
+
+    @staticmethod
+    def _new_state(g: FlatGroup, names: tuple[str, ...]) -> dict[str, Any]:
+        """Zeroed state buffers `names` for group `g`, laid out as build_groups lays them."""
+        xp = array_module(g.data)
+        with device_context(g.device_id):
+            return {name: aligned_zeros(xp, int(g.data.size), g.compute_dtype)
+                    for name in names}
 
     def _checked_entries(self, state: Any, names: tuple[str, ...]) -> dict[int, dict[str, Any]]:
         plan: dict[int, dict[str, Any]] = {}
