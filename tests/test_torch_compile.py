@@ -103,3 +103,17 @@ def test_a_dynamic_batch_compiles_once():
         torch.testing.assert_close(g, x.grad)
         counted(x)
     assert len(compiles) == 1
+
+
+def test_compiling_a_converted_conv_warns_nothing_torch_nn_does_not():
+    """The general path's padding split is lru-cached for eager host time; under dynamo the
+    plain function runs, so a compile does not warn about the cache wrapper."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = ct.convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1)))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="eager")(torch.randn(1, 3, 8, 8))
+    assert not [w for w in seen if "lru_cache" in str(w.message)]

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     ) from exc
 
 from . import _flops
-from ._errors import InputDeviceError, InputShapeError, InputTypeError
+from ._errors import InputDeviceError, InputShapeError, InputTypeError, TransformError
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
@@ -37,6 +37,6 @@ _flops.register()  # after the ops exist (conv, conv_transpose)
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputDeviceError",
-           "InputShapeError", "InputTypeError",
+           "InputShapeError", "InputTypeError", "TransformError",
            "activation_of", "backend", "convert", "explain", "fused_batchnorm", "fused_conv",
            "fused_conv_transpose"]

@@ -21,12 +21,32 @@ alone swaps parameters for plain tensors and keeps the eager path.
 Autocast: the custom ops' Autocast kernels cast before autograd sees the op (Note
 [autocast]); the eager path applies the same cast (`_autocast.cast_args`) before the
 Function, so autograd records the same casts.
+
+Note [torch.func transforms]
+Under torch.func's autodiff transforms the custom ops cannot be differentiated: an op whose
+gradient comes from `register_autograd` (or a torch.autograd.Function without
+setup_context, BatchNorm's) makes torch.func.grad, vjp and jacrev raise torch's "must
+override the setup_context staticmethod", and under torch.func.jvp and jacfwd it returns
+a zero tangent without a word (torch 2.11 to 2.13; a forward-mode rule cannot be
+registered on a custom op). A silent zero derivative is the worst answer, so a layer (and
+a functional call) refuses, before any op runs, wherever a Grad or Jvp transform is on
+functorch's stack: `refuse_autodiff_transforms`, a TransformError naming the layer.
+torch.autograd.forward_ad's dual tensors alike: under no_grad the eager body would return
+no tangent at all, so while a dual level is open the layers take the custom-op path, which
+refuses an argument with a tangent.
+vmap alone (per-sample forwards, ensembles through functional_call) and functionalize
+still run the custom ops (a batch norm's only where autograd records nothing: its
+BatchNormFunction cannot run under a functorch transform, so a recorded call there is
+refused too); torch.autograd (backward, autograd.grad, double backward) is the way to
+differentiate a convfuse layer.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ._errors import TransformError
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -36,13 +56,21 @@ _tracing = torch._C._get_tracing_state
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _interpreters = torch._C._functorch.peek_interpreter_stack
+_fwad = torch.autograd.forward_ad
+
+
+def _dual_level() -> int:
+    """The open forward-AD dual level, -1 where none is (torch keeps it in a module global;
+    should it move, forward AD goes unnoticed here rather than breaking every call)."""
+    return getattr(_fwad, "_current_level", -1)
 
 
 def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     """Whether a layer's call may run its autograd.Function instead of the custom op
     (Note [two call paths])."""
     if (_compiling() or _tracing() is not None or _dispatch_modes()
-            or _function_modes() or _interpreters() is not None):
+            or _function_modes() or _interpreters() is not None
+            or getattr(_fwad, "_current_level", -1) >= 0):  # _dual_level(), inlined
         return False
     for t in tensors:  # a loop, not all(<generator>): it runs at every call
         if t is not None and (type(t) not in _PLAIN or _wrapped(t)):
@@ -52,6 +80,38 @@ def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     # must be its own, which the checks enforce)
     first = tensors[0] if tensors else None
     return first is None or not first.is_meta
+
+
+def refuse_autodiff_transforms(owner: str, *tensors: torch.Tensor | None) -> None:
+    """Raise TransformError where a torch.func Grad or Jvp transform is active, or one of
+    `tensors` carries a forward-AD tangent (Note [torch.func transforms]); only the
+    custom-op path asks, so eager calls pay nothing. Under dynamo nothing is asked: its
+    trace handles functorch itself and cannot call these queries."""
+    if _compiling():
+        return
+    stack = torch._C._functorch.get_interpreter_stack() if _interpreters() is not None \
+        else None
+    refused = {i.key() for i in stack or ()} & _AUTODIFF
+    if refused:  # first: torch.func.jvp opens a dual level too
+        names = " and ".join(sorted(k.name for k in refused))
+        raise TransformError(
+            f"{owner}: a torch.func {names} transform (torch.func.grad, vjp, jacrev, jvp, "
+            "jacfwd, hessian) cannot differentiate convfuse's fused ops: torch's custom ops "
+            "have no rule for it, and jvp would give a zero tangent. Differentiate with "
+            "torch.autograd (loss.backward(), torch.autograd.grad), or keep this layer in "
+            "torch.nn's hands")
+    if _dual_level() >= 0:
+        for t in tensors:
+            if t is not None and _fwad.unpack_dual(t).tangent is not None:
+                raise TransformError(
+                    f"{owner}: forward-mode AD (a torch.autograd.forward_ad dual tensor) "
+                    "cannot go through convfuse's fused ops: they have no forward-mode rule. "
+                    "Differentiate with torch.autograd (backward, torch.autograd.grad), or "
+                    "keep this layer in torch.nn's hands")
+
+
+_AUTODIFF = frozenset((torch._C._functorch.TransformType.Grad,
+                       torch._C._functorch.TransformType.Jvp))
 
 
 def call_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -21,6 +21,12 @@ class InputTypeError(ConvfuseError, TypeError, RuntimeError):
     and convfuse's TypeError."""
 
 
+class TransformError(ConvfuseError, NotImplementedError):
+    """A torch.func autodiff transform (grad, vjp, jacrev, jvp, jacfwd, hessian) around a
+    convfuse layer, which cannot differentiate its fused ops (Note [torch.func transforms]
+    in _eager.py); a NotImplementedError, so also the RuntimeError torch raises there."""
+
+
 class InputDeviceError(DeviceMismatchError, TypeError, RuntimeError):
     """An input (or residual) on another device than the layer's parameters: torch.nn's
     RuntimeError and convfuse's DeviceMismatchError (a ValueError); also a TypeError, which

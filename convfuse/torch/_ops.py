@@ -353,6 +353,7 @@ def call_fused(custom_op: Any, function: Any, body: Any, args: tuple[Any, ...]) 
     or transform must see it, else the eager path (Note [two call paths] in _eager.py)."""
     x, weight, bias, residual = args[:4]
     if not _eager.takes_eager_path(x, weight, bias, residual):
+        _eager.refuse_autodiff_transforms(f"torch.ops.{custom_op}", x, weight, bias, residual)
         return custom_op(*args)
     args = _autocast.cast_args(device_type(x), args)
     if _eager.needs_graph(*args[:4]):

@@ -25,7 +25,7 @@ from ..geometry import is_int
 from . import _bn_plan, _eager, _host_arrays
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
-from ._errors import InputDeviceError, InputShapeError, InputTypeError
+from ._errors import InputDeviceError, InputShapeError, InputTypeError, TransformError
 from ._module_state import PlainClasses
 from ._signature import SignatureCache, keyable
 
@@ -207,6 +207,15 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         between batch and running statistics and whether the running ones are updated."""
         weight, bias, rm, rv, nbt = self._state()
         eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
+        if not eager:
+            _eager.refuse_autodiff_transforms(type(self).__name__, x, weight, bias, residual)
+            if (_eager._interpreters() is not None and not _eager._compiling()
+                    and _eager.needs_graph(x, weight, bias, residual)):
+                raise TransformError(
+                    f"{type(self).__name__}: under torch.func.vmap with autograd recording, "
+                    "batch norm's autograd node cannot run (Note [torch.func transforms]); "
+                    "run the vmap under torch.no_grad(), or keep this layer in torch.nn's "
+                    "hands")
         if not eager and _eager._compiling():
             # traced by dynamo: a read of CALLS would become a guard of the compiled graph,
             # failed (a recompile) whenever any eager call adds a signature

@@ -333,6 +333,7 @@ class _ConvNd(_ConvLayer):
         plus the residual."""
         path = _eager.call_path(x, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
+            _eager.refuse_autodiff_transforms(type(self).__name__, x, weight, bias, residual)
             self._check(x, residual)
         else:
             key = self._call_key(x, weight, bias, residual)
@@ -379,7 +380,10 @@ class _ConvNd(_ConvLayer):
         if self.padding_mode != "zeros":
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
             return x, [0] * self._rank
-        extra, symmetric = _zero_padding(self._pads)
+        # under dynamo the function itself: a call of the lru_cache wrapper makes dynamo
+        # warn at every compile (the cache is for eager calls' host time)
+        split = _zero_padding.__wrapped__ if _eager._compiling() else _zero_padding
+        extra, symmetric = split(self._pads)
         if extra is not None:
             x = F.pad(x, list(extra))
         return x, list(symmetric)
