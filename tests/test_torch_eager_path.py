@@ -10,8 +10,6 @@ from the profiler's record of operator calls (the custom ops appear as convfuse:
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -328,70 +326,3 @@ def test_batchnorm_statistics_that_overlap_are_refused_after_a_good_call():
         bn(x)
     assert torch.equal(bn.running_mean, before)
 
-
-def _transform_layers():
-    torch.manual_seed(0)
-    return [("Conv2d", ct.Conv2d(3, 4, 3, activation="relu").double(), (2, 3, 5, 5)),
-            ("ConvTranspose2d", ct.ConvTranspose2d(3, 4, 3).double(), (2, 3, 5, 5)),
-            ("BatchNorm2d", ct.BatchNorm2d(3).double().eval(), (2, 3, 5, 5)),
-            ("BatchNorm2d", ct.BatchNorm2d(3).double().train(), (2, 3, 5, 5))]
-
-
-def _under(transform, layer, x):
-    func = torch.func
-    if transform == "grad":
-        return func.grad(lambda t: layer(t).sum())(x)
-    if transform == "vjp":
-        return func.vjp(layer, x)
-    if transform == "jacrev":
-        return func.jacrev(layer)(x)
-    if transform == "jvp":
-        return func.jvp(layer, (x,), (torch.ones_like(x),))
-    if transform == "jacfwd":
-        return func.jacfwd(layer)(x)
-    return func.vmap(func.grad(lambda t: layer(t[None]).sum()))(x)
-
-
-@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "jvp", "jacfwd",
-                                       "vmap(grad)"])
-def test_torch_func_autodiff_transforms_are_refused_naming_the_layer(transform):
-    """Note [torch.func transforms]: the custom ops cannot be differentiated by torch.func
-    (grad raises torch's setup_context error, jvp gave a zero tangent); each layer refuses
-    with a TransformError, also torch's NotImplementedError/RuntimeError."""
-    for name, layer, shape in _transform_layers():
-        x = torch.randn(shape, dtype=F64)
-        with pytest.raises(ct.TransformError, match=rf"^{name}: a torch.func (Grad|Jvp) "):
-            _under(transform, layer, x)
-    assert issubclass(ct.TransformError, NotImplementedError)
-
-
-def test_vmap_alone_still_runs_the_layers():
-    """vmap without an autodiff transform runs the custom ops (torch's per-sample
-    fallback): the same numbers as the batched eager call."""
-    for _, layer, shape in _transform_layers()[:3]:
-        x = torch.randn(shape, dtype=F64)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's "no batching rule" performance note
-            per_sample = torch.func.vmap(lambda t, m=layer: m(t[None])[0])(x)
-        torch.testing.assert_close(per_sample, layer(x).detach(), rtol=1e-13, atol=1e-13)
-    bn = _transform_layers()[2][1]
-    x = torch.randn(2, 3, 5, 5, dtype=F64)
-    with pytest.raises(ct.TransformError, match=r"BatchNorm2d: under torch\.func\.vmap with "
-                                                r"autograd recording"):
-        torch.func.vmap(lambda t: bn(t[None])[0])(x)  # its parameters require grad
-
-
-@pytest.mark.parametrize("grad_mode", [True, False])
-def test_forward_ad_dual_inputs_are_refused_and_plain_ones_run(grad_mode):
-    """A dual tensor's tangent would be dropped (no_grad: the body returns none) or raise
-    torch's NotImplementedError: refused with a TransformError; a plain input inside an
-    open dual level runs as ever."""
-    import torch.autograd.forward_ad as fwad
-
-    for name, layer, shape in _transform_layers():
-        x = torch.randn(shape, dtype=F64)
-        want = layer(x).detach()
-        with torch.set_grad_enabled(grad_mode), fwad.dual_level():
-            with pytest.raises(ct.TransformError, match=rf"^{name}: forward-mode AD"):
-                layer(fwad.make_dual(x, torch.ones_like(x)))
-            torch.testing.assert_close(layer(x).detach(), want, rtol=0, atol=0)

@@ -23,25 +23,28 @@ Autocast: the custom ops' Autocast kernels cast before autograd sees the op (Not
 Function, so autograd records the same casts.
 
 Note [torch.func transforms]
-Under torch.func's autodiff transforms the custom ops cannot be differentiated: an op whose
-gradient comes from `register_autograd` (or a torch.autograd.Function without
-setup_context, BatchNorm's) makes torch.func.grad, vjp and jacrev raise torch's "must
-override the setup_context staticmethod", and under torch.func.jvp and jacfwd it returns
-a zero tangent without a word (torch 2.11 to 2.13; a forward-mode rule cannot be
-registered on a custom op). A silent zero derivative is the worst answer, so a layer (and
-a functional call) refuses, before any op runs, wherever a Grad or Jvp transform is on
-functorch's stack: `refuse_autodiff_transforms`, a TransformError naming the layer.
-torch.autograd.forward_ad's dual tensors alike: under no_grad the eager body would return
-no tangent at all, so while a dual level is open the layers take the custom-op path, which
-refuses an argument with a tangent.
-vmap alone (per-sample forwards, ensembles through functional_call) and functionalize
-still run the custom ops (a batch norm's only where autograd records nothing: its
-BatchNormFunction cannot run under a functorch transform, so a recorded call there is
-refused too); torch.autograd (backward, autograd.grad, double backward) is the way to
-differentiate a convfuse layer.
+The custom ops cannot be differentiated by torch.func: an op whose gradient comes from
+`register_autograd` (or a torch.autograd.Function without setup_context, BatchNorm's)
+makes torch.func.grad, vjp and jacrev raise torch's "must override the setup_context
+staticmethod", and under torch.func.jvp and jacfwd it returns a zero tangent without a word
+(torch 2.11 to 2.13; a forward-mode rule cannot be registered on a custom op). So:
+- a Conv or ConvTranspose call under a Grad or Jvp transform, or with a forward-AD dual
+  level open, goes through a torch.autograd.Function torch.func can transform (Note [a
+  fused convolution under torch.func] in _functorch.py; `differentiating` says when):
+  grad, vjp, jacrev, jvp, jacfwd, vmap(grad) per-sample gradients and forward-AD dual
+  tensors give torch.nn's derivatives; second-order transforms are refused there;
+- a batch norm refuses them before any op runs (`refuse_autodiff_transforms`, a
+  TransformError naming the layer): its Function writes the running statistics.
+While a dual level is open the layers take the custom-op path (the eager body under
+no_grad would return no tangent at all). vmap alone (per-sample forwards, ensembles through
+functional_call) and functionalize run the custom ops, a batch norm's only where autograd
+records nothing (BatchNormFunction cannot run under a functorch transform, so a recorded
+call there is refused too).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,16 +85,28 @@ def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     return first is None or not first.is_meta
 
 
+def autodiff_kinds() -> frozenset[Any]:
+    """The torch.func autodiff transforms (Grad, Jvp) on functorch's stack now; empty under
+    dynamo, whose trace handles functorch itself and cannot call these queries."""
+    if _compiling() or _interpreters() is None:
+        return frozenset()
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    return frozenset(i.key() for i in stack) & _AUTODIFF
+
+
+def differentiating() -> bool:
+    """Whether a fused convolution must take its torch.func Function (Note [a fused
+    convolution under torch.func] in _functorch.py): a Grad or Jvp transform is active, or
+    a forward-AD dual level is open."""
+    return bool(autodiff_kinds()) or (not _compiling() and _dual_level() >= 0)
+
+
 def refuse_autodiff_transforms(owner: str, *tensors: torch.Tensor | None) -> None:
     """Raise TransformError where a torch.func Grad or Jvp transform is active, or one of
     `tensors` carries a forward-AD tangent (Note [torch.func transforms]); only the
     custom-op path asks, so eager calls pay nothing. Under dynamo nothing is asked: its
     trace handles functorch itself and cannot call these queries."""
-    if _compiling():
-        return
-    stack = torch._C._functorch.get_interpreter_stack() if _interpreters() is not None \
-        else None
-    refused = {i.key() for i in stack or ()} & _AUTODIFF
+    refused = autodiff_kinds()
     if refused:  # first: torch.func.jvp opens a dual level too
         names = " and ".join(sorted(k.name for k in refused))
         raise TransformError(
@@ -100,7 +115,7 @@ def refuse_autodiff_transforms(owner: str, *tensors: torch.Tensor | None) -> Non
             "have no rule for it, and jvp would give a zero tangent. Differentiate with "
             "torch.autograd (loss.backward(), torch.autograd.grad), or keep this layer in "
             "torch.nn's hands")
-    if _dual_level() >= 0:
+    if not _compiling() and _dual_level() >= 0:
         for t in tensors:
             if t is not None and _fwad.unpack_dual(t).tangent is not None:
                 raise TransformError(
@@ -110,8 +125,8 @@ def refuse_autodiff_transforms(owner: str, *tensors: torch.Tensor | None) -> Non
                     "keep this layer in torch.nn's hands")
 
 
-_AUTODIFF = frozenset((torch._C._functorch.TransformType.Grad,
-                       torch._C._functorch.TransformType.Jvp))
+GRAD, JVP = torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp
+_AUTODIFF = frozenset((GRAD, JVP))
 
 
 def call_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

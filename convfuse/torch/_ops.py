@@ -32,7 +32,7 @@ import torch
 from .. import activations
 from ..geometry import ConvGeometry, from_channels_first
 from ..ops._checks import ALIGNMENT
-from . import _autocast, _bound, _double, _eager
+from . import _autocast, _bound, _double, _eager, _functorch
 from ._arrays import (
     conv_channels_last,
     empty_in_layout,
@@ -348,12 +348,18 @@ def eager_function(name: str, forward_body: Any, backward_body: Any,
         "__doc__": f"{forward_body.__name__.lstrip('_')} as one autograd node (eager path)."})
 
 
-def call_fused(custom_op: Any, function: Any, body: Any, args: tuple[Any, ...]) -> Any:
+def call_fused(custom_op: Any, function: Any, body: Any, args: tuple[Any, ...],
+               transformed: Any) -> Any:
     """A fused forward `(x, weight, bias, residual, *rest)`: the custom op where a tracer
-    or transform must see it, else the eager path (Note [two call paths] in _eager.py)."""
+    or transform must see it, else the eager path (Note [two call paths] in _eager.py);
+    under torch.func's autodiff transforms or forward AD, the Function `transformed` (Note
+    [a fused convolution under torch.func] in _functorch.py)."""
     x, weight, bias, residual = args[:4]
     if not _eager.takes_eager_path(x, weight, bias, residual):
-        _eager.refuse_autodiff_transforms(f"torch.ops.{custom_op}", x, weight, bias, residual)
+        if _eager.differentiating():
+            x, weight, bias, residual, *hyper, act = _autocast.cast_args(device_type(x), args)
+            return transformed.apply(x, weight, bias, residual, _functorch.Hyper(tuple(hyper)),
+                                     act)
         return custom_op(*args)
     args = _autocast.cast_args(device_type(x), args)
     if _eager.needs_graph(*args[:4]):
@@ -367,8 +373,13 @@ _autocast.register_conv(conv_bias_act)
 
 ConvBiasAct = eager_function("ConvBiasAct", _conv_bias_act, _conv_bias_act_backward,
                              "conv_backward")
+TransformedConvBiasAct = _functorch.function(
+    "TransformedConvBiasAct", torch.ops.convfuse.conv_bias_act,
+    torch.ops.convfuse.conv_bias_act_backward,
+    *fused_autograd(torch.ops.convfuse.conv_bias_act_backward, "conv_backward"))
 
 
 def conv_bias_act_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ops.convfuse.conv_bias_act(*args), taking the eager path where it may."""
-    return call_fused(torch.ops.convfuse.conv_bias_act, ConvBiasAct, _conv_bias_act, args)
+    return call_fused(torch.ops.convfuse.conv_bias_act, ConvBiasAct, _conv_bias_act, args,
+                      TransformedConvBiasAct)

@@ -25,12 +25,13 @@ import torch
 
 from .. import activations
 from ..transpose_geometry import ConvTransposeGeometry, transpose_output_size
-from . import _autocast
+from . import _autocast, _functorch
 from ._arrays import conv_channels_last, empty_in_layout
 from ._ops import (
     call_fused,
     eager_function,
     empty_backward,
+    fused_autograd,
     fused_backward,
     fused_forward,
     prepare,
@@ -114,10 +115,15 @@ _autocast.register_conv(conv_transpose_bias_act)
 ConvTransposeBiasAct = eager_function(
     "ConvTransposeBiasAct", _conv_transpose_bias_act, _conv_transpose_bias_act_backward,
     "conv_transpose_backward")
+TransformedConvTransposeBiasAct = _functorch.function(
+    "TransformedConvTransposeBiasAct", torch.ops.convfuse.conv_transpose_bias_act,
+    torch.ops.convfuse.conv_transpose_bias_act_backward,
+    *fused_autograd(torch.ops.convfuse.conv_transpose_bias_act_backward,
+                    "conv_transpose_backward"))
 
 
 def conv_transpose_bias_act_call(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.ops.convfuse.conv_transpose_bias_act(*args), taking the eager path where it
     may."""
     return call_fused(torch.ops.convfuse.conv_transpose_bias_act, ConvTransposeBiasAct,
-                      _conv_transpose_bias_act, args)
+                      _conv_transpose_bias_act, args, TransformedConvTransposeBiasAct)

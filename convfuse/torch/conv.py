@@ -333,7 +333,6 @@ class _ConvNd(_ConvLayer):
         plus the residual."""
         path = _eager.call_path(x, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
-            _eager.refuse_autodiff_transforms(type(self).__name__, x, weight, bias, residual)
             self._check(x, residual)
         else:
             key = self._call_key(x, weight, bias, residual)

@@ -134,8 +134,6 @@ class _ConvTransposeNd(_ConvLayer):
         weight, bias = self._weight_bias()
         path = _eager.call_path(input, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
-            _eager.refuse_autodiff_transforms(type(self).__name__, input, weight, bias,
-                                              residual)
             call: Any = self._check(input, output_size, residual)
         else:
             sizes = None if output_size is None else tuple(_size_key(v) for v in output_size)

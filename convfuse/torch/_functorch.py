@@ -1,0 +1,115 @@
+"""The fused convolutions under torch.func's autodiff transforms and forward-mode AD (Note
+[torch.func transforms] in _eager.py).
+
+Note [a fused convolution under torch.func]
+torch.func differentiates an operator through its autograd formula: a custom op's
+`register_autograd` formula is refused under torch.func.grad (torch wants a Function with
+setup_context), and under torch.func.jvp the custom op's tangent came back zero. So under
+a Grad or Jvp transform, or with a forward-AD dual level open, a Conv or ConvTranspose call
+goes through `function(...)`'s torch.autograd.Function instead:
+- its forward is the fused custom op itself, its setup_context and backward the custom
+  op's own (`_ops.fused_autograd`): the same numbers and gradients as the eager path;
+- its vmap rule is generated (torch.func runs forward and backward under vmap, where the
+  custom ops take torch's per-sample fallback: per-sample gradients are right, and cost a
+  loop over the batch);
+- its jvp is the convolution's: with t_pre = conv(tx, w) + conv(x, tw) + tb + tr, the
+  output's tangent is act'(pre) * t_pre, computed by the custom ops (the forward with
+  identity, and the backward op's dz, which is act'(pre) * dy for dy = t_pre); the
+  pre-activation output (silu, gelu) has tangent t_pre.
+Second-order transforms (hessian, jacfwd(jacrev(f)), grad(grad(f))) would differentiate
+the backward or the jvp, whose custom ops have no torch.func rule (and under jvp would give
+zero): they are refused with TransformError when the backward or the jvp finds a Grad or
+Jvp transform still active. Batch norm is refused under every autodiff transform
+(_eager.refuse_autodiff_transforms): its Function mutates the running statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import activations
+from . import _eager
+from ._errors import TransformError
+
+
+def _refuse_second_order(name: str, what: str, own: Any) -> None:
+    """Refuse a backward or jvp that an outer autodiff transform would differentiate. The
+    stack at that point holds the transform running it (`own`: Grad for torch.func.grad's
+    backward, Jvp for the jvp; vjp's backward runs after its level is gone), so another
+    autodiff level, or a Jvp around a backward, is a second-order transform."""
+    stack = [i.key() for i in torch._C._functorch.get_interpreter_stack() or ()]
+    grad, jvp = _eager.GRAD, _eager.JVP
+    other = jvp if own is grad else grad
+    if other in stack or stack.count(own) > 1:
+        raise TransformError(
+            f"{name}: a torch.func transform around its {what} (a second-order transform: "
+            "hessian, jacfwd(jacrev(f)), grad(grad(f))) cannot differentiate convfuse's "
+            "fused ops; first-order torch.func transforms and torch.autograd's double "
+            "backward can")
+
+
+class Hyper:
+    """A fused op's non-tensor arguments between the residual and the activation (stride,
+    padding, ...), as one argument of the Function: torch.func flattens a Function's
+    arguments as pytrees, and lists of ints there would be taken for more inputs, which
+    its generated vmap rule for the jvp cannot match with their tangents."""
+
+    __slots__ = ("args",)
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+
+
+def function(name: str, forward_op: Any, backward_op: Any, setup_context: Any,
+             backward: Any) -> type[torch.autograd.Function]:
+    """A fused forward custom op `forward_op(x, weight, bias, residual, *hyper,
+    activation) -> (y, z)` as a torch.autograd.Function torch.func can transform (Note [a
+    fused convolution under torch.func]), applied as `(x, weight, bias, residual,
+    Hyper(hyper), activation)`; `setup_context` and `backward` are _ops.fused_autograd's
+    for its backward op `backward_op`."""
+
+    def forward(x: Any, weight: Any, bias: Any, residual: Any, hyper: Hyper,
+                activation: str) -> Any:
+        return forward_op(x, weight, bias, residual, *hyper.args, activation)
+
+    def setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, weight, bias, residual, hyper, activation = inputs
+        setup_context(ctx, (x, weight, bias, residual, *hyper.args, activation), output)
+        y, z = output
+        kind = activations.saves(activation)  # what setup_context saved for the backward
+        ctx.save_for_forward(x, weight, None if kind == "none" else y if kind == "output"
+                             else z)
+
+    def transformed_backward(ctx: Any, *grads: Any) -> Any:
+        _refuse_second_order(name, "backward", _eager.GRAD)
+        # torch.func runs a backward with grad mode on (for a transform around it, refused
+        # above), which would take the recorded path's differentiable ops: the fused op
+        with torch.no_grad():
+            dx, dw, db, dres, *_ = backward(ctx, *grads)
+        return dx, dw, db, dres, None, None
+
+    def jvp(ctx: Any, tx: Any, tw: Any, tb: Any, tr: Any, _hyper: Any, _act: Any) -> Any:
+        _refuse_second_order(name, "forward-mode derivative", _eager.JVP)
+        x, weight, saved = ctx.saved_tensors
+        hyper, act = ctx.hyper, activations.normalize(ctx.activation)
+        parts = []
+        if tx is not None:  # conv(tx, w) + tb + tr in one call
+            parts.append(forward_op(tx, weight, tb, tr, *hyper, "identity")[0])
+            tb = tr = None
+        if tw is not None or not parts:  # (a zero weight: tb + tr alone, in y's layout)
+            parts.append(forward_op(x, torch.zeros_like(weight) if tw is None else tw, tb, tr,
+                                    *hyper, "identity")[0])
+        t = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        ty = t if act == "identity" else \
+            backward_op(t, x, weight, saved, *hyper, act, False, False, False, True)[3]
+        return ty, (t if activations.saves(act) == "preactivation" else None)
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup),
+        "backward": staticmethod(transformed_backward), "jvp": staticmethod(jvp),
+        "generate_vmap_rule": True, "__module__": __name__,
+        "__doc__": f"{name}: the fused custom op under torch.func (Note [a fused convolution "
+                   "under torch.func])."})
+
