@@ -1,9 +1,8 @@
 """convfuse.torch layers under torch.func's transforms and forward-mode AD (Note [torch.func
 transforms] in convfuse/torch/_eager.py, Note [a fused convolution under torch.func] in
 _functorch.py): Conv and ConvTranspose give torch.nn's first-order derivatives in float64
-(grad, vjp, jacrev, jvp, jacfwd, per-sample gradients, dual tensors); what cannot be
-differentiated (second order, batch norm) is refused with a TransformError, never a silent
-zero."""
+(grad, vjp, jacrev, jvp, jacfwd, per-sample gradients, dual tensors), and second order is
+refused with a TransformError, never a silent zero; a batch norm is torch.nn's there."""
 
 from __future__ import annotations
 
@@ -141,47 +140,82 @@ def test_second_order_transforms_are_refused(second_order):
     assert issubclass(ct.TransformError, NotImplementedError)
 
 
-def _batch_norms():
+def _bn_pair(training: bool):
+    """(convfuse BatchNorm2d with relu and a residual, torch.nn's BatchNorm2d, its
+    computation as a function of (x, residual))."""
     torch.manual_seed(0)
-    return [ct.BatchNorm2d(3).double().eval(), ct.BatchNorm2d(3).double().train()]
+    theirs = torch.nn.BatchNorm2d(3).double().train(training)
+    with torch.no_grad():
+        theirs.weight.uniform_(0.5, 1.5)
+        theirs.bias.normal_()
+        theirs.running_mean.normal_()
+        theirs.running_var.uniform_(0.5, 2.0)
+    ours = ct.convert(copy.deepcopy(theirs))
+    ours.activation = "relu"
+    return ours, theirs, (lambda t, r: torch.relu(theirs(t) + r))
 
 
-@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "jacfwd", "vmap(grad)"])
-def test_a_batch_norm_refuses_autodiff_transforms_naming_itself(transform):
-    x = torch.randn(2, 3, 4, 4, dtype=F64)
-    for bn in _batch_norms():
-        before = (bn.running_mean.clone(), bn.num_batches_tracked.clone())
-        calls = {
-            "grad": lambda b=bn: func.grad(lambda t: b(t).sum())(x),
-            "vjp": lambda b=bn: func.vjp(b, x),
-            "jvp": lambda b=bn: func.jvp(b, (x,), (x,)),
-            "jacfwd": lambda b=bn: func.jacfwd(b)(x[:1]),
-            "vmap(grad)": lambda b=bn: func.vmap(func.grad(lambda t: b(t[None]).sum()))(x),
-        }
-        with pytest.raises(ct.TransformError, match=r"^BatchNorm2d: a torch\.func (Grad|Jvp) "):
-            calls[transform]()
-        assert torch.equal(bn.running_mean, before[0])  # refused before any state changed
-        assert torch.equal(bn.num_batches_tracked, before[1])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "jacrev", "jacfwd",
+                                       "per_sample"])
+def test_a_batch_norm_under_torch_func_is_torch_nns(training, transform):
+    """Note [torch.func transforms]: a batch norm under torch.func runs torch.nn's own
+    computation: the same derivatives, and in training the same running statistics."""
+    ours, theirs, ref = _bn_pair(training)
+    x, r = torch.randn(4, 3, 3, 3, dtype=F64), torch.randn(4, 3, 3, 3, dtype=F64)
+
+    def run(layer, f):
+        if transform == "grad":
+            return func.grad(lambda t: f(t, r).square().sum())(x)
+        if transform == "vjp":
+            return func.vjp(lambda t: f(t, r), x)[1](torch.ones_like(x))
+        if transform == "jvp":
+            return func.jvp(f, (x, r), (torch.ones_like(x), torch.ones_like(r)))
+        if transform == "jacrev":
+            return func.jacrev(lambda t: f(t, r))(x)
+        if transform == "jacfwd":
+            return func.jacfwd(lambda t: f(t, r))(x)
+        params = {k: v.detach() for k, v in layer.named_parameters()}
+        buffers = {k: v for k, v in layer.named_buffers()}
+
+        def loss(p, xi, ri):
+            y = func.functional_call(layer, (p, buffers), (xi[None],))
+            return (torch.relu(y + ri) if layer is theirs else y).sum()
+        if layer is ours:
+            return func.vmap(func.grad(lambda p, xi, ri: func.functional_call(
+                layer, (p, buffers), (xi[None],), {"residual": ri[None]}).sum()),
+                in_dims=(None, 0, 0))(params, x, r)
+        return func.vmap(func.grad(loss), in_dims=(None, 0, 0))(params, x, r)
+
+    if training:  # torch.nn's count update under a transform: torch's error, as torch.nn's
+        with pytest.raises(RuntimeError) as want:
+            run(theirs, ref)
+        with pytest.raises(RuntimeError) as got:
+            run(ours, lambda t, s: ours(t, residual=s))
+        assert str(got.value) == str(want.value)
+    else:
+        _close(run(ours, lambda t, s: ours(t, residual=s)), run(theirs, ref))
+    _close((ours.running_mean, ours.running_var, ours.num_batches_tracked),
+           (theirs.running_mean, theirs.running_var, theirs.num_batches_tracked))
 
 
 @pytest.mark.parametrize("grad_mode", [True, False])
-def test_a_batch_norm_refuses_dual_tensors(grad_mode):
+def test_a_batch_norm_takes_dual_tensors_as_torch_nn(grad_mode):
     import torch.autograd.forward_ad as fwad
 
-    x = torch.randn(2, 3, 4, 4, dtype=F64)
-    for bn in _batch_norms():
-        want = bn(x).detach()
+    for training in (False, True):
+        ours, _, ref = _bn_pair(training)
+        x, t = torch.randn(4, 3, 3, 3, dtype=F64), torch.randn(4, 3, 3, 3, dtype=F64)
+        r = torch.zeros_like(x)
         with torch.set_grad_enabled(grad_mode), fwad.dual_level():
-            with pytest.raises(ct.TransformError, match=r"^BatchNorm2d: forward-mode AD"):
-                bn(fwad.make_dual(x, torch.ones_like(x)))
-            if not bn.training:  # a plain input inside the level runs as ever
-                torch.testing.assert_close(bn(x).detach(), want, rtol=0, atol=0)
+            got = fwad.unpack_dual(ours(fwad.make_dual(x, t), residual=r))
+            want = fwad.unpack_dual(ref(fwad.make_dual(x, t), r))
+            _close((got.primal, got.tangent), (want.primal, want.tangent))
 
 
 def test_vmap_alone_runs_the_layers():
-    """vmap without an autodiff transform runs the custom ops (torch's per-sample
-    fallback): the batched eager call's numbers; a batch norm's only under no_grad (its
-    Function cannot run under vmap), refused otherwise."""
+    """vmap without an autodiff transform: the batched eager call's numbers (the custom
+    ops' per-sample fallback for the convolutions, torch's batch norm)."""
     torch.manual_seed(0)
     layers = [ct.Conv2d(3, 4, 3).double(), ct.ConvTranspose2d(3, 4, 3).double(),
               ct.BatchNorm2d(3).double().eval()]
@@ -190,8 +224,5 @@ def test_vmap_alone_runs_the_layers():
         with torch.no_grad():
             per_sample = func.vmap(lambda t, m=layer: m(t[None])[0])(x)
         torch.testing.assert_close(per_sample, layer(x).detach(), rtol=1e-13, atol=1e-13)
-    per_sample = func.vmap(lambda t: layers[0](t[None])[0])(x)  # recorded: conv runs
-    torch.testing.assert_close(per_sample, layers[0](x), rtol=1e-13, atol=1e-13)
-    with pytest.raises(ct.TransformError, match=r"BatchNorm2d: under torch\.func\.vmap with "
-                                                r"autograd recording"):
-        func.vmap(lambda t: layers[2](t[None])[0])(x)  # its parameters require grad
+        per_sample = func.vmap(lambda t, m=layer: m(t[None])[0])(x)  # recorded
+        torch.testing.assert_close(per_sample, layer(x), rtol=1e-13, atol=1e-13)

@@ -27,19 +27,20 @@ The custom ops cannot be differentiated by torch.func: an op whose gradient come
 `register_autograd` (or a torch.autograd.Function without setup_context, BatchNorm's)
 makes torch.func.grad, vjp and jacrev raise torch's "must override the setup_context
 staticmethod", and under torch.func.jvp and jacfwd it returns a zero tangent without a word
-(torch 2.11 to 2.13; a forward-mode rule cannot be registered on a custom op). So:
-- a Conv or ConvTranspose call under a Grad or Jvp transform, or with a forward-AD dual
-  level open, goes through a torch.autograd.Function torch.func can transform (Note [a
-  fused convolution under torch.func] in _functorch.py; `differentiating` says when):
-  grad, vjp, jacrev, jvp, jacfwd, vmap(grad) per-sample gradients and forward-AD dual
-  tensors give torch.nn's derivatives; second-order transforms are refused there;
-- a batch norm refuses them before any op runs (`refuse_autodiff_transforms`, a
-  TransformError naming the layer): its Function writes the running statistics.
-While a dual level is open the layers take the custom-op path (the eager body under
-no_grad would return no tangent at all). vmap alone (per-sample forwards, ensembles through
-functional_call) and functionalize run the custom ops, a batch norm's only where autograd
-records nothing (BatchNormFunction cannot run under a functorch transform, so a recorded
-call there is refused too).
+(torch 2.11 to 2.13; a forward-mode rule cannot be registered on a custom op). So, wherever
+a functorch transform is active or a forward-AD dual level is open (the eager body under
+no_grad would return no tangent at all, so the layers then leave the eager path):
+- a Conv or ConvTranspose call under a Grad or Jvp transform or with a dual level open goes
+  through a torch.autograd.Function torch.func can transform (Note [a fused convolution
+  under torch.func] in _functorch.py; `differentiating` says when): grad, vjp, jacrev, jvp,
+  jacfwd, vmap(grad) per-sample gradients and dual tensors give torch.nn's derivatives;
+  second-order transforms are refused there with a TransformError; under vmap alone it
+  runs the custom op (torch's per-sample fallback);
+- a batch norm runs torch.nn's own computation (F.batch_norm, then the residual add and
+  the activation as torch ops: `under_torch_func`): torch.func transforms it as it
+  transforms torch.nn's, with torch.nn's numbers, running-statistics updates and errors.
+  Its fused Function writes the running statistics and has no torch.func rules; under a
+  transform, fusion buys little against torch.func's own overheads.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from ._errors import TransformError
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
@@ -101,28 +100,11 @@ def differentiating() -> bool:
     return bool(autodiff_kinds()) or (not _compiling() and _dual_level() >= 0)
 
 
-def refuse_autodiff_transforms(owner: str, *tensors: torch.Tensor | None) -> None:
-    """Raise TransformError where a torch.func Grad or Jvp transform is active, or one of
-    `tensors` carries a forward-AD tangent (Note [torch.func transforms]); only the
-    custom-op path asks, so eager calls pay nothing. Under dynamo nothing is asked: its
-    trace handles functorch itself and cannot call these queries."""
-    refused = autodiff_kinds()
-    if refused:  # first: torch.func.jvp opens a dual level too
-        names = " and ".join(sorted(k.name for k in refused))
-        raise TransformError(
-            f"{owner}: a torch.func {names} transform (torch.func.grad, vjp, jacrev, jvp, "
-            "jacfwd, hessian) cannot differentiate convfuse's fused ops: torch's custom ops "
-            "have no rule for it, and jvp would give a zero tangent. Differentiate with "
-            "torch.autograd (loss.backward(), torch.autograd.grad), or keep this layer in "
-            "torch.nn's hands")
-    if not _compiling() and _dual_level() >= 0:
-        for t in tensors:
-            if t is not None and _fwad.unpack_dual(t).tangent is not None:
-                raise TransformError(
-                    f"{owner}: forward-mode AD (a torch.autograd.forward_ad dual tensor) "
-                    "cannot go through convfuse's fused ops: they have no forward-mode rule. "
-                    "Differentiate with torch.autograd (backward, torch.autograd.grad), or "
-                    "keep this layer in torch.nn's hands")
+def under_torch_func() -> bool:
+    """Whether a batch norm runs torch's own ops (Note [torch.func transforms]): any
+    functorch transform is active (vmap included) or a forward-AD dual level is open; not
+    under dynamo."""
+    return not _compiling() and (_interpreters() is not None or _dual_level() >= 0)
 
 
 GRAD, JVP = torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp

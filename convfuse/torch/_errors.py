@@ -22,9 +22,10 @@ class InputTypeError(ConvfuseError, TypeError, RuntimeError):
 
 
 class TransformError(ConvfuseError, NotImplementedError):
-    """A torch.func autodiff transform (grad, vjp, jacrev, jvp, jacfwd, hessian) around a
-    convfuse layer, which cannot differentiate its fused ops (Note [torch.func transforms]
-    in _eager.py); a NotImplementedError, so also the RuntimeError torch raises there."""
+    """A second-order torch.func transform (hessian, jacfwd(jacrev(f)), grad(grad(f)))
+    around a fused convolution, whose backward and jvp run custom ops torch.func cannot
+    differentiate (Note [a fused convolution under torch.func] in _functorch.py); a
+    NotImplementedError, so also the RuntimeError torch raises there."""
 
 
 class InputDeviceError(DeviceMismatchError, TypeError, RuntimeError):

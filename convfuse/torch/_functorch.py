@@ -19,15 +19,17 @@ goes through `function(...)`'s torch.autograd.Function instead:
 Second-order transforms (hessian, jacfwd(jacrev(f)), grad(grad(f))) would differentiate
 the backward or the jvp, whose custom ops have no torch.func rule (and under jvp would give
 zero): they are refused with TransformError when the backward or the jvp finds a Grad or
-Jvp transform still active. Batch norm is refused under every autodiff transform
-(_eager.refuse_autodiff_transforms): its Function mutates the running statistics.
+Jvp transform still active. A batch norm under torch.func runs torch's own ops instead
+(Note [torch.func transforms] in _eager.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .. import activations
 from . import _eager
@@ -48,6 +50,24 @@ def _refuse_second_order(name: str, what: str, own: Any) -> None:
             "hessian, jacfwd(jacrev(f)), grad(grad(f))) cannot differentiate convfuse's "
             "fused ops; first-order torch.func transforms and torch.autograd's double "
             "backward can")
+
+
+def torch_activation(name: str) -> Any:
+    """convfuse's activation `name` as torch's function (a batch norm under torch.func runs
+    torch's ops: Note [torch.func transforms] in _eager.py)."""
+    act = activations.normalize(name)
+    if act == "identity":
+        return _identity
+    if act == "leaky_relu":
+        return functools.partial(F.leaky_relu, negative_slope=activations.LEAKY_RELU_SLOPE)
+    if act == "elu":
+        return functools.partial(F.elu, alpha=activations.ELU_ALPHA)
+    return {"relu": F.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu6": F.relu6,
+            "silu": F.silu, "gelu": F.gelu}[act]
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class Hyper:

@@ -18,6 +18,7 @@ import numbers
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import activations
@@ -25,7 +26,8 @@ from ..geometry import is_int
 from . import _bn_plan, _eager, _host_arrays
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call
-from ._errors import InputDeviceError, InputShapeError, InputTypeError, TransformError
+from ._errors import InputDeviceError, InputShapeError, InputTypeError
+from ._functorch import torch_activation
 from ._module_state import PlainClasses
 from ._signature import SignatureCache, keyable
 
@@ -207,15 +209,9 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         between batch and running statistics and whether the running ones are updated."""
         weight, bias, rm, rv, nbt = self._state()
         eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
-        if not eager:
-            _eager.refuse_autodiff_transforms(type(self).__name__, x, weight, bias, residual)
-            if (_eager._interpreters() is not None and not _eager._compiling()
-                    and _eager.needs_graph(x, weight, bias, residual)):
-                raise TransformError(
-                    f"{type(self).__name__}: under torch.func.vmap with autograd recording, "
-                    "batch norm's autograd node cannot run (Note [torch.func transforms]); "
-                    "run the vmap under torch.no_grad(), or keep this layer in torch.nn's "
-                    "hands")
+        if not eager and _eager.under_torch_func():  # Note [torch.func transforms]
+            self._check(x, residual, self._use_batch_stats())
+            return self._torch_batch_norm(x, residual)
         if not eager and _eager._compiling():
             # traced by dynamo: a read of CALLS would become a guard of the compiled graph,
             # failed (a recompile) whenever any eager call adds a signature
@@ -318,6 +314,24 @@ class _BatchNormNd(_host_arrays.HoldsViews):
                 None if rv is None else (rv.shape, rv.stride(), rv.dtype, rv.device),
                 nbt is None, self.num_features, self.eps, self.momentum, self.activation,
                 self.training, self.track_running_stats)
+
+    def _torch_batch_norm(self, x: torch.Tensor,
+                          residual: torch.Tensor | None) -> torch.Tensor:
+        """torch.nn.BatchNorm's forward, then the residual add and the activation, in torch
+        ops: what torch.func transforms and forward AD differentiate (Note [torch.func
+        transforms] in _eager.py), with torch.nn's numbers and rules, its errors included."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # the cumulative average, as torch.nn computes it
+                factor = 1.0 / float(self.num_batches_tracked)
+        stats = not self.training or self.track_running_stats
+        y = F.batch_norm(x, self.running_mean if stats else None,
+                         self.running_var if stats else None, self.weight, self.bias,
+                         self._use_batch_stats(), factor, float(self.eps))
+        if residual is not None:
+            y = y + residual
+        return torch_activation(self.activation)(y)
 
     def _empty_batch(self, x: torch.Tensor, residual: torch.Tensor | None, rm: Any, rv: Any,
                      use_batch_stats: bool) -> torch.Tensor:
