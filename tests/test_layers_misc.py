@@ -153,6 +153,17 @@ def test_flatten_refuses_dims_the_input_lacks():
         cf.Flatten(1, -1.0)
 
 
+def test_a_flatten_pickled_before_its_arguments_existed_still_runs(rng):
+    import pickle
+
+    flat = cf.Flatten()
+    for name in ("start_dim", "end_dim"):
+        del flat.__dict__[name]  # as an older convfuse pickled it
+    flat = pickle.loads(pickle.dumps(flat))
+    x = rng.standard_normal((2, 3, 4))
+    assert flat(x).shape == (2, 12) and repr(flat) == "Flatten(start_dim=1, end_dim=-1)"
+
+
 def test_sequential_takes_named_layers_and_slices_keep_their_names(rng):
     torch = pytest.importorskip("torch")
     layers = {"conv": cf.Conv2d(1, 2, 3, dtype="float64", seed=0), "flat": cf.Flatten(),
@@ -169,8 +180,9 @@ def test_sequential_takes_named_layers_and_slices_keep_their_names(rng):
     assert list(cf.Sequential(*model)[1:].state_dict()) == list(ref[1:].state_dict())
     with pytest.raises(ValueError, match=r"Sequential: 'a\.b' cannot name a layer"):
         cf.Sequential({"a.b": cf.Flatten()})
-    with pytest.raises(ValueError, match="'forward' cannot name a layer"):
-        cf.Sequential({"forward": cf.Flatten()})
+    for taken in ("forward", "training", "device", "_ctx_value", "_calls"):
+        with pytest.raises(ValueError, match=f"'{taken}' cannot name a layer"):
+            cf.Sequential({taken: cf.Flatten()})
     with pytest.raises(TypeError, match="layer names must be str, got int"):
         cf.Sequential({0: cf.Flatten()})
     if not cf.gpu_available():

@@ -258,3 +258,15 @@ def test_the_kernels_compile_is_listed_as_unchecked_only_when_skipped(monkeypatc
     without = run(kernels=False)
     assert not any(c.group == "kernels" for c in without.checks)
     assert without.not_checked == [*GPU_ONLY, NO_KERNELS]
+
+
+def test_a_gpu_without_the_binding_keeps_the_no_kernels_entry(monkeypatch, quick):
+    """A usable GPU whose cuDNN binding did not load lists every GPU check as unchecked,
+    and a --no-kernels run still lists the kernels' compile."""
+    import convfuse.selfcheck as sc
+
+    monkeypatch.setattr(sc, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setattr(install, "load_binding", lambda: (None, None, []))
+    rep = run(kernels=False)
+    assert rep.not_checked == ["every GPU check: the cuDNN binding did not load", *GPU_ONLY,
+                               NO_KERNELS]

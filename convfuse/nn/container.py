@@ -16,6 +16,10 @@ class Flatten(Layer):
     by default (N, ...) -> (N, prod(...)); a view of a contiguous input, so it costs nothing
     (a non-contiguous input is copied by the reshape, as NumPy does)."""
 
+    # class defaults: a Flatten pickled before the arguments existed has neither attribute
+    start_dim = 1
+    end_dim = -1
+
     def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
         for name, value in (("start_dim", start_dim), ("end_dim", end_dim)):
             if not is_int(value):
@@ -42,7 +46,10 @@ class Flatten(Layer):
 
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
-        y = x.reshape(self._flat_shape(tuple(x.shape)))
+        if self.start_dim == 1 and self.end_dim == -1 and x.ndim >= 2:  # the usual call
+            y = x.reshape(x.shape[0], -1)
+        else:
+            y = x.reshape(self._flat_shape(tuple(x.shape)))
         self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype)
         return y
 
@@ -93,9 +100,10 @@ class Sequential(Layer):
             if not isinstance(name, str):
                 raise TypeError(f"Sequential: layer names must be str, got "
                                 f"{type(name).__name__} {name!r}")
-            if not name or "." in name or hasattr(Sequential, name):
+            if (not name or "." in name or name.startswith("_") or name == "device"
+                    or hasattr(Sequential, name)):
                 raise ValueError(f"Sequential: {name!r} cannot name a layer (empty, holding "
-                                 "'.', or an attribute of Sequential)")
+                                 "'.', starting with '_', or an attribute of Sequential)")
         devices: set[str] = {lyr.device for _, lyr in named if getattr(lyr, "device", None)}
         if len(devices) > 1:
             raise ValueError(f"Sequential layers are on different devices: {sorted(devices)}")

@@ -284,10 +284,13 @@ class FlatOptimizer:
             # allocated here, after every check and before anything changes. (Other
             # buffers than the captured ones: a captured step is captured again after it.)
             fresh = [self._new_state(g, names) for g in self._groups]
+        self.lr = lr  # first: on the GPU it refuses a capture in progress (CaptureError)
         self.defaults = defaults
-        self.lr = lr
         for i, g in enumerate(self._groups):
             if fresh is not None:
+                # the old buffers stay alive: a step captured before would replay on them
+                # (stale, but never on freed memory)
+                g.retired.append(g.state)
                 g.state = fresh[i]
             with device_context(g.device_id):
                 for s in g.slots:

@@ -58,6 +58,8 @@ class FlatGroup:
     ticket_dev: Any = None
     kernel: Any = None
     grid: int = 1
+    # state buffers a load_state_dict replaced, kept alive for steps captured before it
+    retired: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def on_gpu(self) -> bool:

@@ -75,8 +75,8 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
 
         checks.extend(run_gpu_checks())
     elif reason is None:  # pragma: gpu
-        report.not_checked = ["every GPU check: the cuDNN binding did not load",
-                              *GPU_ONLY]
+        report.not_checked[:0] = ["every GPU check: the cuDNN binding did not load",
+                                  *GPU_ONLY]
     return report
 
 

@@ -465,7 +465,10 @@ def _convolve(x: np.ndarray, w4: np.ndarray, geom: ConvGeometry, cd: np.dtype,
 _FAST = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-@functools.lru_cache(maxsize=512)
+# 1,024 entries: a signature takes two (its TinyConv and its data gradient's), and the torch
+# bridge's runners hold them weakly (_TinyRunner), so this bound is what keeps up to 512
+# tiny signatures in rotation from being rebuilt at every call
+@functools.lru_cache(maxsize=1024)
 def _tiny(geom: ConvGeometry, cd: np.dtype, with_data: bool = True) -> TinyConv | None:
     """The TinyConv of a tiny geometry (Note [tiny plans] in conv_tiny.py), else None; its
     data gradient's own (`with_data`) where that is a tiny convolution too."""
