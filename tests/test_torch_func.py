@@ -118,7 +118,9 @@ def test_forward_ad_dual_tensors_give_torch_nns_tangent(grad_mode):
 
 
 @pytest.mark.parametrize("second_order", ["hessian", "grad(grad)", "jacfwd(jacrev)",
-                                          "jacrev(jacfwd)", "jacfwd(jacfwd)"])
+                                          "jacrev(jacfwd)", "jacfwd(jacfwd)",
+                                          "jacrev(jacrev)", "grad(vjp_fn)",
+                                          "vmap(jacrev(jacrev))"])
 def test_second_order_transforms_are_refused(second_order):
     """The backward's and jvp's custom ops have no torch.func rule (and under jvp gave a
     zero tangent): refused, where torch.autograd's double backward works."""
@@ -134,8 +136,13 @@ def test_second_order_transforms_are_refused(second_order):
         "jacfwd(jacrev)": lambda: func.jacfwd(func.jacrev(f))(x),
         "jacrev(jacfwd)": lambda: func.jacrev(func.jacfwd(f))(x),
         "jacfwd(jacfwd)": lambda: func.jacfwd(func.jacfwd(f))(x),
+        # a vjp's or jacrev's backward runs after its own level is gone: these gave zeros
+        "jacrev(jacrev)": lambda: func.jacrev(func.jacrev(f))(x),
+        "grad(vjp_fn)": lambda: func.grad(
+            lambda u: func.vjp(f, u)[1](torch.ones((), dtype=F64))[0].sum())(x),
+        "vmap(jacrev(jacrev))": lambda: func.vmap(func.jacrev(func.jacrev(f)))(x[None]),
     }
-    with pytest.raises(ct.TransformError, match="a second-order transform"):
+    with pytest.raises(ct.TransformError, match="a second-order one"):
         calls[second_order]()
     assert issubclass(ct.TransformError, NotImplementedError)
 
@@ -226,3 +233,34 @@ def test_vmap_alone_runs_the_layers():
         torch.testing.assert_close(per_sample, layer(x).detach(), rtol=1e-13, atol=1e-13)
         per_sample = func.vmap(lambda t, m=layer: m(t[None])[0])(x)  # recorded
         torch.testing.assert_close(per_sample, layer(x), rtol=1e-13, atol=1e-13)
+
+
+def test_double_backward_inside_an_open_dual_level_is_autograds():
+    """With a forward-AD level open (and no dual tensor) a layer takes its torch.func
+    Function, whose backward records as the eager one's: double backward as ever."""
+    import torch.autograd.forward_ad as fwad
+
+    ours, ref, _ = _pair("conv", "tanh")
+    x = torch.randn(2, 3, 4, 4, dtype=F64, requires_grad=True)
+
+    def penalty(f):
+        g, = torch.autograd.grad(f(x).square().sum(), x, create_graph=True)
+        return torch.autograd.grad(g.square().sum(), x)[0]
+
+    want = penalty(ref)
+    with fwad.dual_level():
+        _close(penalty(ours), want)
+
+
+def test_forward_over_reverse_is_refused():
+    """A dual tensor reaching a fused convolution's backward (a Hessian-vector product by
+    forward over reverse) would lose its tangent: refused."""
+    import torch.autograd.forward_ad as fwad
+
+    ours, _, _ = _pair("conv", "tanh")
+    x = torch.randn(2, 3, 4, 4, dtype=F64)
+    with fwad.dual_level():
+        xd = fwad.make_dual(x, torch.ones_like(x)).requires_grad_()
+        y = ours(xd).sum()
+        with pytest.raises(ct.TransformError, match="forward-over-reverse"):
+            torch.autograd.grad(y, xd, create_graph=True)

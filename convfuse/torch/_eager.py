@@ -90,7 +90,7 @@ def autodiff_kinds() -> frozenset[Any]:
     if _compiling() or _interpreters() is None:
         return frozenset()
     stack = torch._C._functorch.get_interpreter_stack() or ()
-    return frozenset(i.key() for i in stack) & _AUTODIFF
+    return frozenset(i.key() for i in stack) & AUTODIFF
 
 
 def differentiating() -> bool:
@@ -107,8 +107,8 @@ def under_torch_func() -> bool:
     return not _compiling() and (_interpreters() is not None or _dual_level() >= 0)
 
 
-GRAD, JVP = torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp
-_AUTODIFF = frozenset((GRAD, JVP))
+AUTODIFF = frozenset((torch._C._functorch.TransformType.Grad,
+                      torch._C._functorch.TransformType.Jvp))
 
 
 def call_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -36,20 +36,29 @@ from . import _eager
 from ._errors import TransformError
 
 
-def _refuse_second_order(name: str, what: str, own: Any) -> None:
-    """Refuse a backward or jvp that an outer autodiff transform would differentiate. The
-    stack at that point holds the transform running it (`own`: Grad for torch.func.grad's
-    backward, Jvp for the jvp; vjp's backward runs after its level is gone), so another
-    autodiff level, or a Jvp around a backward, is a second-order transform."""
-    stack = [i.key() for i in torch._C._functorch.get_interpreter_stack() or ()]
-    grad, jvp = _eager.GRAD, _eager.JVP
-    other = jvp if own is grad else grad
-    if other in stack or stack.count(own) > 1:
+def _autodiff_levels() -> list[int]:
+    """The levels of the Grad and Jvp transforms on functorch's stack now."""
+    return [i.level() for i in torch._C._functorch.get_interpreter_stack() or ()
+            if i.key() in _eager.AUTODIFF]
+
+
+def _refuse_second_order(ctx: Any, name: str, what: str, tensors: tuple[Any, ...]) -> None:
+    """Refuse a backward or jvp that another autodiff transform would differentiate: one
+    whose level is not the call's own (`ctx.own_level`, the innermost at setup; a vjp's
+    backward may run after its own level is gone, so levels are compared, not counted), or
+    forward AD's dual tensors reaching it (forward-over-reverse)."""
+    own = ctx.own_level
+    outer = [level for level in _autodiff_levels() if level != own]
+    # plain forward AD only: under functorch (whose jvp opens a dual level too) the levels
+    # say it, and unpack_dual has no batching rule
+    dual = (_eager._interpreters() is None and _eager._dual_level() >= 0 and any(
+        t is not None and _eager._fwad.unpack_dual(t).tangent is not None for t in tensors))
+    if outer or dual:
         raise TransformError(
-            f"{name}: a torch.func transform around its {what} (a second-order transform: "
-            "hessian, jacfwd(jacrev(f)), grad(grad(f))) cannot differentiate convfuse's "
-            "fused ops; first-order torch.func transforms and torch.autograd's double "
-            "backward can")
+            f"{name}: a transform around its {what} (a second-order one: hessian, "
+            "jacrev(jacrev(f)), jacfwd(jacrev(f)), grad(grad(f)), forward-over-reverse AD) "
+            "cannot differentiate convfuse's fused ops; first-order torch.func transforms "
+            "and torch.autograd's double backward can")
 
 
 def torch_activation(name: str) -> Any:
@@ -101,18 +110,23 @@ def function(name: str, forward_op: Any, backward_op: Any, setup_context: Any,
         kind = activations.saves(activation)  # what setup_context saved for the backward
         ctx.save_for_forward(x, weight, None if kind == "none" else y if kind == "output"
                              else z)
+        levels = _autodiff_levels()  # setup runs at the call's own transform level
+        ctx.own_level = max(levels) if levels else None
 
     def transformed_backward(ctx: Any, *grads: Any) -> Any:
-        _refuse_second_order(name, "backward", _eager.GRAD)
-        # torch.func runs a backward with grad mode on (for a transform around it, refused
-        # above), which would take the recorded path's differentiable ops: the fused op
-        with torch.no_grad():
-            dx, dw, db, dres, *_ = backward(ctx, *grads)
+        _refuse_second_order(ctx, name, "backward", (*grads, *ctx.saved_tensors))
+        if _eager._interpreters() is None:  # plain autograd (a dual level open): as ever,
+            dx, dw, db, dres, *_ = backward(ctx, *grads)  # double backward included
+        else:
+            # torch.func runs a backward with grad mode on (for a transform around it,
+            # refused above), which would take the recorded path's differentiable ops
+            with torch.no_grad():
+                dx, dw, db, dres, *_ = backward(ctx, *grads)
         return dx, dw, db, dres, None, None
 
     def jvp(ctx: Any, tx: Any, tw: Any, tb: Any, tr: Any, _hyper: Any, _act: Any) -> Any:
-        _refuse_second_order(name, "forward-mode derivative", _eager.JVP)
         x, weight, saved = ctx.saved_tensors
+        _refuse_second_order(ctx, name, "forward-mode derivative", ())
         hyper, act = ctx.hyper, activations.normalize(ctx.activation)
         parts = []
         if tx is not None:  # conv(tx, w) + tb + tr in one call
