@@ -16,10 +16,13 @@ goes through `function(...)`'s torch.autograd.Function instead:
   output's tangent is act'(pre) * t_pre, computed by the custom ops (the forward with
   identity, and the backward op's dz, which is act'(pre) * dy for dy = t_pre); the
   pre-activation output (silu, gelu) has tangent t_pre.
-Second-order transforms (hessian, jacfwd(jacrev(f)), grad(grad(f))) would differentiate
-the backward or the jvp, whose custom ops have no torch.func rule (and under jvp would give
-zero): they are refused with TransformError when the backward or the jvp finds a Grad or
-Jvp transform still active. A batch norm under torch.func runs torch's own ops instead
+Second-order transforms (hessian, jacrev(jacrev(f)), jacfwd(jacrev(f)), grad(grad(f))) would
+differentiate the backward or the jvp, whose custom ops have no torch.func rule (and would
+give zero): they are refused with TransformError when the backward or the jvp finds a Grad
+or Jvp level other than the one its setup ran at (levels, not counts: a vjp's backward runs
+after its own level is gone), or, in plain forward AD, a dual tensor reaching the backward.
+Outside functorch (a dual level open, no dual tensor) the backward records as the eager
+one does, double backward included. A batch norm under torch.func runs torch's own ops instead
 (Note [torch.func transforms] in _eager.py).
 """
 
