@@ -384,10 +384,6 @@ def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     """A batch-norm layer's call: BatchNormFunction, or its forward alone where autograd
     records nothing on the eager path (Note [two call paths] in _eager.py)."""
     args = (x, weight, bias, residual, running_mean, running_var, num_batches_tracked)
-    if not _eager.needs_graph(x, weight, bias, residual):
-        # nothing to record: the body on the eager path, else the custom op itself, which
-        # runs under torch.func.vmap too (BatchNormFunction cannot: Note [torch.func
-        # transforms] in _eager.py)
-        eager = _eager.takes_eager_path(*args)
-        return _forward(eager, *args, use_batch_stats, momentum, eps, activation)[0]
+    if not _eager.needs_graph(x, weight, bias, residual) and _eager.takes_eager_path(*args):
+        return _forward(True, *args, use_batch_stats, momentum, eps, activation)[0]
     return BatchNormFunction.apply(*args, use_batch_stats, momentum, eps, activation)[0]

@@ -45,8 +45,6 @@ no_grad would return no tangent at all, so the layers then leave the eager path)
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -84,20 +82,21 @@ def takes_eager_path(*tensors: torch.Tensor | None) -> bool:
     return first is None or not first.is_meta
 
 
-def autodiff_kinds() -> frozenset[Any]:
-    """The torch.func autodiff transforms (Grad, Jvp) on functorch's stack now; empty under
-    dynamo, whose trace handles functorch itself and cannot call these queries."""
+def autodiff_levels() -> list[int]:
+    """The levels of the torch.func autodiff transforms (Grad, Jvp) on functorch's stack
+    now; none under dynamo, whose trace handles functorch itself and cannot make this
+    query."""
     if _compiling() or _interpreters() is None:
-        return frozenset()
-    stack = torch._C._functorch.get_interpreter_stack() or ()
-    return frozenset(i.key() for i in stack) & AUTODIFF
+        return []
+    return [i.level() for i in torch._C._functorch.get_interpreter_stack() or ()
+            if i.key() in AUTODIFF]
 
 
 def differentiating() -> bool:
     """Whether a fused convolution must take its torch.func Function (Note [a fused
     convolution under torch.func] in _functorch.py): a Grad or Jvp transform is active, or
     a forward-AD dual level is open."""
-    return bool(autodiff_kinds()) or (not _compiling() and _dual_level() >= 0)
+    return bool(autodiff_levels()) or (not _compiling() and _dual_level() >= 0)
 
 
 def under_torch_func() -> bool:

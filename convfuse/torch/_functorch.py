@@ -39,19 +39,13 @@ from . import _eager
 from ._errors import TransformError
 
 
-def _autodiff_levels() -> list[int]:
-    """The levels of the Grad and Jvp transforms on functorch's stack now."""
-    return [i.level() for i in torch._C._functorch.get_interpreter_stack() or ()
-            if i.key() in _eager.AUTODIFF]
-
-
 def _refuse_second_order(ctx: Any, name: str, what: str, tensors: tuple[Any, ...]) -> None:
     """Refuse a backward or jvp that another autodiff transform would differentiate: one
     whose level is not the call's own (`ctx.own_level`, the innermost at setup; a vjp's
     backward may run after its own level is gone, so levels are compared, not counted), or
     forward AD's dual tensors reaching it (forward-over-reverse)."""
     own = ctx.own_level
-    outer = [level for level in _autodiff_levels() if level != own]
+    outer = [level for level in _eager.autodiff_levels() if level != own]
     # plain forward AD only: under functorch (whose jvp opens a dual level too) the levels
     # say it, and unpack_dual has no batching rule
     dual = (_eager._interpreters() is None and _eager._dual_level() >= 0 and any(
@@ -113,7 +107,7 @@ def function(name: str, forward_op: Any, backward_op: Any, setup_context: Any,
         kind = activations.saves(activation)  # what setup_context saved for the backward
         ctx.save_for_forward(x, weight, None if kind == "none" else y if kind == "output"
                              else z)
-        levels = _autodiff_levels()  # setup runs at the call's own transform level
+        levels = _eager.autodiff_levels()  # setup runs at the call's own transform level
         ctx.own_level = max(levels) if levels else None
 
     def transformed_backward(ctx: Any, *grads: Any) -> Any:
