@@ -224,8 +224,9 @@ def _run_forward(x: Any, weight: Any, bias: Any, residual: Any, act: str, scale:
                 x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale,
             )
     else:  # pragma: gpu
+        # an empty batch takes the public op, which returns it without an engine call
         direct = _Direct.checked(("conv_bias_act",), (x, weight, bias, residual)) \
-            if known else None
+            if known and geom.batch else None
         y, z = direct.conv_bias_act(x, weight, bias, geom, act, residual, scale) \
             if direct is not None else ops.conv_bias_act(
                 x, weight, bias, geom, activation=act, residual=residual, residual_scale=scale)
@@ -297,7 +298,7 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
-    if not isinstance(dy, np.ndarray):  # pragma: gpu
+    if not isinstance(dy, np.ndarray) and geom.batch:  # pragma: gpu
         o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved, dweight,
                                             dbias)) or ops
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,

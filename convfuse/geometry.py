@@ -270,7 +270,9 @@ class ConvGeometry(ConvShapes):
 
     def _validate(self) -> None:
         x, w = self.input_shape_cf, self.weight_shape_cf
-        if any(d <= 0 for d in self.input_shape):
+        # An empty batch is allowed, as in torch.nn: the ops return empty outputs and zero
+        # weight gradients without any engine call.
+        if x[0] < 0 or any(v <= 0 for v in x[1:]):
             raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
         self._check_window()
         if self.groups < 1:

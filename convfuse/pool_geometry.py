@@ -76,7 +76,9 @@ class PoolGeometry(LayoutShapes):
         return geom
 
     def _validate(self) -> None:
-        if any(d <= 0 for d in self.input_shape):
+        # an empty batch is allowed, as in torch.nn: the ops return it without an engine call
+        x = self.input_shape_cf
+        if x[0] < 0 or any(d <= 0 for d in x[1:]):
             raise ValueError(f"input shape {self.input_shape} has a non-positive dimension")
         if any(k < 1 for k in self.kernel_size):
             raise ValueError(f"kernel_size must be >= 1, got {self.kernel_size}")

@@ -74,7 +74,8 @@ def test_padding_same_and_valid():
     (dict(layout="NCHWX"), (1, 3, 8, 8), (4, 3, 3, 3), "unknown layout"),
     (dict(stride=(1, 2, 3)), (1, 3, 8, 8), (4, 3, 3, 3), "stride must be an int or 2 ints"),
     (dict(padding=1.5), (1, 3, 8, 8), (4, 3, 3, 3), "padding must be an int"),
-    (dict(), (0, 3, 8, 8), (4, 3, 3, 3), "non-positive"),
+    (dict(), (1, 0, 8, 8), (4, 3, 3, 3), "non-positive"),
+    (dict(), (1, 3, 8, 0), (4, 3, 3, 3), "non-positive"),
 ])
 def test_rejections_name_the_problem(kwargs, x, w, message):
     with pytest.raises(ValueError, match=message):

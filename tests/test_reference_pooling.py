@@ -87,7 +87,7 @@ def test_geometry_properties():
      "is for 1-d convolutions"),
     (dict(input_shape=(1, 1, 4, 4), kernel_size=2, layout="CHWN"), ValueError,
      "unknown layout"),
-    (dict(input_shape=(0, 1, 4, 4), kernel_size=2), ValueError, "non-positive dimension"),
+    (dict(input_shape=(1, 0, 4, 4), kernel_size=2), ValueError, "non-positive dimension"),
     (dict(input_shape=(1, 1, 4.0, 4), kernel_size=2), TypeError, "must hold ints"),
     (dict(input_shape=4, kernel_size=2), TypeError, "sequence of ints"),
     (dict(input_shape=(1, 1, 4, 4), kernel_size=2.5), ValueError, "kernel_size must be"),

@@ -46,8 +46,8 @@ class Flatten(Layer):
 
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
-        if self.start_dim == 1 and self.end_dim == -1 and x.ndim >= 2:  # the usual call
-            y = x.reshape(x.shape[0], -1)
+        if self.start_dim == 1 and self.end_dim == -1 and x.ndim >= 2 and x.shape[0]:
+            y = x.reshape(x.shape[0], -1)  # the usual call (-1 cannot size an empty batch)
         else:
             y = x.reshape(self._flat_shape(tuple(x.shape)))
         self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype)

@@ -35,6 +35,19 @@ ALIGNMENT = 16
 IN_PLACE_OPS = frozenset({"activation_forward", "activation_backward"})
 
 
+def zero_filled(xp: ModuleType, out: Any, shape: tuple[int, ...], dtype: Any,
+                beta: float) -> Any:
+    """An empty batch's weight or bias gradient, which no engine computes: beta * out
+    (cuDNN's rule: beta = 0 never reads out), or new zeros."""
+    if out is None:
+        return xp.zeros(shape, dtype)
+    if beta == 0.0:
+        out.fill(0)
+    elif beta != 1.0:
+        out *= beta
+    return out
+
+
 class Arg(NamedTuple):
     """One array argument of an op: its name, value and required shape (None: any).
 

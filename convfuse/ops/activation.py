@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import activations as _activations
 from . import _checks, validated
-from ._checks import Arg, check_beta, check_geometry, validate
+from ._checks import Arg, check_beta, check_geometry, validate, zero_filled
 
 
 def activation_forward(z: Any, activation: str | None, out: Any = None) -> Any:
@@ -48,6 +48,9 @@ def activation_backward_bias(dy: Any, saved: Any, activation: str | None, geom: 
         Arg("dy", dy, g.output_shape), Arg("saved", saved, g.output_shape, optional=True),
         Arg("db_out", db_out, g.bias_shape, optional=True, output=True),
     ], g.layout)
+    if g.batch == 0:  # no engine: an empty dz, db zero (or beta-scaled)
+        return xp.empty(g.output_shape, dy.dtype), zero_filled(xp, db_out, g.bias_shape,
+                                                                dy.dtype, b)
     return validated.activation_backward_bias(_checks.engine(xp, "activation"), dy, saved, act,
                                               g, db_out, b)
 

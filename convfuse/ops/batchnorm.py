@@ -19,7 +19,7 @@ from ..dtypes import SUPPORTED, compute_dtype
 from ..errors import DeviceMismatchError
 from ..plan.batchnorm import BatchNormGeometry
 from . import _checks, validated
-from ._checks import Arg, check_scalar, validate
+from ._checks import Arg, check_scalar, validate, zero_filled
 from .validated import BatchNormSaved
 
 
@@ -40,7 +40,7 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
     f = check_scalar(op, "exponential_average_factor", exponential_average_factor)
     if not 0.0 <= f <= 1.0:
         raise ValueError(f"{op}: exponential_average_factor must lie in [0, 1], got {f}")
-    if g.count < 2:
+    if g.count == 1:  # torch.nn's rule; an empty batch (count 0) is returned empty
         raise ValueError(
             f"{op}: expected more than 1 value per channel when training, got input shape "
             f"{g.shape}")
@@ -49,6 +49,8 @@ def batchnorm_forward_training(x: Any, weight: Any, bias: Any, running_mean: Any
                    [Arg("weight", weight, None, True), Arg("bias", bias, None, True),
                     Arg("running_mean", running_mean, None, True, output=True),
                     Arg("running_var", running_var, None, True, output=True)], x)
+    if g.count == 0:  # the running statistics are left as they are, as torch.nn leaves them
+        return _empty_batch(xp, x, g, act, True, True)
     return validated.batchnorm_forward_training(
         _checks.engine(xp, "batchnorm"), x, weight, bias, running_mean, running_var, g, eps,
         f, act, residual)
@@ -76,6 +78,8 @@ def batchnorm_forward_inference(x: Any, weight: Any, bias: Any, running_mean: An
                    [Arg("weight", weight, None, True), Arg("bias", bias, None, True),
                     Arg("running_mean", running_mean, None),
                     Arg("running_var", running_var, None)], x)
+    if g.count == 0:
+        return _empty_batch(xp, x, g, act, False, stats)
     return validated.batchnorm_forward_inference(
         _checks.engine(xp, "batchnorm"), x, weight, bias, running_mean, running_var, g, eps,
         act, residual, stats)
@@ -122,9 +126,29 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNorm
                     Arg("saved.mean", saved.mean, None), Arg("saved.invstd", saved.invstd, None),
                     Arg("weight_grad", weight_grad, None, True, output=True),
                     Arg("bias_grad", bias_grad, None, True, output=True)], x)
+    if g.count == 0:
+        cd = compute_dtype(x.dtype)
+        has_w = weight is not None
+        dw = zero_filled(xp, weight_grad, (g.channels,), cd, beta) if has_w else None
+        db = zero_filled(xp, bias_grad, (g.channels,), cd, beta) if has_w else None
+        empty = xp.empty(g.shape, dy.dtype)
+        return (empty if need_dx else None, dw, db,
+                xp.empty(g.shape, dy.dtype) if residual else None)
     return validated.batchnorm_backward(_checks.engine(xp, "batchnorm"), dy, x, weight, bias,
                                         saved, g, eps, act, bool(residual), bool(need_dx),
                                         weight_grad, bias_grad, beta)
+
+
+def _empty_batch(xp: Any, x: Any, g: BatchNormGeometry, act: str, training: bool,
+                 stats: bool) -> tuple[Any, BatchNormSaved]:
+    """A forward of an empty batch (N = 0), which reaches no engine: an empty y, and
+    statistics for its backward (zeros: nothing reads them, the gradients being empty or
+    zero) unless stats is False."""
+    cd = compute_dtype(x.dtype)
+    mean, invstd = (xp.zeros((g.channels,), cd), xp.zeros((g.channels,), cd)) if stats \
+        else (None, None)
+    saved = xp.empty(g.shape, x.dtype) if activations.saves(act) != "none" else None
+    return xp.empty(g.shape, x.dtype), BatchNormSaved(mean, invstd, saved, training)
 
 
 def _activation(op: str, activation: Any) -> str:

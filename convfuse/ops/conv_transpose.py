@@ -22,19 +22,8 @@ from ._checks import (
     check_forward_args,
     check_fused_args,
     validate,
+    zero_filled,
 )
-
-
-def _zero_filled(xp: Any, out: Any, shape: tuple[int, ...], dtype: Any, beta: float) -> Any:
-    """An empty batch's weight or bias gradient: beta * out (cuDNN's rule: beta = 0 never
-    reads out), or zeros."""
-    if out is None:
-        return xp.zeros(shape, dtype)
-    if beta == 0.0:
-        out.fill(0)
-    elif beta != 1.0:
-        out *= beta
-    return out
 
 
 def check_transpose_geometry(op: str, tgeom: Any) -> ConvTransposeGeometry:
@@ -90,7 +79,7 @@ def conv_transpose_backward_filter(x: Any, dz: Any, tgeom: Any, out: Any = None,
     g = check_transpose_geometry(op, tgeom)
     xp, bt = check_filter_grad_args(op, g, x, dz, out, beta)
     if g.batch == 0:
-        return _zero_filled(xp, out, g.weight_shape, x.dtype, bt)
+        return zero_filled(xp, out, g.weight_shape, x.dtype, bt)
     return validated.conv_transpose_backward_filter(_checks.engine(xp, "conv_transpose"), x, dz, g,
                                                     out, bt)
 
@@ -114,7 +103,7 @@ def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str
         Arg("db_out", db_out, g.bias_shape, optional=True, output=True),
     ], g.layout)
     if g.batch == 0:
-        return xp.empty(g.output_shape, dy.dtype), _zero_filled(xp, db_out, g.bias_shape,
+        return xp.empty(g.output_shape, dy.dtype), zero_filled(xp, db_out, g.bias_shape,
                                                                 dy.dtype, bt)
     return validated.conv_transpose_activation_backward_bias(
         _checks.engine(xp, "conv_transpose"), dy, saved, act, g, db_out, bt)

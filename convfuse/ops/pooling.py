@@ -13,6 +13,8 @@ def pool_forward(x: Any, pgeom: Any) -> Any:
     op = "pool_forward"
     g = check_pool_geometry(op, pgeom)
     xp = validate(op, [Arg("x", x, g.input_shape)], g.layout)
+    if g.batch == 0:  # an empty batch reaches no engine
+        return xp.empty(g.output_shape, x.dtype)
     return _checks.engine(xp, "pooling").pool_forward(x, g)
 
 
@@ -23,4 +25,6 @@ def pool_backward(dy: Any, x: Any, y: Any, pgeom: Any) -> Any:
     xp = validate(op, [
         Arg("dy", dy, g.output_shape), Arg("x", x, g.input_shape), Arg("y", y, g.output_shape),
     ], g.layout)
+    if g.batch == 0:
+        return xp.empty(g.input_shape, dy.dtype)
     return _checks.engine(xp, "pooling").pool_backward(dy, x, y, g)

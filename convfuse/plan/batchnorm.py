@@ -70,8 +70,9 @@ class BatchNormGeometry:
         if not 2 <= len(s) <= 5:
             raise ValueError(
                 f"{where}: expected a 2-d to 5-d input (N, C, *spatial), got shape {s}")
-        if min(s) < 1:
-            raise ValueError(f"{where}: every dimension must be positive, got shape {s}")
+        if s[0] < 0 or min(s[1:]) < 1:  # an empty batch is allowed: the ops return it
+            raise ValueError(f"{where}: every dimension but the batch must be positive, got "
+                             f"shape {s}")
         return cls(s, layout)
 
     @property
