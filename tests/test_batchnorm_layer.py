@@ -271,3 +271,20 @@ def test_a_state_dict_without_num_batches_tracked_loads_as_torch_nn_does():
     assert int(ours.num_batches_tracked) == 5
     with pytest.raises(cf.StateDictError, match=r"missing key.*'running_var'"):
         ours.load_state_dict({k: v.numpy() for k, v in sd.items() if k != "running_var"})
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize(("activation", "saved_is_y"), [("relu", True), ("sigmoid", True),
+                                                          ("silu", False), (None, False)])
+def test_an_output_backward_reads_is_read_only(activation, saved_is_y, training):
+    """As Conv's: where backward differentiates through the output y (relu, sigmoid), y is
+    returned read-only on the CPU, so `y += 1` raises instead of corrupting dx; a y that
+    backward never reads stays writable."""
+    bn = cf.BatchNorm2d(3, activation=activation, dtype="float64")
+    bn.train(training)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
+    y = bn(x)
+    assert y.flags.writeable is not saved_is_y
+    if saved_is_y:
+        with pytest.raises(ValueError, match="read-only"):
+            y += 1.0

@@ -184,6 +184,8 @@ class _BatchNorm(Layer):
             y, saved = ops.batchnorm_forward_inference(
                 x, w, b, self.running_mean, self.running_var, self.layout, self.eps,
                 self.activation, residual)
+        if isinstance(saved.saved, np.ndarray):
+            saved.saved.flags.writeable = False  # an in-place write would corrupt dx
         # what backward differentiates is this call's: eps, layout and activation as they
         # were (an assignment between the two calls takes effect at the next forward)
         self._ctx = (saved, x, residual is not None, g, self.eps, self.layout,
