@@ -2,6 +2,7 @@
 
     dist.init_process_group("nccl" if convfuse.gpu_available() else "gloo")
     broadcast_parameters(model)              # once: every rank starts from rank 0's weights
+                                             # (and buffers: broadcast_buffers)
     for each step: forward, backward, allreduce_gradients(optimizer), optimizer.step()
 
 Tear down with `torch.distributed.destroy_process_group()` once nothing holds the group any
@@ -120,24 +121,62 @@ def _parameters(model: Any) -> list[Parameter]:
 
 
 def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
-    """Overwrite every parameter's data on every rank with rank `src`'s, in place.
+    """Overwrite every parameter's data, and every buffer (BatchNorm's running statistics
+    and num_batches_tracked), on every rank with rank `src`'s, in place, as
+    DistributedDataParallel does when it wraps a model.
 
     `model` is a convfuse layer or Sequential, or an iterable of convfuse Parameters. One
     broadcast per parameter (this runs once, before training); the arrays stay where they
     are, so an optimizer's flat buffers (whose views they may be) see the new values.
     """
     torch = _torch()
-    dist = torch.distributed
     for p in _parameters(model):
-        a = p.data
-        # a parameter need not be C-contiguous (a transposed view trains fine): broadcast
-        # a contiguous copy and write it back, or the collective's own copy is the only one
-        # that receives rank src's values
-        buf = a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
-        with _on_cupy_stream(torch, a):
-            dist.broadcast(_as_tensor(buf), src=src, group=group)
-            if buf is not a:
-                a[...] = buf
+        _broadcast_in_place(torch, p.data, src, group)
+    if hasattr(model, "named_buffers"):
+        broadcast_buffers(model, src, group)
+
+
+def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
+    """Overwrite every buffer of `model` (a convfuse layer or Sequential) on every rank
+    with rank `src`'s, in place: one broadcast per buffer dtype.
+
+    Each rank's BatchNorm running statistics follow its own shard of the data, so they
+    drift apart during training. DistributedDataParallel (broadcast_buffers=True, its
+    default) copies rank 0's before every forward; call this before each step's forward
+    to do the same, or once before evaluating or saving a checkpoint."""
+    torch = _torch()
+    if not hasattr(model, "named_buffers"):
+        raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
+                        f".named_buffers()), got {type(model).__name__}")
+    by_kind: dict[tuple[Any, bool], list[Any]] = {}
+    for _, b in model.named_buffers():
+        by_kind.setdefault((b.dtype, is_cupy(b)), []).append(b)
+    for bufs in by_kind.values():
+        if len(bufs) == 1:
+            _broadcast_in_place(torch, bufs[0], src, group)
+            continue
+        xp = array_module(bufs[0])
+        flat = xp.concatenate([b.ravel() for b in bufs])
+        _broadcast_in_place(torch, flat, src, group)
+        at = 0
+        for b in bufs:
+            b[...] = flat[at:at + b.size].reshape(b.shape)
+            at += b.size
+    for mod in model.modules():
+        written = getattr(mod, "_buffers_written", None)
+        if written is not None:
+            written()
+
+
+def _broadcast_in_place(torch: Any, a: Any, src: int, group: Any) -> None:
+    # an array need not be C-contiguous (a transposed view trains fine): broadcast a
+    # contiguous copy and write it back, or the collective's own copy is the only one that
+    # receives rank src's values
+    buf = a if a.flags.c_contiguous else array_module(a).ascontiguousarray(a)
+    with _on_cupy_stream(torch, a):
+        torch.distributed.broadcast(_as_tensor(buf), src=src, group=group)
+        if buf is not a:
+            a[...] = buf
 
 
 def flat_gradients(optimizer: Any) -> list[Any]:

@@ -102,6 +102,21 @@ def _mixed_dtype_check(rank: int) -> dict[str, np.ndarray]:
     broadcast_parameters(lin)
     out["bcast_weight"], out["bcast_bias"] = lin.weight.data, lin.bias.data
     out["bcast_fortran"] = np.array(lin.weight.data.flags.f_contiguous)
+    # buffers too, as DDP: each rank's statistics and count (float64 and float32 running
+    # statistics, int64 counts: one broadcast per dtype) become rank 0's
+    model = cf.Sequential(cf.BatchNorm2d(2, dtype="float64", momentum=None),
+                          cf.BatchNorm1d(3, dtype="float32"))
+    for i, bn in enumerate(model):
+        bn.running_mean[...] = rank + i + 0.5
+        bn.running_var[...] = 2 * rank + i + 1
+        bn.num_batches_tracked[...] = 5 * rank + i
+    model[0].train()(np.zeros((2, 2, 1, 1)) + rank)  # a step: the host's count is mirrored
+    model[0]._host_count = 7 * rank
+    broadcast_parameters(model)
+    for i, bn in enumerate(model):
+        for name, buf in bn.named_buffers():
+            out[f"buf{i}_{name}"] = buf
+    out["host_count_reset"] = np.array(model[0]._host_count is None)
     return out
 
 
@@ -195,6 +210,16 @@ def test_allreduce_gradients_two_ranks_equal_single_process(tmp_path):
         np.testing.assert_array_equal(r["bcast_weight"], source.weight.data)
         np.testing.assert_array_equal(r["bcast_bias"], source.bias.data)
         assert r["bcast_fortran"]  # in place: the same array, still Fortran-ordered
+        # rank 0's buffers: its step moved the float64 statistics from 0.5 and 1 (its data
+        # is all zeros: mean 0, variance 0; momentum None after 1 step: factor 1/1)
+        np.testing.assert_array_equal(r["buf0_running_mean"], [0.0, 0.0])
+        np.testing.assert_array_equal(r["buf0_running_var"], [0.0, 0.0])
+        assert int(r["buf0_num_batches_tracked"]) == 1
+        np.testing.assert_array_equal(r["buf1_running_mean"], np.full(3, 1.5, np.float32))
+        np.testing.assert_array_equal(r["buf1_running_var"], np.full(3, 2.0, np.float32))
+        assert r["buf1_running_mean"].dtype == np.float32
+        assert int(r["buf1_num_batches_tracked"]) == 1
+        assert r["host_count_reset"]  # the mirror of the count is re-read
 
 
 def test_ddp_with_convfuse_layers_two_ranks_equal_single_process(tmp_path):

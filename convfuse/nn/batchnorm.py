@@ -231,6 +231,11 @@ class _BatchNorm(Layer):
             self.__dict__["_host_count"] = None
         super().__setattr__(name, value)
 
+    def _buffers_written(self) -> None:
+        """Its buffers were overwritten in place (convfuse.distributed.broadcast_buffers):
+        the host's mirror of the count is stale."""
+        self._host_count = None
+
     def _move_own(self, target: str) -> None:
         super()._move_own(target)
         self._host_count = None
