@@ -345,3 +345,32 @@ def test_building_an_optimizer_between_forward_and_backward_is_no_write():
 
     for a, b in zip(train(False), train(True)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("build", [
+    lambda a, c: cf.Sequential(cf.Sequential(a, c), cf.Sequential(c)),
+    lambda a, c: cf.Sequential(a, cf.Sequential(cf.ReLU(), c), c),
+    lambda a, c: cf.Residual(cf.Sequential(a, c), shortcut=c),
+    lambda a, c: cf.Sequential(cf.Residual(cf.Sequential(a, c), activation=None),
+                               cf.Residual(cf.Sequential(cf.ReLU(), c), activation=None)),
+])
+def test_a_layer_at_two_positions_in_nested_containers_is_refused_unchanged(build):
+    """The check sees through nested Sequentials and residual blocks: refused before any
+    gradient is written (it used to raise part-way, the first branch's gradients written)."""
+    a = cf.Conv2d(3, 3, 3, padding=1, device="cpu", dtype="float64", seed=0)
+    c = cf.Conv2d(3, 3, 3, padding=1, device="cpu", dtype="float64", seed=1)
+    model = build(a, c)
+    y = model(np.random.default_rng(0).standard_normal((1, 3, 4, 4)))
+    with pytest.raises(ValueError, match=r"item [0-9.]+ is the same Conv2d object as item "
+                                         r"[0-9.]+; .* used twice is refused"):
+        model.backward(np.ones_like(y))
+    for layer in (a, c):
+        assert not layer.weight.grad.any() and not layer.bias.grad.any()
+
+
+def test_a_layer_once_in_nested_containers_runs_backward():
+    convs = [cf.Conv2d(2, 2, 1, device="cpu", dtype="float64", seed=i) for i in range(3)]
+    model = cf.Sequential(cf.Sequential(convs[0]), cf.Residual(cf.Sequential(convs[1], convs[2])))
+    y = model(np.ones((1, 2, 2, 2)))
+    model.backward(np.ones_like(y))
+    assert all(c.weight.grad.any() for c in convs)

@@ -161,10 +161,13 @@ class Sequential(Layer):
     def _check_backward(self) -> Any:
         ctx = self._peek_ctx()
         layers = self.layers
-        _check_not_repeated(layers)
+        check_run_once(self)
         for layer in layers:
             layer._check_backward()
         return ctx
+
+    def _run_units(self) -> list[Layer]:
+        return self.layers
 
     def backward(self, dy: Any) -> Any:
         (had_residual,) = self._check_backward()
@@ -225,16 +228,24 @@ def _takes_residual(cls: type[Layer]) -> bool:
 
 
 
-def _check_not_repeated(layers: list[Layer]) -> None:
+def check_run_once(container: Layer) -> None:
     """A layer keeps one forward's context, so one instance that ran at two positions
     cannot run backward (its second forward replaced the first's context). Checked before
-    any backward writes; forward alone (inference) is fine."""
-    seen: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        j = seen.setdefault(id(layer), i)
-        if j != i:
-            raise ValueError(
-                f"Sequential: item {i} is the same {type(layer).__name__} object as item {j}; "
-                "a convfuse layer keeps the context of one forward, so backward through a "
-                "layer used twice is refused (use a separate instance for each position)"
-            )
+    any backward writes, through nested containers that run each of their layers once
+    (`_run_units`: Sequential, Residual); forward alone (inference) is fine."""
+    seen: dict[int, str] = {}
+    stack: list[tuple[Layer, str]] = [(container, "")]
+    while stack:
+        layer, path = stack.pop()
+        below = []
+        for i, unit in enumerate(layer._run_units() or ()):
+            where = f"{path}.{i}" if path else str(i)
+            first = seen.setdefault(id(unit), where)
+            if first != where:
+                raise ValueError(
+                    f"{type(container).__name__}: item {where} is the same "
+                    f"{type(unit).__name__} object as item {first}; a convfuse layer keeps "
+                    "the context of one forward, so backward through a layer used twice is "
+                    "refused (use a separate instance for each position)")
+            below.append((unit, where))
+        stack += reversed(below)

@@ -332,6 +332,12 @@ class Layer:
         self._ctx = None
         return ctx
 
+    def _run_units(self) -> list[Layer] | None:
+        """The layers a container's forward runs once each (Sequential's, a residual
+        block's), for the check that none is run twice (container.check_run_once); None
+        for a layer, or a module whose forward may run its children any number of times."""
+        return None
+
     def _check_backward(self) -> Any:
         """Everything checkable before a backward writes: the context and the gradient
         buffers of this layer's own parameters. Returns the context (not consumed).

@@ -15,7 +15,7 @@ from ..backend import device_of
 from ..errors import DeviceMismatchError
 from . import _hyper
 from .batchnorm import _BatchNorm
-from .container import Sequential
+from .container import Sequential, check_run_once
 from .conv import _ConvNd
 from .fold import fold_chain, fold_layer
 from .module import Layer, forward_keeping_contexts
@@ -102,10 +102,15 @@ class ResidualBase(Layer):
 
     forward = __call__
 
+    def _run_units(self) -> list[Layer]:
+        shortcut = self._shortcut()
+        return [*self._body_layers(), *([] if shortcut is None else [shortcut])]
+
     def _check_backward(self) -> Any:
         """The block's context and, below it, every layer's (checked before a container
         holding the block writes any gradient)."""
         ctx = self._peek_ctx()
+        check_run_once(self)
         check_contexts(self)
         return ctx
 
