@@ -255,6 +255,26 @@ def test_pytorch_state_dict_loads_and_matches_pytorch_outputs(rng):
     net.load_state_dict(tnet.state_dict())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bfloat16_torch_tensors_load(dtype):
+    """NumPy has no bfloat16, so a CPU torch.bfloat16 tensor crosses neither __array__ nor
+    DLPack: its bytes are read as bfloat16 (exactly), into a bfloat16 layer or converted
+    into a float32 one; a transposed view too."""
+    torch = _torch()
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(3, 4, 3).to(torch.bfloat16)
+    layer = cf.Conv2d(3, 4, 3, dtype=dtype, device="cpu", seed=1)
+    state = ref.state_dict()
+    layer.load_state_dict(state)
+    for name in ("weight", "bias"):
+        got = np.asarray(getattr(layer, name).data, np.float32)
+        np.testing.assert_array_equal(got, state[name].float().numpy())
+    lin = cf.Linear(3, 4, dtype=dtype, device="cpu", seed=1)
+    w = torch.randn(3, 4).to(torch.bfloat16)
+    lin.load_state_dict({"weight": w.t(), "bias": torch.zeros(4, dtype=torch.bfloat16)})
+    np.testing.assert_array_equal(np.asarray(lin.weight.data, np.float32), w.t().float().numpy())
+
+
 def test_a_hand_written_block_without_its_own_context_works_inside_sequential(rng):
     class Head(Layer):
         def __init__(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from .. import dtypes
 from ..backend import device_of, is_cupy, to_device
 from ..errors import StateDictError
 
@@ -73,6 +74,12 @@ def _as_array(value: Any, key: str) -> Any:
 
             cp = require_gpu(f"loading {key!r} from a device tensor")
             return cp.from_dlpack(value)  # pragma: gpu
+    if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+        # NumPy has no bfloat16 to take a CPU tensor's over DLPack or __array__: its bytes
+        # as int16, read as bfloat16 (Note [bfloat16 on the CPU] in convfuse/torch/_arrays.py)
+        import torch
+
+        return value.detach().view(torch.int16).numpy().view(dtypes.bfloat16)
     if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
         try:
             return np.asarray(value)
