@@ -141,6 +141,48 @@ def test_flatten_takes_torch_nn_dims(rng, dims):
     assert repr(flat) == repr(ref)
 
 
+@pytest.mark.parametrize("dims", [(), (1, 2), (0,)])
+def test_flatten_of_a_channels_last_input_takes_torchs_order(rng, dims):
+    """Flatten(layout="NHWC") flattens (N, H, W, C) in PyTorch's (N, C, H, W) order, as
+    torch.nn.Flatten flattens a channels_last tensor; its gradient comes back channels-last
+    and C-contiguous."""
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 3, 4, 5))  # NCHW
+    nhwc = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
+    flat, ref = cf.Flatten(*dims, layout="NHWC"), torch.nn.Flatten(*dims)
+    want = ref(torch.from_numpy(x).to(memory_format=torch.channels_last)).numpy()
+    y = flat(nhwc)
+    np.testing.assert_array_equal(y, want)
+    dy = rng.standard_normal(y.shape)
+    dx = flat.backward(dy)
+    np.testing.assert_array_equal(dx, dy.reshape(x.shape).transpose(0, 2, 3, 1))
+    assert dx.flags.c_contiguous
+    assert repr(flat).endswith("layout='NHWC')")
+    with pytest.raises(ValueError, match="Flatten: unknown layout 'CHWN'"):
+        cf.Flatten(layout="CHWN")
+
+
+def test_a_checkpoint_moves_between_layouts_through_flatten(rng):
+    """The same model in NCHW and NHWC, one state dict: the same logits (the Linear after
+    Flatten sees PyTorch's feature order in both)."""
+    def net(layout):
+        return cf.Sequential(
+            cf.Conv2d(1, 4, 3, padding=1, activation="relu", layout=layout, dtype="float64",
+                      seed=0),
+            cf.MaxPool2d(2, layout=layout), cf.Flatten(layout=layout),
+            cf.Linear(4 * 3 * 3, 5, dtype="float64", seed=1))
+
+    a, b = net("NCHW"), net("NHWC")
+    b.load_state_dict(a.state_dict())
+    x = rng.standard_normal((2, 1, 6, 6))
+    ya, yb = a(x), b(np.ascontiguousarray(x.transpose(0, 2, 3, 1)))
+    np.testing.assert_allclose(yb, ya, rtol=1e-13, atol=1e-13)
+    a.backward(np.ones_like(ya))
+    b.backward(np.ones_like(yb))
+    np.testing.assert_allclose(b[0].weight.grad, a[0].weight.grad.transpose(0, 2, 3, 1),
+                               rtol=1e-13, atol=1e-13)
+
+
 def test_flatten_refuses_dims_the_input_lacks():
     x = np.zeros((2, 3))
     with pytest.raises(IndexError, match=r"Flatten: start_dim 2 is out of range .*\(2, 3\)"):

@@ -7,25 +7,39 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..geometry import is_int
+from ..backend import array_module
+from ..geometry import is_int, parse_layout
 from .module import Layer, forward_keeping_contexts
 
 
 class Flatten(Layer):
     """torch.nn.Flatten: dims start_dim..end_dim (negative counts from the end) become one,
     by default (N, ...) -> (N, prod(...)); a view of a contiguous input, so it costs nothing
-    (a non-contiguous input is copied by the reshape, as NumPy does)."""
+    (a non-contiguous input is copied by the reshape, as NumPy does).
 
-    # class defaults: a Flatten pickled before the arguments existed has neither attribute
+    `layout` is the input's, as the layers before it have it. A channels-last input
+    (N, *spatial, C) is flattened in PyTorch's (N, C, *spatial) order, as torch.nn.Flatten
+    flattens a channels_last tensor: a Linear after it keeps the weights of the same model
+    in NCHW or in PyTorch, so checkpoints move between layouts. That costs one copy of the
+    input (and of the gradient); in NCHW, and for (N, C) inputs, there is none."""
+
+    # class defaults: a Flatten pickled before the arguments existed has no such attribute
     start_dim = 1
     end_dim = -1
+    layout = "NCHW"
 
-    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+    def __init__(self, start_dim: int = 1, end_dim: int = -1, *, layout: str = "NCHW") -> None:
         for name, value in (("start_dim", start_dim), ("end_dim", end_dim)):
             if not is_int(value):
                 raise TypeError(f"Flatten: {name} must be an int, got {type(value).__name__} "
                                 f"{value!r}")
+        try:
+            channels_last = parse_layout(layout)
+        except ValueError as exc:
+            raise ValueError(f"Flatten: {exc}") from None
         self.start_dim, self.end_dim = int(start_dim), int(end_dim)
+        if channels_last:  # only then an attribute: the class default holds the usual case
+            self.layout = layout.upper()
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
 
@@ -46,15 +60,19 @@ class Flatten(Layer):
 
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
+        moved = self.layout != "NCHW" and x.ndim >= 3 and parse_layout(self.layout)
+        if moved:  # PyTorch's order: (N, C, *spatial), a view that the reshape copies
+            x = array_module(x).moveaxis(x, -1, 1)
         if self.start_dim == 1 and self.end_dim == -1 and x.ndim >= 2 and x.shape[0]:
             y = x.reshape(x.shape[0], -1)  # the usual call (-1 cannot size an empty batch)
         else:
             y = x.reshape(self._flat_shape(tuple(x.shape)))
-        self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype)
+        self._ctx = (tuple(x.shape), tuple(y.shape), x.dtype, moved)
         return y
 
     def extra_repr(self) -> str:
-        return f"start_dim={self.start_dim}, end_dim={self.end_dim}"
+        tail = f", layout={self.layout!r}" if self.layout != "NCHW" else ""
+        return f"start_dim={self.start_dim}, end_dim={self.end_dim}{tail}"
 
     forward = __call__
 
@@ -64,9 +82,15 @@ class Flatten(Layer):
         return self._backward_with(dy, self._backward)
 
     def _backward(self, ctx: Any, dy: Any) -> Any:
-        in_shape, out_shape, dtype = ctx
+        in_shape, out_shape, dtype, moved = ctx
         dy = self._check_dy(dy, out_shape, dtype)
-        return dy.reshape(in_shape) if self.needs_input_grad else None
+        if not self.needs_input_grad:
+            return None
+        dx = dy.reshape(in_shape)
+        if moved:  # back to the input's channels-last order, C-contiguous as the layers want
+            xp = array_module(dx)
+            dx = xp.ascontiguousarray(xp.moveaxis(dx, 1, -1))
+        return dx
 
 
 class Sequential(Layer):
