@@ -237,3 +237,19 @@ def test_layer_refuses_input_from_another_device(monkeypatch):
     layer.device = "cuda"  # as if the layer had moved; the input stays on the CPU
     with pytest.raises(DeviceMismatchError, match="is on 'cuda' but its input is on 'cpu'"):
         layer(np.zeros((1, 1, 2, 2), dtype=np.float32))
+
+
+def test_needs_input_grad_of_a_sequential_is_its_first_layers(rng):
+    """A slice, or a Sequential built around a layer that computes no input gradient, says
+    so (its backward returns None); the flag set on an empty one reaches its first layer."""
+    model = cf.Sequential(cf.Conv2d(1, 2, 3, seed=0), cf.ReLU(), cf.Conv2d(2, 2, 1, seed=1))
+    model.needs_input_grad = False
+    head = model[0:2]
+    assert head.needs_input_grad is False and model[1:].needs_input_grad is True
+    assert cf.Sequential(model[0]).needs_input_grad is False
+    y = head(rng.standard_normal((1, 1, 4, 4)).astype(np.float32))
+    assert head.backward(np.ones_like(y)) is None
+    empty = cf.Sequential()
+    empty.needs_input_grad = False
+    empty.append(cf.ReLU())
+    assert empty.needs_input_grad is False and empty[0].needs_input_grad is False

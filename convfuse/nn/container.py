@@ -142,6 +142,11 @@ class Sequential(Layer):
 
     @property
     def needs_input_grad(self) -> bool:
+        # the first layer's, which decides it (a slice or a Sequential built around layers
+        # that compute no input gradient says so)
+        first = next(self.children(), None)
+        if first is not None:
+            return first.needs_input_grad
         return self.__dict__.get("_needs_input_grad", True)
 
     @needs_input_grad.setter
@@ -154,6 +159,8 @@ class Sequential(Layer):
     def append(self, layer: Layer) -> Sequential:
         if not isinstance(layer, Layer):
             raise TypeError(f"Sequential.append: {type(layer).__name__} is not a convfuse layer")
+        if not len(self) and "_needs_input_grad" in self.__dict__:  # set while it was empty
+            layer.needs_input_grad = self.__dict__["_needs_input_grad"]
         self.add_module(str(len(self)), layer)
         return self
 
@@ -222,9 +229,10 @@ class Sequential(Layer):
             raise ValueError(f"Sequential: item {i} is on {device!r}, the other layers on "
                              f"{self.device!r}")
         index = i % len(names)
-        setattr(self, names[index], layer)
         # needs_input_grad flows to the first layer; the others need their input gradient
-        layer.needs_input_grad = self.needs_input_grad if index == 0 else True
+        flag = self.needs_input_grad if index == 0 else True  # the replaced layer's
+        setattr(self, names[index], layer)
+        layer.needs_input_grad = flag
         if self.device is None and device:
             self.device = device
 
