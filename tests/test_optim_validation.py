@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import convfuse as cf
 from convfuse import Parameter
 from convfuse.optim import SGD, Adam, AdamW
 
@@ -128,3 +129,22 @@ def test_interleaved_views_of_one_array_do_not_share_and_are_taken():
     w = np.ones(4)
     with pytest.raises(ValueError, match=r"params\[1\] shares memory with params\[0\]"):
         SGD([Parameter(w[::-1]), Parameter(w[1:2])], lr=0.1)  # a reversed view
+
+
+@pytest.mark.parametrize("value", [True, None, 1])
+def test_zero_grad_refuses_set_to_none_naming_why(value):
+    """PyTorch's zero_grad(set_to_none=True): refused with the reason (a convfuse gradient
+    is always an array), the gradients unchanged; set_to_none=False zeroes them."""
+    conv = cf.Conv2d(1, 2, 1, device="cpu", seed=0)
+    opt = cf.optim.SGD(conv.parameters(), lr=0.1)
+    conv.weight.grad[...] = 1.0
+    for owner, call in (("SGD", opt.zero_grad), ("Conv2d", conv.zero_grad)):
+        with pytest.raises(ValueError, match=rf"^{owner}.zero_grad: set_to_none={value!r} is "
+                                             r"not supported: a convfuse gradient is always"):
+            call(set_to_none=value)
+        assert conv.weight.grad.all()
+    opt.zero_grad(set_to_none=False)
+    assert not conv.weight.grad.any()
+    conv.weight.grad[...] = 1.0
+    conv.zero_grad(set_to_none=np.False_)
+    assert not conv.weight.grad.any()

@@ -25,7 +25,7 @@ from ..errors import (
     renamed,
 )
 from ..ops._checks import engine_ready, overlaps
-from .parameter import Parameter
+from .parameter import Parameter, check_set_to_none
 
 # The methods that return self give back the caller's own class (typing.Self is 3.11+).
 _L = TypeVar("_L", bound="Layer")
@@ -231,7 +231,10 @@ class Layer:
     def eval(self: _L) -> _L:
         return self.train(False)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Fill every parameter's gradient with zeros (`set_to_none=True` is refused: a
+        convfuse gradient is always an array, README "Every parameter has a gradient")."""
+        check_set_to_none(type(self).__name__, set_to_none)
         for p in self.parameters():
             p.zero_grad()
 

@@ -29,7 +29,7 @@ from .. import dtypes, kernels
 from ..backend import array_module, to_device
 from ..errors import CaptureError, ConvfuseError
 from ..nn.module import renamed
-from ..nn.parameter import Parameter
+from ..nn.parameter import Parameter, check_set_to_none
 from ..ops._checks import as_float
 from ._flat import (
     FlatGroup,
@@ -209,9 +209,12 @@ class FlatOptimizer:
     def device(self) -> str:
         return "cpu" if self._device_id < 0 else "cuda"
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every gradient: one fill of each group's flat grad buffer (refused, as step
-        is, once a parameter's arrays were replaced: it would zero what no layer reads)."""
+        is, once a parameter's arrays were replaced: it would zero what no layer reads).
+        `set_to_none=True` (PyTorch's default) is refused: gradients are views of that
+        buffer, and always arrays."""
+        check_set_to_none(type(self).__name__, set_to_none)
         check_homes(self._groups)
         for g in self._groups:
             with device_context(g.device_id):
