@@ -20,7 +20,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "PYTORCH.md").read_
 def test_the_doc_has_both_sections_and_snippets():
     text = (ROOT / "docs" / "PYTORCH.md").read_text()
     assert "## Using convfuse from PyTorch" in text and "## Multi-GPU" in text
-    assert len(BLOCKS) == 7 and "```bash\ntorchrun" in text
+    assert len(BLOCKS) == 8 and "```bash\ntorchrun" in text
 
 
 # A block that joins a process group must leave no gloo thread behind once it destroys the
