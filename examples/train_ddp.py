@@ -50,14 +50,18 @@ from convfuse.distributed import allreduce_gradients, broadcast_parameters
 from convfuse.selfcheck import gpu_unusable_reason
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_digits import build_model, load_digits
+from train_digits import build_model, check_batch_size, load_digits, positive, seed_int
 
 
-def setup(requested: str | None) -> tuple[int, int, str]:
-    """Join the process group (torchrun's environment, or a world of one); pick the device."""
+def setup(requested: str | None) -> tuple[int, int, str, str | None]:
+    """Pick the device, then join the process group (torchrun's environment, or a world of
+    one). Returns rank, world size, device and why no GPU is used (None when one is)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    use_gpu = requested == "cuda" or (requested is None and gpu_unusable_reason() is None)
+    reason = None if requested == "cpu" else gpu_unusable_reason()
+    if requested == "cuda" and reason is not None:
+        sys.exit(f"--device cuda: {reason}")  # as train_digits.py: before any process group
+    use_gpu = requested != "cpu" and reason is None
     if use_gpu:  # pragma: gpu
         import cupy
 
@@ -69,7 +73,7 @@ def setup(requested: str | None) -> tuple[int, int, str]:
     else:
         store = Path(tempfile.mkdtemp()) / "store"
         dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
-    return rank, world, "cuda" if use_gpu else "cpu"
+    return rank, world, "cuda" if use_gpu else "cpu", reason
 
 
 def torch_model(device: str, seed: int) -> torch.nn.Module:
@@ -200,32 +204,32 @@ def teardown(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=64,
+    parser.add_argument("--epochs", type=positive(int), default=6)
+    parser.add_argument("--batch-size", type=positive(int), default=64,
                         help="global batch, split evenly over the ranks")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=positive(float), default=3e-3)
     parser.add_argument("--api", choices=["convfuse", "torch"], default="convfuse")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed_int, default=0)
     args = parser.parse_args(argv)
-    rank, world, device = setup(args.device)
+    # every option is checked before the process group exists (torchrun's WORLD_SIZE)
+    data = load_digits(args.seed)
+    check_batch_size(parser, args.batch_size, len(data[0]),
+                     world=int(os.environ.get("WORLD_SIZE", 1)))
+    rank, world, device, reason = setup(args.device)
     try:
-        return train(args, parser, rank, world, device)
+        return train(args, data, rank, world, device, reason)
     finally:
         teardown(rank)  # train's locals (the trainer, DDP) are gone by now
 
 
-def train(args: argparse.Namespace, parser: argparse.ArgumentParser, rank: int, world: int,
-          device: str) -> float:
+def train(args: argparse.Namespace, data: tuple, rank: int, world: int, device: str,
+          reason: str | None) -> float:
     """Train and evaluate; returns the test accuracy."""
-    if args.batch_size % world:
-        parser.error(f"--batch-size {args.batch_size} must be divisible by the world "
-                     f"size {world}")
     local = args.batch_size // world
-    x_train, x_test, y_train, y_test = load_digits(args.seed)
+    x_train, x_test, y_train, y_test = data
     trainer_cls = ConvfuseTrainer if args.api == "convfuse" else TorchTrainer
     trainer = trainer_cls(device, args.lr, args.seed, rank)
-    reason = gpu_unusable_reason()
     if rank == 0 and device == "cpu" and args.device is None and reason:
         print(f"notice: {reason}; running on the CPU reference engine (NumPy).", flush=True)
     if rank == 0:

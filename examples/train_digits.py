@@ -10,6 +10,8 @@ Loss and accuracy stay on the device during an epoch and are read once at its en
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -119,30 +121,100 @@ def save_plot(history: dict[str, list[float]], path: Path) -> None:
     plt.close(fig)
 
 
+# -- the command line: every option is checked before any training -----------------------
+# (train_resnet.py, train_unet.py and train_ddp.py use these too)
+MAX_SEED = 2**32 - 1  # scikit-learn's train_test_split takes random_state up to this
+
+
+def positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)`, refused unless finite and > 0 (so >= 1 for int)."""
+
+    def check(text: str) -> Any:
+        value = kind(text)
+        if not (math.isfinite(value) and value > 0):
+            finite = " and finite" if kind is float else ""
+            raise argparse.ArgumentTypeError(f"must be positive{finite}, got {text}")
+        return value
+
+    check.__name__ = kind.__name__  # argparse names the type in "invalid int value: ..."
+    return check
+
+
+def seed_int(text: str) -> int:
+    """An argparse type: a seed from 0 to MAX_SEED."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be from 0 to {MAX_SEED}, got {text}")
+    return value
+
+
+seed_int.__name__ = "int"  # argparse: "invalid int value: ..."
+
+
+def check_output_file(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
+    """Refuse, before training, a --plot path that savefig would fail on after it: a missing
+    or unwritable directory (savefig does not create one), a directory given as the file, or
+    a suffix matplotlib cannot write."""
+    where = f"{option} {path}"
+    if path.is_dir():
+        parser.error(f"{where}: is a directory; give a file name such as {path / 'curves.png'}")
+    parent = path.parent
+    if not parent.is_dir():
+        parser.error(f"{where}: directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK):
+        parser.error(f"{where}: directory {parent} is not writable")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        parser.error(f"{option} needs matplotlib: pip install matplotlib")
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix[1:].lower() not in formats:
+        parser.error(f"{where}: matplotlib cannot write {path.suffix or 'a file with no suffix'}"
+                     f"; use one of {', '.join('.' + f for f in sorted(formats))}")
+
+
+def check_batch_size(parser: argparse.ArgumentParser, batch_size: int, train_size: int,
+                     world: int = 1) -> None:
+    """An epoch trains on full batches only (a CUDA graph replays static shapes; the
+    remainder is dropped, as DataLoader(drop_last=True) does), so a batch larger than the
+    training set would train on nothing: refuse it. With `world` ranks the global batch
+    splits evenly over them."""
+    if batch_size % world:
+        parser.error(f"--batch-size {batch_size} must be divisible by the world size {world}")
+    if batch_size > train_size:
+        parser.error(f"--batch-size {batch_size} is larger than the {train_size} training "
+                     f"images (epochs use full batches only); use at most {train_size}")
+
+
 def make_parser(doc: str, epochs: int, plot: str) -> argparse.ArgumentParser:
     """The command line both digits examples share."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=epochs)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--epochs", type=positive(int), default=epochs)
+    parser.add_argument("--batch-size", type=positive(int), default=32)
+    parser.add_argument("--lr", type=positive(float), default=3e-3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when a GPU is usable, else cpu")
     parser.add_argument("--graph", action="store_true",
                         help="replay the training step as a CUDA graph (GPU only)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=Path(plot))
+    parser.add_argument("--seed", type=seed_int, default=0)
+    parser.add_argument("--plot", type=Path, default=Path(plot),
+                        help="where to save the training curves (its directory must exist)")
     return parser
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def parse(parser: argparse.ArgumentParser,
+          argv: list[str] | None) -> tuple[argparse.Namespace, tuple]:
+    """The checked command line and the data (the batch size is checked against it); the
+    device is picked last, once every option has passed."""
     args = parser.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1:
-        parser.error("--epochs and --batch-size must be >= 1")
+    check_output_file(parser, "--plot", args.plot)
+    data = load_digits(args.seed)
+    check_batch_size(parser, args.batch_size, len(data[0]))
     args.device = pick_device(args.device)
     args.use_graph = args.graph and args.device == "cuda"
     if args.graph and not args.use_graph:
         print("notice: --graph needs a GPU; running the step eagerly.", flush=True)
-    return args
+    return args, data
 
 
 def fit(model: Any, optimizer: Any, data: tuple, args: argparse.Namespace,
@@ -192,8 +264,7 @@ def fit(model: Any, optimizer: Any, data: tuple, args: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> float:
-    args = parse(make_parser(__doc__, epochs=12, plot="digits_training.png"), argv)
-    data = load_digits(args.seed)
+    args, data = parse(make_parser(__doc__, epochs=12, plot="digits_training.png"), argv)
     model = build_model(args.device, args.seed)
     optimizer = cf.optim.Adam(model.parameters(), lr=args.lr)
     print(f"convfuse {cf.__version__} on {args.device}: {len(data[0])} train / "

@@ -23,7 +23,7 @@ from convfuse.models import ResNet
 from convfuse.nn import fold_batchnorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_digits.py sits beside us
-from train_digits import evaluate, fit, load_digits, make_parser, parse
+from train_digits import evaluate, fit, make_parser, parse
 
 
 def build_model(device: str, seed: int = 0) -> ResNet:
@@ -33,8 +33,7 @@ def build_model(device: str, seed: int = 0) -> ResNet:
 
 
 def main(argv: list[str] | None = None) -> float:
-    args = parse(make_parser(__doc__, epochs=8, plot="resnet_training.png"), argv)
-    data = load_digits(args.seed)
+    args, data = parse(make_parser(__doc__, epochs=8, plot="resnet_training.png"), argv)
     model = build_model(args.device, args.seed)
     optimizer = cf.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
     n_params = sum(p.size for p in model.parameters())

@@ -17,6 +17,7 @@ clean) - PSNR(noisy, clean). Without a GPU the layers run on the NumPy reference
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import time
@@ -28,7 +29,7 @@ import numpy as np
 import convfuse as cf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_digits.py sits beside us
-from train_digits import pick_device
+from train_digits import check_batch_size, pick_device, positive, seed_int
 
 
 class UNet(cf.Module):
@@ -178,31 +179,27 @@ def train_torch(data: tuple[np.ndarray, ...], args: argparse.Namespace) -> np.nd
         return model(x_te).cpu().numpy()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[np.ndarray, ...]]:
+    """The checked command line and the data (the batch size is checked against it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-
-    def positive(kind: Any) -> Any:
-        def parse(text: str) -> Any:
-            value = kind(text)
-            if value <= 0:
-                raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-            return value
-        return parse
-
     p.add_argument("--epochs", type=positive(int), default=20)
     p.add_argument("--batch-size", type=positive(int), default=32)
     p.add_argument("--lr", type=positive(float), default=3e-3)
     p.add_argument("--noise", type=positive(float), default=0.3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--torch", action="store_true",
                    help="train the torch.nn U-Net after convfuse.torch.convert()")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.torch and importlib.util.find_spec("torch") is None:
+        p.error("--torch needs PyTorch: pip install torch")
+    data = load_data(args.noise, args.seed)
+    check_batch_size(p, args.batch_size, len(data[0]))
+    return args, data
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    data = load_data(args.noise, args.seed)
+    args, data = parse(argv)
     start = time.perf_counter()
     denoised = (train_torch if args.torch else train_convfuse)(data, args)
     _, _, noisy, clean = data

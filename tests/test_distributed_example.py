@@ -6,6 +6,7 @@ thread scheduling that made `terminate called without an active exception` inter
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -18,6 +19,8 @@ pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 
 
 @pytest.mark.parametrize("api", ["convfuse", "torch"])
@@ -38,3 +41,77 @@ def test_train_ddp_under_torchrun(api):
                 out[-3000:]
     accuracy = float(re.search(r"test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy > 0.8, out[-2000:]
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Refused up front, as argparse refuses a malformed option: exit status 2, the option named,
+# before the process group exists (so under torchrun no rank waits for the others). These
+# used to fail late: --batch-size 0 with ZeroDivisionError, --epochs 0 by printing
+# "test accuracy: 0.0000" without evaluating, a batch larger than the training set in
+# Mean.compute() with nothing added.
+BAD_OPTIONS = [
+    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+    (["--batch-size", "5000"], "--batch-size 5000 is larger than the 1437 training images"),
+    (["--lr", "-1"], "argument --lr: must be positive and finite, got -1"),
+    (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS,
+                         ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_are_refused_before_the_process_group(argv, message, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--device", "cpu", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"error: {message}" in err
+    assert out == "" and not dist.is_initialized()
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc_per_node=2 sets it
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--device", "cpu", "--batch-size", "63"])
+    assert exit_.value.code == 2
+    assert "error: --batch-size 63 must be divisible by the world size 2" in \
+        capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_device_cuda_without_a_usable_gpu_stops_with_the_reason(monkeypatch):
+    """As train_digits.py does: the reason in one line, before any process group."""
+    import torch.distributed as dist
+
+    example = load_example()
+    monkeypatch.setattr(example, "gpu_unusable_reason",
+                        lambda: "no usable CUDA device or driver was found")
+    with pytest.raises(SystemExit, match=r"^--device cuda: no usable CUDA device or driver"):
+        example.main(["--device", "cuda", "--epochs", "1"])
+    assert not dist.is_initialized()
+
+
+def test_device_cuda_cli_on_a_machine_without_a_gpu():
+    from convfuse.selfcheck import gpu_unusable_reason
+
+    reason = gpu_unusable_reason()
+    if reason is None:
+        pytest.skip("a GPU is usable here: --device cuda trains")
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--device", "cuda"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr == f"--device cuda: {reason}\n"  # no traceback
+    assert done.stdout == ""

@@ -48,7 +48,59 @@ def test_cli_falls_back_to_cpu_with_a_notice(tmp_path):
 def test_cli_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--epochs", "0"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--epochs" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "error: argument --epochs: must be positive, got 0" in proc.stderr
+    assert proc.stdout == ""  # refused before anything was loaded or trained
+
+
+# Every bad option is refused up front, as argparse refuses a malformed one: exit status 2 and
+# a message naming the option, before any training (and before the plot could fail after it).
+BAD_OPTIONS = [
+    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
+    (["--epochs", "-2"], "argument --epochs: must be positive, got -2"),
+    (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
+    (["--batch-size", "-32"], "argument --batch-size: must be positive, got -32"),
+    (["--batch-size", "5000"], "--batch-size 5000 is larger than the 1437 training images"),
+    (["--lr", "-0.001"], "argument --lr: must be positive and finite, got -0.001"),
+    (["--lr", "0"], "argument --lr: must be positive and finite, got 0"),
+    (["--lr", "nan"], "argument --lr: must be positive and finite, got nan"),
+    (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
+    (["--seed", "4294967296"], "argument --seed: must be from 0 to 4294967295"),
+    (["--plot", "{tmp}/missing/c.png"], "--plot {tmp}/missing/c.png: directory {tmp}/missing "
+                                        "does not exist"),
+    (["--plot", "{tmp}"], "--plot {tmp}: is a directory"),
+    (["--plot", "{tmp}/c.xyz"], "--plot {tmp}/c.xyz: matplotlib cannot write .xyz"),
+    (["--plot", "{tmp}/curves"], "--plot {tmp}/curves: matplotlib cannot write a file with no "
+                                 "suffix"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS,
+                         ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_are_refused_before_training(argv, message, tmp_path, capsys):
+    example = load_example()
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    if "--plot" not in argv:
+        argv += ["--plot", str(tmp_path / "c.png")]
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--device", "cpu", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"error: {message.format(tmp=tmp_path)}" in err
+    assert out == ""  # no "convfuse ... on cpu" line: nothing was built or trained
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no directory made, no plot
+
+
+def test_batch_size_up_to_the_whole_training_set_trains(tmp_path, capsys):
+    """An epoch trains on full batches only (a CUDA graph replays static shapes), so the
+    largest batch is the whole training set: one step per epoch. One more is refused above."""
+    example = load_example()
+    example.main(["--epochs", "1", "--batch-size", "1437", "--device", "cpu",
+                  "--plot", str(tmp_path / "c.png")])
+    out, err = capsys.readouterr()
+    assert "batch 1437, 1 epochs" in out and "epoch  1: loss" in out
+    assert "] 1/1" in err  # one step
+    assert (tmp_path / "c.png").exists()
 
 
 def test_default_run_reaches_95_percent(tmp_path):

@@ -5,6 +5,7 @@ input is at least 3.5 dB with the default settings (about 4.0 dB here), and at l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -46,4 +47,50 @@ def test_converted_torch_unet_denoises_by_3_db():
 def test_cli_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--batch-size", "0"],
                           capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode != 0 and "--batch-size" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "error: argument --batch-size: must be positive, got 0" in proc.stderr
+    assert proc.stdout == ""
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("train_unet", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Refused up front, as argparse refuses a malformed option: exit status 2, the option named,
+# nothing trained. A batch larger than the training set would train on nothing (epochs use
+# full batches only), which used to end in "Mean.compute(): nothing was added".
+BAD_OPTIONS = [
+    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
+    (["--batch-size", "-1"], "argument --batch-size: must be positive, got -1"),
+    (["--batch-size", "2000"], "--batch-size 2000 is larger than the 1437 training images"),
+    (["--lr", "-0.003"], "argument --lr: must be positive and finite, got -0.003"),
+    (["--noise", "0"], "argument --noise: must be positive and finite, got 0"),
+    (["--noise", "inf"], "argument --noise: must be positive and finite, got inf"),
+    (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS,
+                         ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_bad_options_are_refused_before_training(argv, message, capsys):
+    example = load_example()
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--device", "cpu", *argv])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"error: {message}" in err
+    assert out == ""  # no epoch line
+
+
+def test_torch_flag_without_torch_is_refused(monkeypatch, capsys):
+    example = load_example()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else find_spec(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--torch", "--device", "cpu"])
+    assert exit_.value.code == 2
+    assert "error: --torch needs PyTorch: pip install torch" in capsys.readouterr().err
