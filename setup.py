@@ -10,6 +10,9 @@ plus a CUDA runtime header set), never from a download. Search order, first hit 
    torch cu13 wheels bring where the cu13 runtime wheel has no crt/ folder.
 See shared FACTS: cudnn.h includes cuda_runtime_api.h, which needs crt/host_defines.h.
 
+It prints the folders it chose to stderr, one line each (`convfuse setup: cuDNN include:
+...`, with where it found them), and how it compiles csrc/; `pip install -v` shows them.
+
 -Werror is on by default (CI builds with it); CONVFUSE_NO_WERROR=1 drops it, for a build
 with a compiler nobody has tried (scripts/gpu_acceptance.sh sets it on the GPU machine,
 whose g++ version is unknown: a new warning there must not stop the acceptance run).
@@ -33,20 +36,27 @@ def _site_dirs() -> list[Path]:
     return [Path(p) for p in sys.path if p and Path(p).is_dir()]
 
 
-def _find_cudnn_include() -> Path:
+def _say(what: str, value: object) -> None:
+    """One line of what the build chose, on stderr (pip -v shows it; so does a plain
+    `python setup.py build_ext`)."""
+    print(f"convfuse setup: {what}: {value}", file=sys.stderr, flush=True)
+
+
+def _find_cudnn_include() -> tuple[Path, str]:
+    """The folder with cudnn.h, and where it was found."""
     env = os.environ.get("CONVFUSE_CUDNN_INCLUDE")
     if env:
-        return Path(env)
+        return Path(env), "CONVFUSE_CUDNN_INCLUDE"
     for site in _site_dirs():
         cand = site / "nvidia" / "cudnn" / "include"
         if (cand / "cudnn.h").is_file():
-            return cand
+            return cand, "sys.path"
     try:
         from cuda.pathfinder import find_nvidia_header_directory
 
         found = find_nvidia_header_directory("cudnn")
         if found:
-            return Path(found)
+            return Path(found), "cuda.pathfinder"
     except ImportError:
         pass
     raise SystemExit(
@@ -61,25 +71,29 @@ def _has_cuda_runtime_headers(folders: list[Path]) -> bool:
     return all(any((f / n).is_file() for f in folders) for n in names)
 
 
-def _find_cuda_includes() -> list[Path]:
+def _find_cuda_includes() -> tuple[list[Path], str]:
+    """The folders with the CUDA runtime headers, and where they were found."""
     env = os.environ.get("CONVFUSE_CUDA_INCLUDE")
     if env:
-        return [Path(p) for p in env.split(os.pathsep)]
-    candidates: list[list[Path]] = []
+        return [Path(p) for p in env.split(os.pathsep)], "CONVFUSE_CUDA_INCLUDE"
+    candidates: list[tuple[list[Path], str]] = []
     for site in _site_dirs():
         nv = site / "nvidia"
-        candidates.append([nv / "cu13" / "include"])
-        candidates.append([nv / "cuda_runtime" / "include", nv / "cuda_nvcc" / "include"])
-    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if home:
-            candidates.append([Path(home) / "include"])
+        candidates.append(([nv / "cu13" / "include"], "the CUDA 13 wheels"))
+        candidates.append(([nv / "cuda_runtime" / "include", nv / "cuda_nvcc" / "include"],
+                           "the CUDA 12 runtime and nvcc wheels"))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(([Path(os.environ[var]) / "include"], f"${var}"))
+    candidates.append(([Path("/usr/local/cuda/include")], "/usr/local/cuda"))
     # Last: a complete, self-consistent header set (CUDA 12.8 here) that needs no toolkit;
     # the binding uses only cudaStream_t and the runtime API's types from it.
     for site in _site_dirs():
-        candidates.append([site / "triton" / "backends" / "nvidia" / "include"])
-    for folders in candidates:
+        candidates.append(([site / "triton" / "backends" / "nvidia" / "include"],
+                           "triton's bundled headers"))
+    for folders, source in candidates:
         if _has_cuda_runtime_headers(folders):
-            return folders
+            return folders, source
     raise SystemExit(
         "convfuse: CUDA runtime headers (cuda_runtime_api.h and crt/host_defines.h) not found.\n"
         "  CUDA 12: pip install nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12\n"
@@ -96,18 +110,27 @@ def _werror() -> list[str]:
 # Compile the csrc/ files in parallel (NPY_NUM_BUILD_JOBS overrides the job count).
 ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
-cudnn_include = _find_cudnn_include()
+cudnn_include, found_in = _find_cudnn_include()
 cudnn_lib = cudnn_include.parent / "lib"
+cuda_includes, cuda_found_in = _find_cuda_includes()
+_say("cuDNN include", f"{cudnn_include} (from {found_in})")
+_say("cuDNN library", f"{cudnn_lib} (-l:libcudnn.so.9)")
+for folder in cuda_includes:
+    _say("CUDA include", f"{folder} (from {cuda_found_in})")
 
 def _sources() -> list[str]:
     sources = sorted(glob.glob("csrc/*.cpp"))
     if os.environ.get("CONVFUSE_UNITY_BUILD", "") in ("", "0"):
+        jobs = os.environ.get("NPY_NUM_BUILD_JOBS") or os.cpu_count()
+        _say("csrc/", f"{len(sources)} files, compiled in parallel (up to {jobs} jobs)")
         return sources
     unity = Path("build") / "unity" / "_cudnn_unity.cpp"
     unity.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(f'#include "{Path(src).resolve()}"\n' for src in sources)
     if not unity.is_file() or unity.read_text() != text:  # keep its timestamp otherwise
         unity.write_text(text)
+    _say("csrc/", f"{len(sources)} files as one translation unit, {unity} "
+                  "(CONVFUSE_UNITY_BUILD)")
     return [str(unity)]
 
 
@@ -117,7 +140,7 @@ ext = Pybind11Extension(
     # What the sources include, and (for the unity file, whose timestamp stays put) the
     # sources themselves: a plain `build_ext` rebuilds when any of them changed.
     depends=sorted(glob.glob("csrc/*.h")) + sorted(glob.glob("csrc/*.cpp")),
-    include_dirs=["csrc", str(cudnn_include), *map(str, _find_cuda_includes())],
+    include_dirs=["csrc", str(cudnn_include), *map(str, cuda_includes)],
     library_dirs=[str(cudnn_lib)],
     # The wheel ships only the versioned soname; the same binary runs with cu12 and cu13 wheels.
     extra_link_args=["-l:libcudnn.so.9"],

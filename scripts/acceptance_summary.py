@@ -16,7 +16,8 @@ prints the parts that count as failures, one a line.
 
 STATUSFILE has one line per finished part: `name exit_code seconds [note...]`. Exit codes
 with a meaning of their own: 122 skipped, out of time (the sanitizer, whose time is what
-the stage has left); 124 the part ran out of its time cap (a pytest chunk cut so, with no
+the stage has left); 123 not run, because the GPU probe failed (the `gpu-probe` row, a
+FAIL, says why); 124 the part ran out of its time cap (a pytest chunk cut so, with no
 failing test, is CUT, not a failure: its tests were not reached, not wrong); 125 skipped,
 no usable GPU; 126 not run, because the install failed; 127 skipped, a tool is missing.
 """
@@ -42,14 +43,16 @@ TITLES = {
     "syncs": "device-to-host syncs per training step (scripts/count_syncs.py)",
     "host": "host time per call against PyTorch eager (benchmarks' host-overhead, issue 25)",
     "sanitizer": "compute-sanitizer memcheck: one eager step and one replay",
+    "gpu-probe": "GPU probe: does convfuse see the GPU the machine shows?",
 }
-SKIP_CODES = {122: "SKIP (out of time)", 125: "SKIP (no usable GPU)",
-              126: "NOT RUN (install failed)", 127: "SKIP (tool missing)"}
+SKIP_CODES = {122: "SKIP (out of time)", 123: "NOT RUN (GPU probe failed)",
+              125: "SKIP (no usable GPU)", 126: "NOT RUN (install failed)",
+              127: "SKIP (tool missing)"}
 MAX_BYTES = 16 * 1024 * 1024
 
 
 def title(name: str) -> str:
-    if name.startswith("gpu-"):
+    if name.startswith("gpu-") and name not in TITLES:
         return f"pytest chunk {name}"
     return TITLES.get(name, name)
 
@@ -167,7 +170,7 @@ def _junit_chunk(out: Path, chunk: str) -> str:
 def details(name: str, out: Path, note: str = "") -> str:
     """The key numbers of one part, from its file."""
     text = note
-    if name.startswith("gpu-"):
+    if _is_chunk(name):
         counts, bad, running = chunk_results(out, name)
         cut = _chunk_rows(out, name)[3]
         parts = [", ".join(f"{k}={v}" for k, v in sorted(counts.items())) or "no results"]
@@ -232,7 +235,7 @@ STREAMED = ("host", "bench")
 
 
 def _is_chunk(name: str) -> bool:
-    return name.startswith("gpu-")
+    return name.startswith("gpu-") and name not in TITLES
 
 
 def verdict(name: str, rc: int, out: Path) -> str:
@@ -311,7 +314,11 @@ def render(out: Path, status_file: Path, stage: str, plan: list[str],
     if started is not None:
         lines.append(f"Started {_utc(started)} UTC; updated {_utc(_now())} UTC "
                      f"({_now() - started:.0f} s in).")
-    if gpu_reason:
+    if any(name == "gpu-probe" and rc for name, rc, *_ in rows):
+        lines.append(f"**FAILED: the machine shows an NVIDIA GPU, but convfuse cannot use "
+                     f"it ({gpu_reason}); the stage ended after the install.** log.txt "
+                     "holds the diagnosis (nvidia-smi, cupy.show_config(), torch.cuda).")
+    elif gpu_reason:
         lines.append(f"**No usable GPU ({gpu_reason}): the GPU parts were skipped.** "
                      "Nothing below is a GPU result.")
     if running:
