@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from bench import (  # noqa: E402
     forward,
     goals,
     peaks,
+    records,
     report,
     timing,
     torch_cmp,
@@ -147,27 +149,37 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                       log, torch_side, torch_note, args.precisions, args.layouts)
         print(f"peaks for the floors: {used_peaks.source}", flush=True)
         print(f"PyTorch: {torch_note or torch_side.label}", flush=True)
-        results = {}
+        results: dict[str, list] = {}
+        extras: dict[str, Any] = {"torch_convert": None, "resnet": None, "conv_transpose": None}
         chosen = [n for n in SECTIONS if n in args.sections]
+        wanted = {"torch_convert": (args.torch_convert, lambda: torch_convert.run(args.quick)),
+                  "resnet": (args.resnet, lambda: resnet.run(args.quick)),
+                  "conv_transpose": (not args.no_conv_transpose,
+                                     lambda: conv_transpose.run(args.quick))}
         # `compile` (cold Inductor compiles: minutes on a GPU) runs after the opt-in extras,
         # so that a time cap there cuts nothing else; the extras run under the same
-        # autotuning flag as the sections (PyTorch's forms autotune too)
-        for name in [n for n in chosen if n != "compile"]:
-            results[name] = _section(args, name, ctx, argv, torch_note)
-        extras = {
-            "torch_convert": _streamed(args, "torch_convert", engine, argv, torch_note,
-                                       lambda: torch_convert.run(args.quick), torch_side)
-            if args.torch_convert else None,
-            "resnet": _streamed(args, "resnet", engine, argv, torch_note,
-                                lambda: resnet.run(args.quick), torch_side)
-            if args.resnet else None,
-            "conv_transpose": None if args.no_conv_transpose else _streamed(
-                args, "conv_transpose", engine, argv, torch_note,
-                lambda: conv_transpose.run(args.quick), torch_side),
-        }
-        for name in [n for n in chosen if n == "compile"]:
-            results[name] = _section(args, name, ctx, argv, torch_note)
+        # autotuning flag as the sections (PyTorch's forms autotune too). A time cap's
+        # interrupt ends the run, but the payload of what it measured is built and written
+        # all the same (_main re-raises the interrupt after that).
+        cut, current = False, None
+        try:
+            for name in [n for n in chosen if n != "compile"]:
+                current = name
+                results[name] = _section(args, name, ctx, argv, torch_note)
+            current = None
+            for name, (on, run) in wanted.items():
+                if on:
+                    extras[name] = _streamed(args, name, engine, argv, torch_note, run,
+                                             torch_side)
+            for name in [n for n in chosen if n == "compile"]:
+                current = name
+                results[name] = _section(args, name, ctx, argv, torch_note)
+        except KeyboardInterrupt:
+            cut = True
+            if current is not None and current not in results:  # its finished cases
+                results[current] = list(ctx.finished)
     return {
+        "cut": cut,
         "schema": 1,
         "engine": engine.kind,
         "label": engine.label,
@@ -201,7 +213,7 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "forms": {k: report.FORMS[engine.kind][k] for k in results},
         "bias_grad_recommendation": (biasgrad.recommendation(results["biasgrad"], engine.is_gpu)
                                      if "biasgrad" in results else None),
-        "counts": report.counts(results),
+        "counts": _with_extra_errors(report.counts(results), extras),
         "results": results,
         "torch_convert": extras["torch_convert"],
         "resnet": extras["resnet"],
@@ -219,6 +231,9 @@ def _section(args: argparse.Namespace, name: str, ctx: Context, argv: list[str],
         ctx.torch.match_convfuse_tf32()
     try:
         result = SECTIONS[name](ctx)
+    except Exception as exc:  # outside any case (which records.guarded keeps): one record
+        result = [*ctx.finished, records.fail(records.new(name, "(section)"), exc)]
+        ctx.log(f"{name}: error outside a case: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
         if args.stream:
             stream_section(args.stream, name, list(ctx.finished), ctx.engine, argv,
@@ -252,12 +267,26 @@ def stream_section(path: Path, name: str, result, engine: Engine, argv: list[str
 
 def _streamed(args: argparse.Namespace, name: str, engine: Engine, argv: list[str],
               torch_note: str, run, torch_side: Any = None):
+    """An extra's result, streamed; one that raises gives {"error": ...} (counted as an
+    error, printed in its place) and the run goes on."""
     if torch_side is not None:  # as _section does
         torch_side.match_convfuse_tf32()
-    result = run()
+    try:
+        result = run()
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}",
+                  "traceback": traceback.format_exception(type(exc), exc,
+                                                          exc.__traceback__)[-6:]}
+        print(f"{name}: error: {result['error']}", file=sys.stderr, flush=True)
     if args.stream:
         stream_section(args.stream, name, result, engine, argv, torch_note)
     return result
+
+
+def _with_extra_errors(counts: dict[str, int], extras: dict[str, Any]) -> dict[str, int]:
+    """The sections' counts, with one error per extra that raised."""
+    failed = sum(1 for v in extras.values() if isinstance(v, dict) and "error" in v)
+    return {**counts, "error": counts.get("error", 0) + failed}
 
 
 def _forward_paths() -> list[dict]:
@@ -282,12 +311,15 @@ def render(payload: dict, args: argparse.Namespace) -> None:
                       "Floors use measured CPU copy and GEMM rates, so a roofline above 100% "
                       "means a case beat those measurements (e.g. from cache), not physics.")
     report.print_report(payload["results"], payload["engine"], footer)
-    if payload.get("torch_convert"):
-        print(torch_convert.format_table(payload["torch_convert"]))
-    if payload.get("resnet"):
-        print(resnet.table(payload["resnet"]))
-    if payload.get("conv_transpose"):
-        print(conv_transpose.format_table(payload["conv_transpose"]))
+    for name, fmt in (("torch_convert", torch_convert.format_table), ("resnet", resnet.table),
+                      ("conv_transpose", conv_transpose.format_table)):
+        extra = payload.get(name)
+        if isinstance(extra, dict) and "error" in extra:
+            print(f"\n{name}: error: {extra['error']}")
+        elif extra:
+            print(fmt(extra))
+    if payload.get("cut"):
+        print("\nCUT: a time cap ended this run; the tables hold what it finished")
     paths = payload.get("forward_paths") or []
     if paths:
         print("\nfused forward paths (convfuse.plan.forward_paths()):")
@@ -341,6 +373,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         payload = measure_all(args, argv)
         report.write_json(args.out, payload)
     render(payload, args)
+    if payload.get("cut"):  # written and shown; the run still ends as the cap ended it
+        raise KeyboardInterrupt("a time cap ended the run")
     if args.save_result and not args.from_json:
         keep_result(payload, args)
     counts = payload["counts"]

@@ -26,6 +26,37 @@ def test_compare_relative_to_the_reference_scale():
     assert "shapes differ" in checks.failures([checks.compare("y", want[0], want, 1.0)])
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_the_adjoint_check_takes_true_gradients_and_refuses_wrong_ones(layout):
+    """backward's check of dx and dw at any layer size: the true gradients (the reference
+    engine's, float64) pass; zero, doubled and another dz's gradients fail."""
+    import numpy as np
+
+    from convfuse import ops
+    from convfuse.geometry import ConvGeometry
+
+    rng = np.random.default_rng(0)
+    g = ConvGeometry.create((2, 5, 6, 6) if layout == "NCHW" else (2, 6, 6, 5),
+                           (4, 5, 3, 3) if layout == "NCHW" else (4, 3, 3, 5),
+                           stride=2, padding=1, layout=layout)
+    x, w = rng.standard_normal(g.input_shape), rng.standard_normal(g.weight_shape)
+    dz, other = rng.standard_normal(g.output_shape), rng.standard_normal(g.output_shape)
+    dx, dw = ops.conv_backward_data(dz, w, g), ops.conv_backward_filter(x, dz, g)
+
+    def dx_check(grad):
+        return checks.adjoint("dx", grad, dz, ops.conv_forward(grad, w, g), 1e-3)
+
+    def dw_check(grad):
+        return checks.adjoint("dw", grad, dz, ops.conv_forward(x, grad, g), 1e-3)
+
+    assert dx_check(dx)["ok"] and dw_check(dw)["ok"]
+    assert dx_check(dx)["rel_err"] < 1e-12
+    for wrong_dx, wrong_dw in ((np.zeros_like(dx), np.zeros_like(dw)), (2 * dx, 2 * dw),
+                               (ops.conv_backward_data(other, w, g),
+                                ops.conv_backward_filter(x, other, g))):
+        assert not dx_check(wrong_dx)["ok"] and not dw_check(wrong_dw)["ok"]
+
+
 def test_cpu_scaling_keeps_depthwise_and_records_the_original():
     dw = next(c for c in cases.LAYERS if c.name == "mbv2.dw3x3")
     small = dw.scaled(8, 14, 32)

@@ -36,7 +36,7 @@ def test_stream_writes_a_line_per_section_with_the_environment(tmp_path):
 
 def test_a_time_caps_sigterm_streams_the_cases_the_section_finished(tmp_path):
     """timeout(1) sends SIGTERM: the running section's finished cases are streamed, marked
-    cut, before the run ends (a cut section used to leave no line at all)."""
+    cut, and written into the run's JSON before the run ends, still with a failing exit."""
     import signal
 
     stream = tmp_path / "bench.jsonl"
@@ -61,4 +61,36 @@ def test_a_time_caps_sigterm_streams_the_cases_the_section_finished(tmp_path):
     assert line["section"] == "biasgrad" and line["cut"] is True
     assert len(line["results"]) >= 2 and all(r["status"] == "ok" for r in line["results"])
     assert sum(line["counts"].values()) == len(line["results"])
-    assert not (tmp_path / "r.json").exists()  # the run ended there
+    # the run ended there, and its JSON holds what it finished, marked cut (it used to
+    # write none)
+    payload = json.loads((tmp_path / "r.json").read_text())
+    assert payload["cut"] is True
+    assert [r["case"] for r in payload["results"]["biasgrad"]] == \
+        [r["case"] for r in line["results"]]
+
+
+def test_a_section_or_extra_that_raises_outside_a_case_is_an_error_record(tmp_path,
+                                                                          monkeypatch):
+    """A section raising outside its cases (records.guarded keeps those) and an extra
+    raising become error records; the other sections run and the JSON is written."""
+    import importlib
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    fvu = importlib.import_module("fused_vs_unfused")
+
+    def broken(ctx):
+        raise RuntimeError("no such shape")
+
+    monkeypatch.setitem(fvu.SECTIONS, "adam", broken)
+    monkeypatch.setattr(fvu.conv_transpose, "run", lambda quick: 1 / 0)
+    out = tmp_path / "r.json"
+    code = fvu.main(["--quick", "--quiet", "--device", "cpu", "--no-torch", "--sections",
+                     "adam,biasgrad", "--out", str(out), "--plot", str(tmp_path / "r.png")])
+    payload = json.loads(out.read_text())
+    assert code == 1 and payload["cut"] is False
+    [rec] = payload["results"]["adam"]
+    assert rec["status"] == "error" and rec["reason"] == "RuntimeError: no such shape"
+    assert payload["results"]["biasgrad"] and \
+        all(r["status"] in ("ok", "skipped") for r in payload["results"]["biasgrad"])
+    assert payload["conv_transpose"]["error"] == "ZeroDivisionError: division by zero"
+    assert payload["counts"]["error"] == 2

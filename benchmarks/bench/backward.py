@@ -63,7 +63,16 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
-    records.put_timing(rec, "backward", ctx.time(backward, n_sets))
+    timed = ctx.time(backward, n_sets)
+    after = backward(0)  # the timed calls' path, which the first call may not have taken
+    for name in ("dx", "dweight", "dbias"):
+        rec["checks"].append(checks.compare(f"{name} after timing vs the first call",
+                                            eng.to_host(getattr(after, name)),
+                                            eng.to_host(getattr(grads, name)), prec.tol))
+    if not checks.all_ok(rec["checks"]):
+        records.check_failed(rec, checks.failures(rec["checks"]))
+        return
+    records.put_timing(rec, "backward", timed)
 
     key = (case.name, prec.name, layout)
     if key not in ctx.forward_medians:  # the forward section did not run: time it here
@@ -98,6 +107,16 @@ def _checks(ctx: Context, case: LayerCase, prec: Precision, inputs: dict, dy: An
         finite = bool(np.isfinite(h).all())
         out.append({"what": f"{name} shape and finiteness", "ok": finite and h.shape == shape,
                     "all_finite": finite, "rel_err": 0.0, "tol": 0.0})
+    # every layer, whatever its size: dx and dw against the convolution's adjoint
+    # identities, through the forward convolution (checked against unfused and PyTorch)
+    dz_dev = eng.xp.asarray(dz64.astype(prec.dtype))
+    tol = max(prec.tol, 1e-3)
+    out.append(checks.adjoint("dx by the adjoint identity", eng.to_host(grads.dx), dz64,
+                              eng.to_host(ops.conv_forward(grads.dx, inputs["w"], geom)), tol))
+    out.append(checks.adjoint("dw by the adjoint identity", eng.to_host(grads.dweight), dz64,
+                              eng.to_host(ops.conv_forward(inputs["x"], grads.dweight, geom)),
+                              tol))
+    del dz_dev
     if eng.is_gpu and geom.flops() <= REFERENCE_FLOPS_LIMIT:  # pragma: gpu
         # From the GPU's own dz (its relu mask), so that outputs rounding to either side of
         # zero on the two engines cannot make them disagree.

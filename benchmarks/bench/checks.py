@@ -44,3 +44,18 @@ def failures(checks: list[dict[str, Any]]) -> str:
                             + ("" if c["all_finite"] else " (non-finite values)"))
         for c in bad
     )
+
+
+def adjoint(what: str, grad: Any, dz: Any, image: Any, tol: float) -> dict[str, Any]:
+    """A gradient g of the linear map L (x -> conv(x, w) for dx, w -> conv(x, w) for dw)
+    against L's adjoint identity <g, g> = <dz, L(g)>, `image` being L(g) computed by the
+    forward convolution (host arrays; inner products in float64). It holds for the true
+    gradient at any size, and fails for a zero, stale or wrong one (a zero g is refused
+    outright: dz, x and w are random, so the true gradient is not zero)."""
+    g, d, im = as_f64(grad), as_f64(dz), as_f64(image)
+    finite = bool(np.isfinite(g).all() and np.isfinite(im).all())
+    a, b = float(np.sum(g * g)), float(np.sum(d * im))
+    scale = max(abs(a), abs(b))
+    rel = abs(a - b) / scale if scale > 0 else float("inf")
+    return {"what": what, "ok": finite and a > 0 and rel <= tol, "rel_err": rel, "tol": tol,
+            "all_finite": finite, "norm_sq": a, "adjoint": b}

@@ -101,6 +101,13 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     finally:
         if ctx.torch is not None:
             ctx.torch.release()
+    # the timed calls may take another path than the checked first one (a plan's choice
+    # made at its first call, a bound call): the last one is checked too
+    rec["checks"].append(checks.compare("fused vs unfused y, after timing",
+                                        eng.to_host(fused(0)[0]), y_unfused, prec.tol))
+    if not checks.all_ok(rec["checks"]):
+        records.check_failed(rec, checks.failures(rec["checks"]))
+        return
     for name, st in stats.items():
         records.put_timing(rec, name, st)
     records.ratio(rec, "fused/unfused", "fused", "unfused")

@@ -115,6 +115,15 @@ def _measure(ctx: Context, rec: dict[str, Any], torch: Any, gpu: bool, batch: in
         return
     timer = TorchEventTimer(torch) if gpu else CpuTimer()
     stats = ctx.time_many({name: (timer, steps[name]) for name in FORMS}, len(batches))
+    # the compiled model as the timed steps left it, against eager torch.nn with its weights
+    # (the check above ran each form's first, compiling call)
+    ref = copy.deepcopy(models["eager"])
+    ref.load_state_dict(models["convfuse"].state_dict())
+    check = _after_timing(torch, runners["convfuse"], ref, batches[0], rtol)
+    rec["checks"].append(check)
+    if not check["ok"]:
+        records.check_failed(rec, f"{check} against eager torch.nn, after timing")
+        return
     for name, s in stats.items():
         records.put_timing(rec, name, s)
     for name in ("inductor", "convfuse"):
@@ -124,3 +133,20 @@ def _measure(ctx: Context, rec: dict[str, Any], torch: Any, gpu: bool, batch: in
     conv, ind = records.median(rec, "convfuse"), records.median(rec, "inductor")
     if conv and ind:
         rec["ratios"]["inductor/convfuse"] = ind / conv
+
+
+
+def _after_timing(torch: Any, runner: Any, ref: Any, batch: tuple[Any, Any],
+                  rtol: float) -> dict[str, Any]:
+    """The loss of one forward of the compiled `runner` against eager `ref`
+    holding the same weights. The loss only: after training steps, a small batch's early
+    gradients are rounding noise that near-degenerate batch norms amplify (a ResNet's
+    last stage normalises a few values per channel), on either side; the gradients were
+    compared at the first call, and the torch_convert extra compares them after timing."""
+    F = torch.nn.functional
+    # with grad enabled, as the timed steps ran: dynamo guards on the grad mode, so no_grad
+    # would compile again
+    losses = [float(F.cross_entropy(run(batch[0]), batch[1]).detach()) for run in (runner, ref)]
+    loss_err = abs(losses[0] - losses[1]) / max(abs(losses[1]), 1e-30)
+    return {"form": "convfuse, after timing", "loss_rel_err": loss_err, "rtol": rtol,
+            "ok": loss_err <= rtol}
