@@ -373,7 +373,8 @@ def _main(args: argparse.Namespace, argv: list[str]) -> int:
         payload = measure_all(args, argv)
         report.write_json(args.out, payload)
     render(payload, args)
-    if payload.get("cut"):  # written and shown; the run still ends as the cap ended it
+    if payload.get("cut") and not args.from_json:  # written and shown; the run still ends
+        # as the cap ended it
         raise KeyboardInterrupt("a time cap ended the run")
     if args.save_result and not args.from_json:
         keep_result(payload, args)

@@ -143,7 +143,10 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
     Each rank's BatchNorm running statistics follow its own shard of the data, so they
     drift apart during training. DistributedDataParallel (broadcast_buffers=True, its
     default) copies rank 0's before every forward; call this before each step's forward
-    to do the same, or once before evaluating or saving a checkpoint."""
+    to do the same, or once before evaluating or saving a checkpoint. A BatchNorm with
+    momentum=None on the GPU then re-reads its count from the device at its next step
+    (one sync per layer: Note [momentum=None without a host sync]); a float momentum
+    keeps the step free of syncs."""
     torch = _torch()
     if not hasattr(model, "named_buffers"):
         raise TypeError("broadcast_buffers expects a convfuse layer or model (with "

@@ -29,31 +29,47 @@ def test_compare_relative_to_the_reference_scale():
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_the_adjoint_check_takes_true_gradients_and_refuses_wrong_ones(layout):
     """backward's check of dx and dw at any layer size: the true gradients (the reference
-    engine's, float64) pass; zero, doubled and another dz's gradients fail."""
+    engine's, float64) pass; zero, doubled, another dz's and partly missing gradients (a
+    batch part, a group, a kernel tap never written) fail."""
     import numpy as np
 
     from convfuse import ops
     from convfuse.geometry import ConvGeometry
 
     rng = np.random.default_rng(0)
-    g = ConvGeometry.create((2, 5, 6, 6) if layout == "NCHW" else (2, 6, 6, 5),
-                           (4, 5, 3, 3) if layout == "NCHW" else (4, 3, 3, 5),
-                           stride=2, padding=1, layout=layout)
+    nchw = layout == "NCHW"
+    g = ConvGeometry.create((4, 8, 6, 6) if nchw else (4, 6, 6, 8),
+                           (6, 4, 3, 3) if nchw else (6, 3, 3, 4),
+                           stride=2, padding=1, groups=2, layout=layout)
     x, w = rng.standard_normal(g.input_shape), rng.standard_normal(g.weight_shape)
     dz, other = rng.standard_normal(g.output_shape), rng.standard_normal(g.output_shape)
     dx, dw = ops.conv_backward_data(dz, w, g), ops.conv_backward_filter(x, dz, g)
 
+    def check(grad, shape, image):
+        probes = [(v, image(v)) for v in (rng.uniform(-1, 1, shape) for _ in range(4))]
+        return checks.adjoint("g", grad, dz, probes, 1e-3)
+
     def dx_check(grad):
-        return checks.adjoint("dx", grad, dz, ops.conv_forward(grad, w, g), 1e-3)
+        return check(grad, g.input_shape, lambda v: ops.conv_forward(v, w, g))
 
     def dw_check(grad):
-        return checks.adjoint("dw", grad, dz, ops.conv_forward(x, grad, g), 1e-3)
+        return check(grad, g.weight_shape, lambda v: ops.conv_forward(x, v, g))
 
     assert dx_check(dx)["ok"] and dw_check(dw)["ok"]
-    assert dx_check(dx)["rel_err"] < 1e-12
-    for wrong_dx, wrong_dw in ((np.zeros_like(dx), np.zeros_like(dw)), (2 * dx, 2 * dw),
-                               (ops.conv_backward_data(other, w, g),
-                                ops.conv_backward_filter(x, other, g))):
+    assert dx_check(dx)["rel_err"] < 1e-12 and dw_check(dw)["rel_err"] < 1e-12
+    group_c = (slice(None), slice(4, None)) if nchw else (..., slice(2, None))
+    tap = (slice(None), slice(None), 0) if nchw else (slice(None), 0)
+
+    def without(a, where):
+        a = a.copy()
+        a[where] = 0
+        return a
+
+    wrong = [(np.zeros_like(dx), np.zeros_like(dw)), (2 * dx, 2 * dw),
+             (ops.conv_backward_data(other, w, g), ops.conv_backward_filter(x, other, g)),
+             (without(dx, slice(2, None)), without(dw, slice(3, None))),
+             (without(dx, group_c), without(dw, tap))]
+    for wrong_dx, wrong_dw in wrong:
         assert not dx_check(wrong_dx)["ok"] and not dw_check(wrong_dw)["ok"]
 
 

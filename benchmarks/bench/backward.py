@@ -19,6 +19,8 @@ from .records import Context
 # On the GPU, dx and dw are also checked against the NumPy reference engine when the
 # layer is small enough for the host to compute them quickly.
 REFERENCE_FLOPS_LIMIT = 2e9
+# Random probes of the adjoint check of dx and dw (checks.adjoint), at every layer size.
+ADJOINT_PROBES = 4
 
 
 def run(ctx: Context) -> list[dict[str, Any]]:
@@ -109,14 +111,17 @@ def _checks(ctx: Context, case: LayerCase, prec: Precision, inputs: dict, dy: An
                     "all_finite": finite, "rel_err": 0.0, "tol": 0.0})
     # every layer, whatever its size: dx and dw against the convolution's adjoint
     # identities, through the forward convolution (checked against unfused and PyTorch)
-    dz_dev = eng.xp.asarray(dz64.astype(prec.dtype))
     tol = max(prec.tol, 1e-3)
-    out.append(checks.adjoint("dx by the adjoint identity", eng.to_host(grads.dx), dz64,
-                              eng.to_host(ops.conv_forward(grads.dx, inputs["w"], geom)), tol))
-    out.append(checks.adjoint("dw by the adjoint identity", eng.to_host(grads.dweight), dz64,
-                              eng.to_host(ops.conv_forward(inputs["x"], grads.dweight, geom)),
-                              tol))
-    del dz_dev
+    for name, got, shape, image in (
+            ("dx", grads.dx, geom.input_shape, lambda v: ops.conv_forward(v, inputs["w"], geom)),
+            ("dw", grads.dweight, geom.weight_shape,
+             lambda v: ops.conv_forward(inputs["x"], v, geom))):
+        probes = []
+        for j in range(ADJOINT_PROBES):
+            v = eng.uniform(shape, prec.dtype, ctx.seed + 1000 + j)
+            probes.append((eng.to_host(v), eng.to_host(image(v))))
+        out.append(checks.adjoint(f"{name} by the adjoint identity", eng.to_host(got), dz64,
+                                  probes, tol))
     if eng.is_gpu and geom.flops() <= REFERENCE_FLOPS_LIMIT:  # pragma: gpu
         # From the GPU's own dz (its relu mask), so that outputs rounding to either side of
         # zero on the two engines cannot make them disagree.

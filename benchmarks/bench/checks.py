@@ -46,16 +46,25 @@ def failures(checks: list[dict[str, Any]]) -> str:
     )
 
 
-def adjoint(what: str, grad: Any, dz: Any, image: Any, tol: float) -> dict[str, Any]:
+
+def adjoint(what: str, grad: Any, dz: Any, probes: list[tuple[Any, Any]],
+            tol: float) -> dict[str, Any]:
     """A gradient g of the linear map L (x -> conv(x, w) for dx, w -> conv(x, w) for dw)
-    against L's adjoint identity <g, g> = <dz, L(g)>, `image` being L(g) computed by the
-    forward convolution (host arrays; inner products in float64). It holds for the true
-    gradient at any size, and fails for a zero, stale or wrong one (a zero g is refused
-    outright: dz, x and w are random, so the true gradient is not zero)."""
-    g, d, im = as_f64(grad), as_f64(dz), as_f64(image)
-    finite = bool(np.isfinite(g).all() and np.isfinite(im).all())
-    a, b = float(np.sum(g * g)), float(np.sum(d * im))
-    scale = max(abs(a), abs(b))
-    rel = abs(a - b) / scale if scale > 0 else float("inf")
-    return {"what": what, "ok": finite and a > 0 and rel <= tol, "rel_err": rel, "tol": tol,
-            "all_finite": finite, "norm_sq": a, "adjoint": b}
+    against L's adjoint identity <g, v> = <dz, L(v)> for random probes v, given as pairs
+    (v, L(v)) computed by the forward convolution (host arrays; inner products in
+    float64). It holds for the true gradient at any size; a zero, scaled, stale or partly
+    missing one (a batch part, a group, a kernel tap never written) breaks it for random
+    v. The error is sqrt(sum (a_j - b_j)^2) / sqrt(sum max(a_j, b_j)^2) over the probes: a
+    single probe's inner product may come out near zero by chance, all of them hardly."""
+    g, d = as_f64(grad), as_f64(dz)
+    finite = bool(np.isfinite(g).all())
+    pairs = []
+    for v, image in probes:
+        im = as_f64(image)
+        finite = finite and bool(np.isfinite(im).all())
+        pairs.append((float(np.sum(g * as_f64(v))), float(np.sum(d * im))))
+    err = sum((a - b) ** 2 for a, b in pairs) ** 0.5
+    scale = sum(max(a * a, b * b) for a, b in pairs) ** 0.5
+    rel = err / scale if scale > 0 else float("inf")
+    return {"what": what, "ok": finite and rel <= tol, "rel_err": rel, "tol": tol,
+            "all_finite": finite, "probes": pairs}

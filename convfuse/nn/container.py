@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -192,7 +194,6 @@ class Sequential(Layer):
     def _check_backward(self) -> Any:
         ctx = self._peek_ctx()
         layers = self.layers
-        check_run_once(self)
         for layer in layers:
             layer._check_backward()
         return ctx
@@ -201,14 +202,15 @@ class Sequential(Layer):
         return self.layers
 
     def backward(self, dy: Any) -> Any:
-        (had_residual,) = self._check_backward()
-        dres = None
-        for i, layer in enumerate(reversed(self.layers)):
-            out = layer.backward(dy)
-            if i == 0 and had_residual:
-                dy, dres = out
-            else:
-                dy = out
+        with runs_once_checked(self):
+            (had_residual,) = self._check_backward()
+            dres = None
+            for i, layer in enumerate(reversed(self.layers)):
+                out = layer.backward(dy)
+                if i == 0 and had_residual:
+                    dy, dres = out
+                else:
+                    dy = out
         self._ctx = None
         return (dy, dres) if had_residual else dy
 
@@ -260,24 +262,46 @@ def _takes_residual(cls: type[Layer]) -> bool:
 
 
 
+_WALK = threading.local()  # .active: an enclosing container's backward checked its tree
+
+
+@contextlib.contextmanager
+def runs_once_checked(container: Layer) -> Iterator[None]:
+    """The body of a container's backward, after check_run_once over its whole tree; the
+    backward of a container inside it (run by the body) does not walk its part again."""
+    if getattr(_WALK, "active", False):
+        yield
+        return
+    check_run_once(container)
+    _WALK.active = True
+    try:
+        yield
+    finally:
+        _WALK.active = False
+
+
 def check_run_once(container: Layer) -> None:
     """A layer keeps one forward's context, so one instance that ran at two positions
     cannot run backward (its second forward replaced the first's context). Checked before
     any backward writes, through nested containers that run each of their layers once
     (`_run_units`: Sequential, Residual); forward alone (inference) is fine."""
-    seen: dict[int, str] = {}
-    stack: list[tuple[Layer, str]] = [(container, "")]
+    seen: dict[int, tuple[int, ...]] = {}
+    stack: list[tuple[Layer, tuple[int, ...]]] = [(container, ())]
     while stack:
         layer, path = stack.pop()
         below = []
         for i, unit in enumerate(layer._run_units() or ()):
-            where = f"{path}.{i}" if path else str(i)
+            where = (*path, i)
             first = seen.setdefault(id(unit), where)
-            if first != where:
+            if first is not where:
                 raise ValueError(
-                    f"{type(container).__name__}: item {where} is the same "
-                    f"{type(unit).__name__} object as item {first}; a convfuse layer keeps "
-                    "the context of one forward, so backward through a layer used twice is "
-                    "refused (use a separate instance for each position)")
+                    f"{type(container).__name__}: item {_dotted(where)} is the same "
+                    f"{type(unit).__name__} object as item {_dotted(first)}; a convfuse "
+                    "layer keeps the context of one forward, so backward through a layer "
+                    "used twice is refused (use a separate instance for each position)")
             below.append((unit, where))
         stack += reversed(below)
+
+
+def _dotted(path: tuple[int, ...]) -> str:
+    return ".".join(map(str, path))

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from ..backend import array_module, device_of
 
 
 def check_set_to_none(owner: str, set_to_none: Any) -> None:
-    """zero_grad's `set_to_none`, PyTorch's argument: only False, since a convfuse gradient
-    is always an array (the optimizers' flat buffer holds it as a view)."""
-    if set_to_none is not False and set_to_none is not np.False_:
+    """zero_grad's `set_to_none`, PyTorch's argument: only a false value, since a convfuse
+    gradient is always an array (the optimizers' flat buffer holds it as a view)."""
+    if set_to_none:  # PyTorch's test: any false value zeroes
         raise ValueError(
             f"{owner}.zero_grad: set_to_none={set_to_none!r} is not supported: a convfuse "
             "gradient is always an array (a view of the optimizer's flat buffer), so "

@@ -15,7 +15,7 @@ from ..backend import device_of
 from ..errors import DeviceMismatchError
 from . import _hyper
 from .batchnorm import _BatchNorm
-from .container import Sequential, check_run_once
+from .container import Sequential, runs_once_checked
 from .conv import _ConvNd
 from .fold import fold_chain, fold_layer
 from .module import Layer, forward_keeping_contexts
@@ -110,29 +110,29 @@ class ResidualBase(Layer):
         """The block's context and, below it, every layer's (checked before a container
         holding the block writes any gradient)."""
         ctx = self._peek_ctx()
-        check_run_once(self)
         check_contexts(self)
         return ctx
 
     def backward(self, dy: Any) -> Any:
         """dx = d body + d shortcut (None when `needs_input_grad` is False)."""
-        shape, dtype, device = self._check_backward()
-        # Checked here, before any layer runs, so a bad dy changes no gradient.
-        self._check_block_input(dy, "dy")
-        if tuple(dy.shape) != shape or dy.dtype != dtype or device_of(dy) != device:
-            raise ValueError(
-                f"{type(self).__name__}: dy has shape {tuple(dy.shape)}, dtype {dy.dtype} "
-                f"on {device_of(dy)!r}, but the forward's output has shape {shape}, dtype "
-                f"{dtype} on {device!r}"
-            )
-        self._ctx = None  # everything checkable was: consumed, as Layer's rule says
-        *head, tail = self._body_layers()
-        g, dskip = tail.backward(dy)
-        for layer in reversed(head):
-            g = layer.backward(g)
-        shortcut = self._shortcut()
-        if shortcut is not None:
-            dskip = shortcut.backward(dskip)
+        with runs_once_checked(self):
+            shape, dtype, device = self._check_backward()
+            # Checked here, before any layer runs, so a bad dy changes no gradient.
+            self._check_block_input(dy, "dy")
+            if tuple(dy.shape) != shape or dy.dtype != dtype or device_of(dy) != device:
+                raise ValueError(
+                    f"{type(self).__name__}: dy has shape {tuple(dy.shape)}, dtype "
+                    f"{dy.dtype} on {device_of(dy)!r}, but the forward's output has shape "
+                    f"{shape}, dtype {dtype} on {device!r}"
+                )
+            self._ctx = None  # everything checkable was: consumed, as Layer's rule says
+            *head, tail = self._body_layers()
+            g, dskip = tail.backward(dy)
+            for layer in reversed(head):
+                g = layer.backward(g)
+            shortcut = self._shortcut()
+            if shortcut is not None:
+                dskip = shortcut.backward(dskip)
         if not self.needs_input_grad:
             return None
         return g + dskip

@@ -20,6 +20,8 @@ def activation_forward(z: Any, activation: str | None, out: Any = None) -> Any:
     act = _name(op, activation)
     shape = _shape_of(z)
     xp = validate(op, [Arg("z", z, None), Arg("out", out, shape, optional=True, output=True)])
+    if z.size == 0:  # an empty batch reaches no engine, as in the other ops
+        return out if out is not None else xp.empty(z.shape, z.dtype)
     return _checks.engine(xp, "activation").activation_forward(z, act, out)
 
 
@@ -33,6 +35,8 @@ def activation_backward(dy: Any, saved: Any, activation: str | None, out: Any = 
         Arg("dy", dy, None), Arg("saved", saved, shape, optional=True),
         Arg("out", out, shape, optional=True, output=True),
     ])
+    if dy.size == 0:
+        return out if out is not None else xp.empty(dy.shape, dy.dtype)
     return validated.activation_backward(_checks.engine(xp, "activation"), dy, saved, act, out)
 
 

@@ -5,9 +5,9 @@ bridge, Note [per-signature decisions] in convfuse/torch/_signature.py).
 Contract: every argument is what the public op of the same name accepted and normalized
 (the geometry it checked, a canonical activation name, beta as a float), `eng` is the
 engine module `_checks.engine` picks for the arrays, and the defaults are the public op's.
-Nothing here checks anything: a call outside that contract is undefined. Transposed
-convolutions of an empty batch are the public ops' own (they need the array module, not
-an engine), so their entries assume batch > 0.
+Nothing here checks anything: a call outside that contract is undefined. An empty batch
+is the public ops' own (they answer it with the array module, not an engine: convolutions,
+transposed ones, batch norm, pooling, padding), so these entries assume batch > 0.
 """
 
 from __future__ import annotations

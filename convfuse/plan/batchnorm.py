@@ -96,6 +96,11 @@ class BatchNormGeometry:
         return tuple(a for a in range(self.ndim) if a != self.channel_axis)
 
     @property
+    def batch(self) -> int:
+        """N: 0 for an empty batch, which the ops answer without an engine call."""
+        return self.shape[0]
+
+    @property
     def count(self) -> int:
         """Values per channel: N times the spatial sizes."""
         return math.prod(self.shape) // self.channels

@@ -95,7 +95,7 @@ class Prepared:
         # binds it (Note [bound calls] in convfuse/ops/cudnn/bound.py)
         self.bound: dict[Any, Any] = {}
         # False where convfuse.ops does more than validate for this geometry (an empty
-        # batch of a transposed convolution): always call through it then.
+        # batch, which the ops answer without an engine): always call through it then.
         self.direct = direct and getattr(geom, "batch", 1) != 0
 
 

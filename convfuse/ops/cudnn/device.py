@@ -131,7 +131,7 @@ class DeviceArray:
         return tuple(reversed(out))
 
     # The ops' own CuPy arithmetic on an output (an empty batch's zero or scaled gradient,
-    # ops/conv_transpose.py `_zero_filled`): a CuPy kernel on the caller's stream.
+    # ops/_checks.py `zero_filled`): a CuPy kernel on the caller's stream.
     def fill(self, value: Any) -> None:
         on_cupy(lambda a: a.fill(value), self)
 
