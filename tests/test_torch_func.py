@@ -24,7 +24,7 @@ ACTS = {"identity": lambda t: t, "relu": torch.relu, "silu": torch.nn.functional
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's "no batching rule" performance note
+        warnings.simplefilter("ignore")
         yield
 
 
@@ -222,7 +222,7 @@ def test_a_batch_norm_takes_dual_tensors_as_torch_nn(grad_mode):
 
 def test_vmap_alone_runs_the_layers():
     """vmap without an autodiff transform: the batched eager call's numbers (the custom
-    ops' per-sample fallback for the convolutions, torch's batch norm)."""
+    ops' batching rules for the convolutions, torch's batch norm)."""
     torch.manual_seed(0)
     layers = [ct.Conv2d(3, 4, 3).double(), ct.ConvTranspose2d(3, 4, 3).double(),
               ct.BatchNorm2d(3).double().eval()]
@@ -264,3 +264,106 @@ def test_forward_over_reverse_is_refused():
         y = ours(xd).sum()
         with pytest.raises(ct.TransformError, match="forward-over-reverse"):
             torch.autograd.grad(y, xd, create_graph=True)
+
+
+# -- batching rules (Note [a fused convolution under vmap] in convfuse/torch/_vmap.py) ------
+def _no_fallback():
+    """torch's per-sample fallback warns; with the ops' own batching rules it never runs."""
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("error", message=".*performance drop.*batching rule.*")
+    return ctx
+
+
+def _twins(kind: str, act: str, groups: int, bias: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    theirs = (torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=groups, bias=bias)
+              if kind == "conv" else
+              torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1,
+                                       groups=groups, bias=bias)).double()
+    ours = ct.convert(copy.deepcopy(theirs))
+    ours.activation = act
+    return ours, torch.nn.Sequential(theirs, {"identity": torch.nn.Identity(),
+                                              "relu": torch.nn.ReLU(),
+                                              "silu": torch.nn.SiLU(),
+                                              "tanh": torch.nn.Tanh()}[act])
+
+
+@pytest.mark.parametrize("kind", ["conv", "transpose"])
+@pytest.mark.parametrize(("act", "groups", "bias"), [("relu", 1, True), ("silu", 2, True),
+                                                     ("identity", 2, False),
+                                                     ("tanh", 1, False)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_per_sample_gradients_take_the_batching_rules(kind, act, groups, bias, channels_last):
+    """vmap(grad) over samples: torch.nn's per-sample gradients in float64, computed by
+    one grouped convolution per op, not torch's per-sample loop."""
+    ours, ref = _twins(kind, act, groups, bias)
+    x = torch.randn(5, 4, 6, 6, dtype=F64)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+
+    def per_sample(model, params):
+        def loss(p, xi):
+            return func.functional_call(model, p, (xi[None],)).square().sum()
+        return func.vmap(func.grad(loss), in_dims=(None, 0))(params, x)
+
+    want = per_sample(ref, {f"0.{k}": v for k, v in _params(ref[0]).items()})
+    guard = _no_fallback()
+    try:
+        got = per_sample(ours, _params(ours))
+    finally:
+        guard.__exit__(None, None, None)
+    _close(got, {k[2:]: v for k, v in want.items()})
+
+
+@pytest.mark.parametrize("kind", ["conv", "transpose"])
+def test_an_ensemble_vmapped_over_its_weights_takes_the_batching_rules(kind):
+    """stack_module_state + vmap over the weights (one input, or one per model), and the
+    gradient of each model's loss: torch.nn's numbers."""
+    pairs = [_twins(kind, "silu", 2, True, seed=s) for s in range(3)]
+    x = torch.randn(2, 4, 5, 5, dtype=F64)
+    xs = torch.randn(3, 2, 4, 5, 5, dtype=F64)
+    results = []
+    for models in ([p[0] for p in pairs], [p[1] for p in pairs]):
+        params, buffers = func.stack_module_state(models)
+        base = copy.deepcopy(models[0]).to("meta")
+
+        def f(p, b, xx, base=base):
+            return func.functional_call(base, (p, b), (xx,))
+        guard = _no_fallback() if models[0] is pairs[0][0] else None
+        try:
+            results.append([
+                func.vmap(f, in_dims=(0, 0, None))(params, buffers, x),
+                func.vmap(f, in_dims=(0, 0, 0))(params, buffers, xs),
+                func.vmap(func.grad(lambda p, b, xx: f(p, b, xx).square().sum()),
+                          in_dims=(0, 0, None))(params, buffers, x)])
+        finally:
+            if guard is not None:
+                guard.__exit__(None, None, None)
+    ours, theirs = results
+    _close(ours[:2], theirs[:2])
+    _close(ours[2], {k[2:]: v for k, v in theirs[2].items()})
+
+
+def test_vmap_over_another_dim_nested_and_with_a_residual():
+    ours, ref = _twins("conv", "relu", 1, True)
+    conv = ref[0]
+    x = torch.randn(3, 2, 4, 6, 6, dtype=F64)
+    r = torch.randn(2, 6, 3, 3, dtype=F64)
+    rs = torch.randn(3, 2, 6, 3, 3, dtype=F64)
+    guard = _no_fallback()
+    try:
+        with torch.no_grad():
+            got = [func.vmap(ours, in_dims=1)(x),
+                   func.vmap(func.vmap(lambda t: ours(t[None])[0]))(x),
+                   func.vmap(lambda t: ours(t, residual=r))(x),
+                   func.vmap(lambda t, s: ours(t, residual=s))(x, rs)]
+    finally:
+        guard.__exit__(None, None, None)
+    with torch.no_grad():
+        want = [torch.relu(conv(x.movedim(1, 0).reshape(6, 4, 6, 6))).reshape(2, 3, 6, 3, 3)
+                .movedim(0, 1).movedim(1, 0), torch.relu(conv(x.reshape(6, 4, 6, 6)))
+                .reshape(3, 2, 6, 3, 3), torch.relu(conv(x.reshape(6, 4, 6, 6)).reshape(
+                    3, 2, 6, 3, 3) + r), torch.relu(conv(x.reshape(6, 4, 6, 6)).reshape(
+                        3, 2, 6, 3, 3) + rs)]
+    _close(got, want)

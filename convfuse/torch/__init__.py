@@ -25,7 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "without it)"
     ) from exc
 
-from . import _flops
+from . import _flops, _vmap
 from ._errors import InputDeviceError, InputShapeError, InputTypeError, TransformError
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .conv import Conv1d, Conv2d, Conv3d
@@ -34,6 +34,7 @@ from .convert import activation_of, convert, fused_batchnorm, fused_conv, fused_
 from .dynamo import backend, explain
 
 _flops.register()  # after the ops exist (conv, conv_transpose)
+_vmap.register()
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "InputDeviceError",

@@ -10,8 +10,8 @@ goes through `function(...)`'s torch.autograd.Function instead:
 - its forward is the fused custom op itself, its setup_context and backward the custom
   op's own (`_ops.fused_autograd`): the same numbers and gradients as the eager path;
 - its vmap rule is generated (torch.func runs forward and backward under vmap, where the
-  custom ops take torch's per-sample fallback: per-sample gradients are right, and cost a
-  loop over the batch);
+  custom ops take their own batching rules: Note [a fused convolution under vmap] in
+  _vmap.py);
 - its jvp is the convolution's: with t_pre = conv(tx, w) + conv(x, tw) + tb + tr, the
   output's tangent is act'(pre) * t_pre, computed by the custom ops (the forward with
   identity, and the backward op's dz, which is act'(pre) * dy for dy = t_pre); the
