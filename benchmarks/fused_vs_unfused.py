@@ -144,7 +144,8 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
         floors = (set(args.sections) - {"host-overhead"} or args.torch_convert
                   or args.resnet or not args.no_conv_transpose)
         used_peaks, peaks_info = peaks.resolve(engine, args.quick, measure=bool(floors))
-        torch_side, torch_note = torch_cmp.load(engine, args.no_torch)
+        torch_side, torch_note = torch_cmp.load(engine, args.no_torch,
+                                                autotune=not args.heuristics)
         ctx = Context(engine, used_peaks, args.quick, budget_for(engine, args.quick), args.seed,
                       log, torch_side, torch_note, args.precisions, args.layouts)
         print(f"peaks for the floors: {used_peaks.source}", flush=True)
@@ -203,7 +204,8 @@ def measure_all(args: argparse.Namespace, argv: list[str]) -> dict:
                 ("batch", "spatial", "channels"), CPU_CAPS[args.quick])),
             "cache_bytes_for_rotation": engine.cache_bytes,
             "convfuse_autotune": engine.is_gpu and not args.heuristics,
-            "torch_cudnn_benchmark": True,
+            "torch_cudnn_benchmark": engine.is_gpu and not args.heuristics
+            and torch_side is not None,
             "seed": args.seed,
             "quick": args.quick,
             "sections": list(args.sections),

@@ -65,8 +65,19 @@ def test_quick_cpu_json_structure_and_labelling(cpu_run):
     assert "CPU reference engine" in d["notice"]
     env = d["environment"]
     assert env["engine"] == "cpu" and env["gpu"] is None
-    for key in ("numpy", "cupy", "convfuse", "cudnn", "python", "timestamp_utc", "timer"):
+    for key in ("numpy", "cupy", "convfuse", "cudnn", "python", "timestamp_utc", "timer",
+                "git_dirty"):
         assert key in env
+    # PyTorch's own versions and switches beside convfuse's, and the flags each timed row
+    # ran with (its label names the intended precision)
+    assert set(env["torch_side"]) == {"cuda", "cudnn", "cudnn_allow_tf32", "cudnn_benchmark",
+                                      "matmul_allow_tf32"}
+    assert d["method"]["torch_cudnn_benchmark"] is False  # a CPU run sets no cuDNN switch
+    timed = [r for sec in ("forward", "backward") for r in d["results"][sec]
+             if r["status"] == "ok"]
+    assert timed and all(set(r["flags_in_force"]) == {"allow_tf32", "benchmark",
+                                                      "deterministic"} for r in timed)
+    assert all(any("after timing" in c["what"] for c in r["checks"]) for r in timed)
     # no GPU number may appear: the floors come from measurements on this CPU
     assert d["peaks"]["datasheet"] is None and d["peaks"]["used"]["measured"] is True
     assert d["peaks"]["used"]["device"] == "CPU"

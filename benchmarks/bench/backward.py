@@ -42,6 +42,8 @@ def run_one(ctx: Context, case: LayerCase, prec: Precision, layout: str) -> dict
 
 
 def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: dict) -> None:
+    if ctx.torch is not None:  # before either side plans anything
+        ctx.torch.set_precision(prec.allow_tf32)
     eng = ctx.engine
     geom = case.geometry(layout)
     act = case.activation
@@ -74,6 +76,7 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
+    records.put_flags(rec)  # as the timed calls found them
     records.put_timing(rec, "backward", timed)
 
     key = (case.name, prec.name, layout)

@@ -67,6 +67,34 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def _git_dirty() -> bool | None:
+    """Whether the checkout has uncommitted changes (the commit alone would not say what
+    ran)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                              "--untracked-files=no"], capture_output=True, text=True,
+                             timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def _torch_side() -> dict[str, Any] | None:
+    """The versions and switches PyTorch's own calls ran with, where it is imported: its
+    cuDNN may differ from the one convfuse loads, and its flags decide its precision."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        cudnn = torch.backends.cudnn
+        return {"cuda": torch.version.cuda, "cudnn": cudnn.version(),
+                "cudnn_allow_tf32": cudnn.allow_tf32, "cudnn_benchmark": cudnn.benchmark,
+                "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32}
+    except Exception as exc:  # a report, not a reason to stop
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def gpu_info(engine: Engine) -> dict[str, Any]:  # pragma: gpu
     rt = engine.xp.cuda.runtime
     info = dict(engine.info)
@@ -89,9 +117,11 @@ def collect(engine: Engine, argv: list[str], torch_note: str) -> dict[str, Any]:
         "convfuse": cf.__version__,
         "convfuse_path": str(Path(cf.__file__).parent),
         "git_commit": _git_commit(),
+        "git_dirty": _git_dirty(),
         "cudnn": cudnn_version(),
         "torch": _version("torch"),
         "torch_note": torch_note,
+        "torch_side": _torch_side(),
         "timer": engine.timer.kind,
         "gpu_unavailable_reason": gpu_unavailable_reason(),
     }

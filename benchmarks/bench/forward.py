@@ -70,6 +70,8 @@ def run_one(ctx: Context, case: LayerCase, prec: Precision, layout: str) -> dict
 
 
 def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: dict) -> None:
+    if ctx.torch is not None:  # before either side plans anything
+        ctx.torch.set_precision(prec.allow_tf32)
     eng, xp = ctx.engine, ctx.engine.xp
     geom = case.geometry(layout)
     act = case.activation
@@ -108,6 +110,11 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     if not checks.all_ok(rec["checks"]):
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
+    records.put_flags(rec)  # as the timed calls found them
+    rec["forward_paths"] = _paths(geom, prec.dtype, act)
+    if any(p["path"] != "fused" for p in rec["forward_paths"]):
+        rec["notes"].append("'fused' ran unfused here (its plan's forward path: "
+                            "forward_paths): fused/unfused compares two unfused forms")
     for name, st in stats.items():
         records.put_timing(rec, name, st)
     records.ratio(rec, "fused/unfused", "fused", "unfused")
@@ -116,6 +123,20 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
     work = roofline.conv_forward(geom, prec.dtype, act, True, case.residual)
     records.put_floor(rec, work, ctx.peaks.floor(work, prec.name), prec.name,
                       ("fused", "unfused", "torch"))
+
+
+def _paths(geom: Any, dtype: str, act: str) -> list[dict[str, Any]]:
+    """The forward path (fused or unfused, and why) of this case's conv plans: autotuning
+    may time the fused call slower than an unfused one for identity, and a refusal or an
+    out-of-memory falls back (convfuse.plan.forward_paths)."""
+    from dataclasses import asdict
+
+    from convfuse.dtypes import canonical
+    from convfuse.plan import forward_paths
+
+    prefix = f"{geom.describe()} dtype={canonical(dtype)} activation={act}"
+    return [{"plan": desc, **asdict(path)} for desc, path in forward_paths()
+            if desc.startswith(prefix)]
 
 
 def _torch(ctx: Context, case: LayerCase, prec: Precision, layout: str, sets: list,

@@ -304,7 +304,8 @@ class _Bench:
             records.skip(rec, f"GPU: torchvision is not importable ({exc})")
             return
         size = 64 if self.ctx.quick else 224
-        rec["shape"] = (f"resnet18 batch {batch} at {size}x{size}, 1000 classes, float32, "
+        tf32 = "float32 (TF32 convolutions)" if cf.config.get().allow_tf32 else "float32"
+        rec["shape"] = (f"resnet18 batch {batch} at {size}x{size}, 1000 classes, {tf32}, "
                         "SGD momentum 0.9")
         torch.backends.cudnn.benchmark = True
         base = torchvision.models.resnet18(num_classes=1000).to("cuda")

@@ -96,6 +96,16 @@ def check_failed(rec: dict[str, Any], why: str) -> dict[str, Any]:
     return rec
 
 
+def put_flags(rec: dict[str, Any]) -> None:
+    """The flags convfuse's calls ran with (its own combined with a framework's switches,
+    convfuse.config.get()): a row's label names its intended precision, this its actual."""
+    import convfuse as cf
+
+    flags = cf.config.get()
+    rec["flags_in_force"] = {"allow_tf32": flags.allow_tf32, "benchmark": flags.benchmark,
+                             "deterministic": flags.deterministic}
+
+
 def put_timing(rec: dict[str, Any], name: str, stats: Stats) -> None:
     rec["timings"][name] = stats.to_json()
 

@@ -24,8 +24,10 @@ from .timing import CpuTimer, TorchEventTimer
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
-def load(engine: Engine, disabled: bool) -> tuple[TorchSide | None, str]:
-    """The PyTorch side for this engine, or None and a sentence saying why not."""
+def load(engine: Engine, disabled: bool,
+         autotune: bool = True) -> tuple[TorchSide | None, str]:
+    """The PyTorch side for this engine, or None and a sentence saying why not; on a GPU
+    PyTorch's cuDNN autotunes as convfuse does (`autotune`: not under --heuristics)."""
     if disabled:
         return None, "PyTorch comparison disabled (--no-torch)"
     try:
@@ -36,21 +38,23 @@ def load(engine: Engine, disabled: bool) -> tuple[TorchSide | None, str]:
         if not torch.cuda.is_available():
             return None, (f"PyTorch {torch.__version__} has no usable CUDA, so the GPU run "
                           "has no PyTorch column")
-        return TorchSide(torch, "cuda"), ""
+        return TorchSide(torch, "cuda", autotune), ""
     return TorchSide(torch, "cpu"), (f"PyTorch {torch.__version__} CPU compared against the "
                                      "CPU reference engine (says nothing about GPUs)")
 
 
 class TorchSide:
-    def __init__(self, torch: Any, device: str) -> None:
+    def __init__(self, torch: Any, device: str, autotune: bool = True) -> None:
         self.torch = torch
         self.device = device
         self.label = f"PyTorch {torch.__version__} ({'CUDA' if device == 'cuda' else 'CPU'})"
         self.timer = TorchEventTimer(torch) if device == "cuda" else CpuTimer()
         # cuDNN's flags only matter on CUDA, and setting one raises once anything imported
         # torch's test utilities (they freeze the global flags): a CPU run sets none.
+        # convfuse.torch, once imported, makes convfuse follow these switches too (Note [a
+        # framework's switches]): both sides autotune, or neither.
         if device == "cuda":  # pragma: gpu
-            torch.backends.cudnn.benchmark = True
+            torch.backends.cudnn.benchmark = autotune
 
     # -- helpers ------------------------------------------------------------------------
     def release(self) -> None:
@@ -63,6 +67,13 @@ class TorchSide:
             return
         self.torch.backends.cudnn.allow_tf32 = allow  # pragma: gpu
         self.torch.backends.cuda.matmul.allow_tf32 = allow
+
+    def set_precision(self, allow_tf32: bool) -> None:
+        """PyTorch's TF32 flags for a case's precision, set before either side builds a
+        plan: once convfuse.torch is imported convfuse's TF32 is its own flag AND PyTorch's,
+        so a flag the previous case left would change convfuse's precision between the
+        check and the timed calls."""
+        self._set_tf32(allow_tf32)
 
     def match_convfuse_tf32(self) -> None:
         """PyTorch's TF32 flags as convfuse's config allows TF32, for the convolutions and

@@ -57,7 +57,11 @@ _KEEP: list[Any] = []  # the Library object must outlive the schemas it declared
 def run(ctx: Context) -> list[dict[str, Any]]:
     gpu = ctx.engine.is_gpu
     batch, size = ((32, 64) if ctx.quick else (64, 128)) if gpu else (2, 64)
-    rec = records.new("compile", "resnet18 training step", precision="fp32",
+    import convfuse as cf
+
+    # on a GPU both sides may run float32 convolutions in TF32: the label says which
+    tf32 = gpu and cf.config.get().allow_tf32
+    rec = records.new("compile", "resnet18 training step", precision="tf32" if tf32 else "fp32",
                       shape=f"batch {batch}, 3x{size}x{size}, 10 classes",
                       device="cuda" if gpu else "cpu")
     try:
