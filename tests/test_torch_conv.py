@@ -420,3 +420,45 @@ def test_a_model_on_the_meta_device_infers_shapes_as_torch_nn():
     assert model[0].weight.grad.shape == model[0].weight.shape
     model.eval()
     assert model(x).shape == (2, 4, 13, 13)
+
+
+def _with_dtypes(layer, **dtypes):
+    for name, dtype in dtypes.items():
+        param = getattr(layer, name)
+        if isinstance(param, torch.nn.Parameter):
+            setattr(layer, name, torch.nn.Parameter(param.detach().to(dtype)))
+        else:
+            setattr(layer, name, param.to(dtype))
+    return layer
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (torch.nn.Conv2d(4, 6, 3), ct.Conv2d(4, 6, 3), torch.randn(1, 4, 5, 5),
+             {"bias": torch.float64}),
+    lambda: (torch.nn.ConvTranspose2d(4, 6, 3), ct.ConvTranspose2d(4, 6, 3),
+             torch.randn(1, 4, 5, 5), {"bias": torch.float16}),
+    # batch norm: the input's dtype throughout, or float32 throughout beside half data
+    lambda: (torch.nn.BatchNorm2d(4), ct.BatchNorm2d(4), torch.randn(2, 4, 3, 3).half(),
+             {"running_mean": torch.float16, "running_var": torch.float16}),
+    lambda: (torch.nn.BatchNorm2d(4), ct.BatchNorm2d(4), torch.randn(2, 4, 3, 3).half(),
+             {"weight": torch.float16, "bias": torch.float16}),
+    lambda: (torch.nn.BatchNorm2d(4), ct.BatchNorm2d(4), torch.randn(2, 4, 3, 3).bfloat16(),
+             {"bias": torch.bfloat16}),
+])
+def test_a_parameter_of_another_dtype_is_refused_as_torch_nn_refuses_it(make):
+    """A bias (or batch-norm statistic) in another dtype than the layer's others: torch.nn's
+    RuntimeError, as convfuse's InputTypeError naming the layer and the tensor, before
+    anything runs (it was an untyped engine error, or silently accepted)."""
+    from convfuse.torch import InputTypeError
+
+    theirs, ours, x, dtypes = make()
+    _with_dtypes(theirs, **dtypes)
+    _with_dtypes(ours, **dtypes)
+    if not isinstance(theirs, torch.nn.ConvTranspose2d):  # torch's CPU one casts (PYTORCH.md)
+        with pytest.raises(RuntimeError):
+            theirs(x)
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(InputTypeError, match=f"^{type(ours).__name__}: .*(bias|running|weight)"):
+        ours(x)
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

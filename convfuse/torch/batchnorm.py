@@ -166,12 +166,23 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         if x.dtype not in SUPPORTED_DTYPES:
             raise InputTypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
                                  "computes in float32, float64, float16 or bfloat16")
-        for what, t in (("weight", self.weight), ("bias", self.bias),
-                        ("running_mean", self.running_mean), ("running_var", self.running_var)):
-            if t is None:
-                continue
-            # PyTorch's mixed precision: float16/bfloat16 data with float32 statistics.
-            if t.dtype != x.dtype and not (x.dtype in _HALF and t.dtype == torch.float32):
+        present = [(what, t) for what, t in (
+            ("weight", self.weight), ("bias", self.bias), ("running_mean", self.running_mean),
+            ("running_var", self.running_var)) if t is not None]
+        # the input's dtype throughout, or PyTorch's mixed precision: float16/bfloat16 data
+        # with every parameter and statistic in float32 (torch.nn refuses a mix of the two)
+        per_channel = x.dtype if x.dtype not in _HALF or not present \
+            or present[0][1].dtype != torch.float32 else torch.float32
+        for what, t in present:
+            if t.dtype == per_channel:
+                pass
+            elif x.dtype in _HALF and t.dtype in (x.dtype, torch.float32):
+                first, ft = present[0]
+                raise InputTypeError(
+                    f"{name}: the {what} is {t.dtype} but the {first} is {ft.dtype}: with "
+                    f"{x.dtype} input, the weight, bias and running statistics are all "
+                    f"{x.dtype} or all float32 (as torch.nn)")
+            else:
                 raise InputTypeError(f"{name}: input dtype {x.dtype} does not match the "
                                      f"{what}'s {t.dtype}")
             if t.device != x.device:

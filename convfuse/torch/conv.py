@@ -188,6 +188,11 @@ class _ConvLayer(_host_arrays.HoldsViews):
         if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
             raise InputTypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                                  f"{self.weight.dtype}")
+        bias = self.bias
+        if (bias is not None and bias.dtype != self.weight.dtype
+                and not _autocast.casts(x, self.weight, bias)):  # torch.nn's RuntimeError
+            raise InputTypeError(f"{name}: bias dtype {bias.dtype} differs from the "
+                                 f"weight's {self.weight.dtype}")
         if x.device != self.weight.device:
             raise InputDeviceError(f"{name}: input is on {x.device}, the weight on "
                                    f"{self.weight.device}")
