@@ -225,3 +225,31 @@ def test_backward_bias_uses_the_activation_bias_op(monkeypatch, rng):
         dz = np.ones_like(y) if act == "identity" else (y > 0).astype(float)
         np.testing.assert_allclose(g.dbias, dz.sum(axis=(0, 2, 3)), rtol=1e-13)
     assert calls == ["identity", "relu"]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("windowed", [False, True])
+def test_half_precision_rounds_once_after_the_bias_and_residual(dtype, windowed, rng):
+    """The transposed convolution stays in float32 until its bias, residual and activation
+    are applied, and is rounded once (as Conv, and torch.nn in bfloat16): the same bits as
+    the float32 computation rounded at the end. It was rounded before the bias too: 100 +
+    0.375 - 100 came out 0.5 in bfloat16, 0 in float16."""
+    from convfuse.dtypes import canonical
+
+    dt = canonical(dtype)
+    g = ConvTransposeGeometry.create((1, 2, 1, 1), (2, 1, 1, 1))
+    x = np.array([100.0, 0.375]).reshape(1, 2, 1, 1).astype(dt)
+    y, _ = ops.conv_transpose_bias_act(x, np.ones((2, 1, 1, 1), dt), np.array([-100.0], dt),
+                                       g)
+    assert float(y.ravel()[0]) == 0.375
+    g = ConvTransposeGeometry.create((2, 4, 5, 5), (4, 3, 3, 3), 2, 1,
+                                     output_padding=1 if windowed else 0)
+    x, w = rng.standard_normal(g.input_shape) * 8, rng.standard_normal(g.weight_shape)
+    b, r = rng.standard_normal(3) * 50, rng.standard_normal(g.output_shape) * 50
+    low = [a.astype(dt) for a in (x, w, b, r)]
+    got, z = ops.conv_transpose_bias_act(*low[:3], g, activation="silu", residual=low[3])
+    want32, z32 = ops.conv_transpose_bias_act(*[a.astype(np.float32) for a in low[:3]], g,
+                                              activation="silu",
+                                              residual=low[3].astype(np.float32))
+    np.testing.assert_array_equal(got, want32.astype(dt))
+    np.testing.assert_array_equal(z, z32.astype(dt))

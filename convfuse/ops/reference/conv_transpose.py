@@ -26,11 +26,15 @@ def conv_transpose_bias_act(
     """(y, z): z = conv_transpose(x, w) + b + residual_scale * residual, y = act(z); z only
     when the activation's backward needs it, else None."""
     act = acts.normalize(activation)
-    y = conv_transpose_forward(x, w, tgeom)
     if b is None and residual is None and act == "identity":
-        return y, None  # no pass at all
+        return conv_transpose_forward(x, w, tgeom), None  # no pass at all
     cd = compute_dtype(x.dtype)
-    z = y.astype(cd, copy=False)  # y is this call's own array: no copy where it is in cd
+    if cd == x.dtype:
+        z = conv_transpose_forward(x, w, tgeom)  # this call's own array, in cd already
+    else:  # float16/bfloat16: kept in float32 until the epilogue rounds once, as torch.nn
+        conv = tgeom.conv
+        z = tgeom.from_conv_output(
+            ref.conv_backward_data(x, w, conv, out=np.empty(conv.input_shape, cd)), np)
     if b is not None:
         shape = [1] * z.ndim
         shape[tgeom.channel_axis] = -1
