@@ -450,3 +450,65 @@ def test_a_write_into_the_heads_input_in_between_stops_the_chain(how):
         y, yr = compiled(x.clone()), ref(x.clone())
     torch.testing.assert_close(y, yr, rtol=1e-6, atol=1e-6)
     assert [r.pattern for r in records if r.fused] == ["conv2d"], records
+
+
+class _ResidualWrittenBeforeTheActivation(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.c, self.how = nn.Conv2d(3, 3, 3, padding=1), how
+
+    def forward(self, x, r):
+        y = self.c(x) + r  # the add reads r here
+        if self.how == "view":
+            r.view(-1).mul_(3.0)
+        else:
+            r.mul_(2.0)  # then r is written: the activation must not see the new r
+        return torch.relu(y)
+
+
+@pytest.mark.parametrize("how", ["direct", "view"])
+def test_a_write_into_the_residual_before_the_activation_stops_the_chain(how):
+    """The fused op reads the residual at the activation: a write into it after the add
+    (directly or through a view) keeps the activation out of the chain (it was fused, and
+    the activation saw the new residual)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _ResidualWrittenBeforeTheActivation(how).double()
+    ref = copy.deepcopy(model)
+    compiled, records, _ = compile_recorded(model)
+    x, r = torch.randn(2, 3, 5, 5, dtype=torch.float64), torch.randn(2, 3, 5, 5,
+                                                                    dtype=torch.float64)
+    with torch.no_grad():
+        y, yr = compiled(x.clone(), r.clone()), ref(x.clone(), r.clone())
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    assert [r.pattern for r in records if r.fused] == ["conv2d+add"], records
+
+
+class _StatisticsReadBeforeTheActivation(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        view = self.bn.running_mean[:2]
+        y = self.bn(x)
+        snap = view.clone()  # the statistics as the batch norm left them
+        return torch.relu(y), snap
+
+
+def test_a_read_of_the_statistics_through_a_view_stops_the_chain():
+    """The fused batch norm updates the running statistics at the chain's last node: a
+    read of them through a view before that keeps the activation out (it read the old
+    statistics)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _StatisticsReadBeforeTheActivation().double().train()
+    ref = copy.deepcopy(model)
+    compiled, records, _ = compile_recorded(model)
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        (y, snap), (yr, snapr) = compiled(x.clone()), ref(x.clone())
+    torch.testing.assert_close((y, snap), (yr, snapr), rtol=1e-12, atol=1e-12)
+    assert not any(r.fused and "relu" in r.pattern for r in records), records

@@ -233,7 +233,7 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
                 return f"{n.name} switches grad mode in between"
             target = forms.written(n)
             if (target is not None and any(forms.may_alias(target, w) for w in watched)) \
-                    or (stats and stats & set(n.all_input_nodes)):
+                    or (stats and _reads(n, stats)):
                 return f"{n.name} writes an input or reads the statistics in between"
             n = n.next
         return ""
@@ -259,7 +259,8 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
     if nxt is not None and not why:
         act = forms.activation(nxt, cur)
         if isinstance(act, str):
-            why = step(nxt, None)
+            # the residual too: the fused op reads it at the activation, after the add
+            why = step(nxt, chain.residual)
             if not why:
                 chain.nodes.append(nxt)
                 chain.activation = act
@@ -270,6 +271,13 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
             why = f"{nxt.name} is no activation" if nxt.op != "output" else ""
     chain.stop = why
     return chain
+
+
+def _reads(n: Node, stats: set[Node]) -> bool:
+    """Whether `n` reads the running statistics, through any view (the fused op updates
+    them at the chain's last node, not at the batch norm's)."""
+    return any(forms.value(i) is not None and any(forms.may_alias(i, s) for s in stats)
+               for i in n.all_input_nodes)
 
 
 def _apply(g: Graph, chain: _Chain, done: dict[Node, Node]) -> Node:
