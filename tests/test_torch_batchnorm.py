@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import numpy as np
 import pytest
@@ -354,3 +355,36 @@ def test_evaluation_without_autograd_asks_no_statistics(monkeypatch):
     ref(x).square().sum().backward()
     torch.testing.assert_close(gx, x.grad, rtol=1e-12, atol=1e-12)
     assert asked == [False, False, True]
+
+
+def test_jit_trace_records_one_update_and_saves():
+    """torch.jit.trace of a converted model with a batch norm: replaying the trace updates
+    the running statistics once per call, as torch.nn (the Python Function's node and the
+    ops inside it both replayed: twice), and jit.save/load round-trips it (the Function
+    could not be saved)."""
+    import io
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3),
+                                torch.nn.ReLU()).double()
+    ours = ct.convert(copy.deepcopy(plain))
+    x0, x = torch.randn(4, 3, 5, 5, dtype=torch.float64), torch.randn(4, 3, 5, 5,
+                                                                     dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on Python control flow
+        traced = torch.jit.trace(ours, (x0,), check_trace=False)
+    plain(x0)  # the trace ran one real forward
+    torch.testing.assert_close(traced(x), plain(x), rtol=1e-12, atol=1e-12)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ours[1], name), getattr(plain[1], name),
+                                   rtol=1e-12, atol=1e-12)
+    ours.eval()
+    plain.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        frozen = torch.jit.trace(ours, (x0,), check_trace=False)
+    buf = io.BytesIO()
+    torch.jit.save(frozen, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    torch.testing.assert_close(loaded(x), plain(x), rtol=1e-12, atol=1e-12)

@@ -386,4 +386,9 @@ def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     args = (x, weight, bias, residual, running_mean, running_var, num_batches_tracked)
     if not _eager.needs_graph(x, weight, bias, residual) and _eager.takes_eager_path(*args):
         return _forward(True, *args, use_batch_stats, momentum, eps, activation)[0]
+    if torch.jit.is_tracing():
+        # torch.jit.trace records a Python Function as an opaque node beside the ops its
+        # forward calls, and replays both: the statistics would be updated twice, and
+        # jit.save cannot write the Function. The custom op alone is one node of each.
+        return _forward(False, *args, use_batch_stats, momentum, eps, activation)[0]
     return BatchNormFunction.apply(*args, use_batch_stats, momentum, eps, activation)[0]

@@ -59,6 +59,12 @@ def _zero_padding(pads: tuple[tuple[int, int], ...],
     return (extra if any(extra) else None), tuple(left for left, _ in pads)
 
 
+def _size(n: Any) -> Any:
+    """A size as an int, or as the SymInt it is (int() would make a dynamic size a constant
+    under a non-strict export)."""
+    return n if isinstance(n, torch.SymInt) else int(n)
+
+
 class _ConvLayer(_host_arrays.HoldsViews):
     """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
     the dtype, their parameters and initialisation, and the checks of an input."""
@@ -282,7 +288,9 @@ class _ConvNd(_ConvLayer):
     def _check(self, x: torch.Tensor, residual: torch.Tensor | None) -> None:
         name, rank = type(self).__name__, self._rank
         self._check_input(x)
-        spatial = tuple(int(n) for n in x.shape[-rank:])
+        # sizes as they are (no int(): under a non-strict export with dynamic shapes a
+        # symbolic size must stay symbolic; these comparisons are guards, not constants)
+        spatial = tuple(_size(n) for n in x.shape[-rank:])
         if any(n < 1 for n in spatial):
             raise InputShapeError(f"{name}: input shape {tuple(x.shape)} has an empty "
                                   "spatial dimension")
@@ -322,9 +330,9 @@ class _ConvNd(_ConvLayer):
         rank = self._rank
         kernel, stride, dilation = self._window()
         spatial = tuple(
-            (int(n) + left + right - d * (k - 1) - 1) // s + 1 for n, k, s, (left, right), d in
-            zip(input_shape[-rank:], kernel, stride, self._pads, dilation))
-        return (*(int(n) for n in input_shape[:-rank - 1]), self.out_channels, *spatial)
+            (_size(n) + left + right - d * (k - 1) - 1) // s + 1 for n, k, s, (left, right), d
+            in zip(input_shape[-rank:], kernel, stride, self._pads, dilation))
+        return (*(_size(n) for n in input_shape[:-rank - 1]), self.out_channels, *spatial)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for
