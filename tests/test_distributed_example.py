@@ -6,7 +6,6 @@ thread scheduling that made `terminate called without an active exception` inter
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._example_helpers import COMMON_BAD_OPTIONS, ids, refused
+from tests._example_helpers import load_example as load_example_at
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -44,10 +46,7 @@ def test_train_ddp_under_torchrun(api):
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("train_ddp", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example_at(EXAMPLE)
 
 
 # Refused up front, as argparse refuses a malformed option: exit status 2, the option named,
@@ -55,28 +54,14 @@ def load_example():
 # used to fail late: --batch-size 0 with ZeroDivisionError, --epochs 0 by printing
 # "test accuracy: 0.0000" without evaluating, a batch larger than the training set in
 # Mean.compute() with nothing added.
-BAD_OPTIONS = [
-    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
-    (["--batch-size", "0"], "argument --batch-size: must be positive, got 0"),
-    (["--batch-size", "5000"], "--batch-size 5000 is larger than the 1437 training images"),
-    (["--lr", "-1"], "argument --lr: must be positive and finite, got -1"),
-    (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
-]
-
-
-@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS,
-                         ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+@pytest.mark.parametrize(("argv", "message"), COMMON_BAD_OPTIONS, ids=ids(COMMON_BAD_OPTIONS))
 def test_bad_options_are_refused_before_the_process_group(argv, message, monkeypatch, capsys):
     import torch.distributed as dist
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     example = load_example()
-    with pytest.raises(SystemExit) as exit_:
-        example.main(["--device", "cpu", *argv])
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    assert f"error: {message}" in err
-    assert out == "" and not dist.is_initialized()
+    assert f"error: {message}" in refused(example.main, ["--device", "cpu", *argv], capsys)
+    assert not dist.is_initialized()
 
 
 def test_a_global_batch_the_ranks_cannot_share_is_refused(monkeypatch, capsys):

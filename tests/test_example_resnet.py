@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -10,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests._example_helpers import COMMON_BAD_OPTIONS, cli_refuses_a_zero_batch, ids, refused
+from tests._example_helpers import load_example as load_example_at
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_resnet.py"
@@ -43,43 +45,23 @@ def test_default_run_reaches_97_percent(tmp_path):
 
 
 def test_cli_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--batch-size", "0"],
-                          capture_output=True, text=True, timeout=120, env=ENV)
-    assert proc.returncode == 2, proc.stderr
-    assert "error: argument --batch-size: must be positive, got 0" in proc.stderr
-    assert proc.stdout == ""
+    cli_refuses_a_zero_batch(EXAMPLE, ENV)
 
 
 def load_example():
-    spec = importlib.util.spec_from_file_location("train_resnet", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example_at(EXAMPLE)
 
 
 # The command line is train_digits.py's (tests/test_example.py checks every option); these
 # check that train_resnet.py runs those checks too, before training.
 BAD_OPTIONS = [
-    (["--epochs", "0"], "argument --epochs: must be positive, got 0"),
-    (["--batch-size", "5000"], "--batch-size 5000 is larger than the 1437 training images"),
-    (["--lr", "-1"], "argument --lr: must be positive and finite, got -1"),
-    (["--seed", "-1"], "argument --seed: must be from 0 to 4294967295, got -1"),
+    *COMMON_BAD_OPTIONS,
     (["--plot", "{tmp}/missing/c.png"], "--plot {tmp}/missing/c.png: directory {tmp}/missing "
                                         "does not exist"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS,
-                         ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+@pytest.mark.parametrize(("argv", "message"), BAD_OPTIONS, ids=ids(BAD_OPTIONS))
 def test_bad_options_are_refused_before_training(argv, message, tmp_path, capsys):
-    example = load_example()
-    argv = [a.format(tmp=tmp_path) for a in argv]
-    if "--plot" not in argv:
-        argv += ["--plot", str(tmp_path / "c.png")]
-    with pytest.raises(SystemExit) as exit_:
-        example.main(["--device", "cpu", *argv])
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
+    err = refused(load_example().main, ["--device", "cpu", *argv], capsys, tmp_path)
     assert f"error: {message.format(tmp=tmp_path)}" in err
-    assert out == ""
-    assert list(tmp_path.iterdir()) == []

@@ -31,8 +31,12 @@ def switches():
     saved = ([c._get_fp32_precision_getter(*k) for k in _PRECISIONS],
              c._get_cudnn_deterministic(), c._get_cudnn_benchmark(),
              c._get_deterministic_algorithms())
+    legacy_tf32 = c._get_cudnn_allow_tf32()
     assert saved[1:] == (False, False, False)
     yield
+    # the legacy flag first: the precisions alone leave it stale, and torch's own legacy
+    # reads (torch.export's set_flags) then refuse the mix
+    c._set_cudnn_allow_tf32(legacy_tf32)
     for k, v in zip(_PRECISIONS, saved[0], strict=True):
         c._set_fp32_precision_setter(*k, v)
     c._set_cudnn_deterministic(saved[1])

@@ -357,11 +357,12 @@ def test_evaluation_without_autograd_asks_no_statistics(monkeypatch):
     assert asked == [False, False, True]
 
 
-def test_jit_trace_records_one_update_and_saves():
-    """torch.jit.trace of a converted model with a batch norm: replaying the trace updates
-    the running statistics once per call, as torch.nn (the Python Function's node and the
-    ops inside it both replayed: twice), and jit.save/load round-trips it (the Function
-    could not be saved)."""
+def test_jit_trace_records_one_update_saves_and_differentiates():
+    """torch.jit.trace of a converted model with a batch norm: replaying a training trace
+    (taken under no_grad) updates the running statistics once per call, as torch.nn (the
+    Python Function's node and the ops inside it were both replayed: twice); an eval-mode
+    trace differentiates as torch.nn's and jit.save/load round-trips it (the Function
+    could not be saved); a training trace with gradients is refused, naming what to do."""
     import io
 
     torch.manual_seed(0)
@@ -370,21 +371,34 @@ def test_jit_trace_records_one_update_and_saves():
     ours = ct.convert(copy.deepcopy(plain))
     x0, x = torch.randn(4, 3, 5, 5, dtype=torch.float64), torch.randn(4, 3, 5, 5,
                                                                      dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the tracer's notes on Python control flow
-        traced = torch.jit.trace(ours, (x0,), check_trace=False)
-    plain(x0)  # the trace ran one real forward
-    torch.testing.assert_close(traced(x), plain(x), rtol=1e-12, atol=1e-12)
+
+    def trace(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the tracer's notes on Python control flow
+            return torch.jit.trace(model, (x0,), check_trace=False)
+    with pytest.raises(NotImplementedError, match="training mode with gradients"):
+        trace(ours)
+    with torch.no_grad():
+        traced = trace(ours)
+        plain(x0)  # the trace ran one real forward
+        torch.testing.assert_close(traced(x), plain(x), rtol=1e-12, atol=1e-12)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(ours[1], name), getattr(plain[1], name),
                                    rtol=1e-12, atol=1e-12)
     ours.eval()
     plain.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        frozen = torch.jit.trace(ours, (x0,), check_trace=False)
+    frozen = trace(ours)
     buf = io.BytesIO()
     torch.jit.save(frozen, buf)
     buf.seek(0)
-    loaded = torch.jit.load(buf)
-    torch.testing.assert_close(loaded(x), plain(x), rtol=1e-12, atol=1e-12)
+    for model in (frozen, torch.jit.load(buf)):
+        xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model(xg).square().sum().backward()
+        plain.zero_grad()
+        plain(xr).square().sum().backward()
+        torch.testing.assert_close(xg.grad, xr.grad, rtol=1e-12, atol=1e-12)
+        got = dict(ours.named_parameters()) if model is frozen else \
+            dict(model.named_parameters())
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(got[name].grad, p.grad, rtol=1e-12, atol=1e-12)
+        ours.zero_grad()

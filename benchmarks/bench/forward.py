@@ -111,8 +111,8 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
         records.check_failed(rec, checks.failures(rec["checks"]))
         return
     records.put_flags(rec)  # as the timed calls found them
-    rec["forward_paths"] = _paths(geom, prec.dtype, act)
-    if any(p["path"] != "fused" for p in rec["forward_paths"]):
+    rec["forward_paths"] = _paths(geom, prec.dtype, case.residual)
+    if rec["forward_paths"] and all(p["path"] != "fused" for p in rec["forward_paths"]):
         rec["notes"].append("'fused' ran unfused here (its plan's forward path: "
                             "forward_paths): fused/unfused compares two unfused forms")
     for name, st in stats.items():
@@ -125,18 +125,22 @@ def _measure(ctx: Context, case: LayerCase, prec: Precision, layout: str, rec: d
                       ("fused", "unfused", "torch"))
 
 
-def _paths(geom: Any, dtype: str, act: str) -> list[dict[str, Any]]:
-    """The forward path (fused or unfused, and why) of this case's conv plans: autotuning
-    may time the fused call slower than an unfused one for identity, and a refusal or an
-    out-of-memory falls back (convfuse.plan.forward_paths)."""
+def _paths(geom: Any, dtype: str, residual: bool) -> list[dict[str, Any]]:
+    """The forward path (fused or unfused, and why) of this case's conv plans, by their
+    keys (its geometry, dtype and residual; each plan's math type says which precision):
+    autotuning may time the fused call slower than an unfused one for identity, and a
+    refusal or an out-of-memory falls back (convfuse.plan.forward_paths)."""
     from dataclasses import asdict
 
+    from convfuse import plan as plans
     from convfuse.dtypes import canonical
-    from convfuse.plan import forward_paths
 
-    prefix = f"{geom.describe()} dtype={canonical(dtype)} activation={act}"
-    return [{"plan": desc, **asdict(path)} for desc, path in forward_paths()
-            if desc.startswith(prefix)]
+    want = canonical(dtype).name
+    return [{"plan": p.describe(), "math_type": p.key.math_type, **asdict(p.forward_path)}
+            # the cache's plans with their keys: forward_paths() gives descriptions only
+            for p in plans._conv_plans.values()
+            if p.forward_path is not None and p.key.geometry == geom
+            and str(p.key.dtype) == want and p.key.residual == residual]
 
 
 def _torch(ctx: Context, case: LayerCase, prec: Precision, layout: str, sets: list,

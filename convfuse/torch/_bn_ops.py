@@ -376,6 +376,50 @@ class BatchNormFunction(torch.autograd.Function):
                 dres if need_dres else None, *none7)
 
 
+class _InferenceCtx:
+    """batchnorm_inference's autograd context as BatchNormFunction.backward reads it: its
+    needs_input_grad in the Function's order (x, weight, bias, residual)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.saved_tensors, self.hyper = ctx.saved_tensors, ctx.hyper
+        need = ctx.needs_input_grad
+        self.needs_input_grad = (need[0], need[1], need[2], need[5])
+
+
+def _inference_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, weight, bias, _mean, _var, _residual, eps, activation = inputs
+    y, mean, invstd, z = output
+    kind = activations.saves(activation)
+    ctx.save_for_backward(x, weight, bias, None if kind == "none" else y if kind == "output"
+                          else z, mean, invstd)
+    ctx.hyper = (False, float(eps), activation, False)
+    ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
+    ctx.set_materialize_grads(False)
+
+
+def _inference_backward(ctx: Any, dy: Any, dmean: Any, dinvstd: Any, dz: Any) -> Any:
+    dx, dw, db, dres, *_ = BatchNormFunction.backward(_InferenceCtx(ctx), dy, dmean, dinvstd,
+                                                       dz)
+    return dx, dw, db, None, None, dres, None, None
+
+
+# The evaluation op mutates nothing, so it takes an autograd formula of its own (the
+# Function's backward): a torch.jit.trace records it alone, differentiable and savable.
+batchnorm_inference.register_autograd(_inference_backward, setup_context=_inference_setup)
+
+
+def refuse_a_training_trace(use_batch_stats: bool, *tensors: Any) -> None:
+    """Under torch.jit.trace, a batch norm normalising with the batch's statistics while
+    autograd records: its op, which updates the statistics, has no autograd formula (a
+    mutating custom op takes none), and the Function would be replayed with its ops."""
+    if use_batch_stats and torch.jit.is_tracing() and _eager.needs_graph(*tensors):
+        raise NotImplementedError(
+            "convfuse.torch: torch.jit.trace of a batch norm in training mode with "
+            "gradients is not supported (a replay would update its running statistics "
+            "twice): trace in eval mode or under torch.no_grad(), or use torch.export or "
+            "torch.compile")
+
+
 def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    residual: torch.Tensor | None, running_mean: torch.Tensor | None,
                    running_var: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
@@ -390,5 +434,6 @@ def batchnorm_call(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         # torch.jit.trace records a Python Function as an opaque node beside the ops its
         # forward calls, and replays both: the statistics would be updated twice, and
         # jit.save cannot write the Function. The custom op alone is one node of each.
+        refuse_a_training_trace(use_batch_stats, x, weight, bias, residual)
         return _forward(False, *args, use_batch_stats, momentum, eps, activation)[0]
     return BatchNormFunction.apply(*args, use_batch_stats, momentum, eps, activation)[0]

@@ -25,7 +25,7 @@ from .. import activations
 from ..geometry import is_int
 from . import _bn_plan, _eager, _host_arrays
 from ._arrays import SUPPORTED_DTYPES
-from ._bn_ops import batchnorm_call
+from ._bn_ops import batchnorm_call, refuse_a_training_trace
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._functorch import torch_activation
 from ._module_state import PlainClasses
@@ -294,6 +294,8 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         whatever a plan does not hold (Note [batch-norm call plans] in _bn_plan.py)."""
         use_batch_stats = self._use_batch_stats()
         factor_momentum = self._factor_momentum()
+        # before the count moves: a refused call changes nothing
+        refuse_a_training_trace(use_batch_stats, x, self.weight, self.bias, residual)
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
         stats = not self.training or self.track_running_stats
