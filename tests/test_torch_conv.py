@@ -462,3 +462,52 @@ def test_a_parameter_of_another_dtype_is_refused_as_torch_nn_refuses_it(make):
         ours(x)
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (torch.nn.Conv2d(3, 4, 3), ct.Conv2d(3, 4, 3), (2, 3, 8, 8)),
+    lambda: (torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"),
+             ct.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (2, 3, 8, 8)),
+    lambda: (torch.nn.ConvTranspose2d(3, 4, 3, stride=2),
+             ct.ConvTranspose2d(3, 4, 3, stride=2), (2, 3, 5, 5)),
+])
+def test_a_spectral_norm_parametrization_runs_once_per_call(make):
+    """torch.nn.utils.parametrizations.spectral_norm on a convfuse layer: one power
+    iteration per call, as on torch.nn's (the layer reads its weight in several places,
+    each read ran one: u and v drifted from torch.nn's)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    theirs, ours, shape = make()
+    theirs, ours = theirs.double(), ours.double()
+    ours.load_state_dict(theirs.state_dict())
+    torch.manual_seed(0)
+    theirs = spectral_norm(theirs)
+    torch.manual_seed(0)
+    # torch.nn picks dim=1 for its own transposed convolutions by isinstance (PYTORCH.md)
+    ours = spectral_norm(ours, dim=1 if isinstance(theirs, torch.nn.ConvTranspose2d) else 0)
+    for _ in range(3):
+        x = torch.randn(shape, dtype=torch.float64)
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-12, atol=1e-12)
+    sn_ours, sn_theirs = ours.parametrizations.weight[0], theirs.parametrizations.weight[0]
+    torch.testing.assert_close(sn_ours._u, sn_theirs._u, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sn_ours._v, sn_theirs._v, rtol=1e-12, atol=1e-12)
+
+
+def test_a_parametrized_batch_norm_weight_is_computed_once_per_call():
+    from torch.nn.utils import parametrize
+
+    class Counting(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w):
+            Counting.calls += 1
+            return w * 1.0
+
+    ours = ct.BatchNorm2d(3)
+    parametrize.register_parametrization(ours, "weight", Counting())
+    for i, shape in enumerate([(2, 3, 4, 4), (2, 3, 4, 4), (4, 3, 2, 2)]):
+        ours(torch.randn(shape))
+        assert Counting.calls == i + 1
+    ours.eval()
+    ours(torch.randn(2, 3, 4, 4))
+    assert Counting.calls == 4

@@ -16,6 +16,8 @@ attribute access, as does every name of any other class.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 
@@ -37,3 +39,24 @@ class PlainClasses:
                 and cls.__getattribute__ is nn.Module.__getattribute__
                 and not any(hasattr(cls, n) for n in self.names))
         return hit
+
+
+# Note [a parametrized weight, once per call]
+# A layer's call reads its weight and bias in several places (the checks, the call key, the
+# window, the op's arguments); with torch.nn.utils.parametrize each read computes them
+# again, which a spectral norm in training makes a power iteration each (its u and v drift
+# from torch.nn's, which reads once) and a random parametrization a draw each. A
+# parametrized layer's call therefore runs under parametrize.cached(): one computation per
+# call, as torch.nn's. Plain classes, which parametrize never is, pay one membership test.
+def parametrized(module: nn.Module) -> bool:
+    """Whether torch.nn.utils.parametrize computes any of the module's tensors."""
+    children = module.__dict__.get("_modules")
+    return children is not None and "parametrizations" in children
+
+
+def once_per_call() -> contextlib.AbstractContextManager[None]:
+    """The context a parametrized layer's call runs in (Note [a parametrized weight, once
+    per call])."""
+    from torch.nn.utils import parametrize
+
+    return parametrize.cached()

@@ -28,7 +28,7 @@ from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call, refuse_a_training_trace
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._functorch import torch_activation
-from ._module_state import PlainClasses
+from ._module_state import PlainClasses, once_per_call, parametrized
 from ._signature import SignatureCache, keyable
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -218,6 +218,12 @@ class _BatchNormNd(_host_arrays.HoldsViews):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
         between batch and running statistics and whether the running ones are updated."""
+        if type(self) not in _PLAIN and parametrized(self):
+            with once_per_call():  # Note [a parametrized weight, once per call]
+                return self._forward(x, residual)
+        return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weight, bias, rm, rv, nbt = self._state()
         eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
         if not eager and _eager.under_torch_func():  # Note [torch.func transforms]

@@ -37,7 +37,7 @@ from . import _autocast, _eager, _host_arrays, _ops  # _ops registers torch.ops.
 from ._arrays import SUPPORTED_DTYPES
 from ._call_plan import FusedCall
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
-from ._module_state import PlainClasses
+from ._module_state import PlainClasses, once_per_call, parametrized
 from ._signature import SignatureCache, lookup, tensor_key
 
 #: Signatures whose checks passed -> their FusedCall, or GENERAL (Note [call plans]).
@@ -337,6 +337,10 @@ class _ConvNd(_ConvLayer):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for
         identity and relu on the GPU). x is (N, C, *spatial) or unbatched (C, *spatial)."""
+        if type(self) not in _PLAIN and parametrized(self):
+            with once_per_call():  # Note [a parametrized weight, once per call]
+                weight, bias = self._weight_bias()
+                return self._conv_forward(x, weight, bias, residual)
         weight, bias = self._weight_bias()
         return self._conv_forward(x, weight, bias, residual)
 

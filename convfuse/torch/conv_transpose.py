@@ -30,8 +30,9 @@ from . import (
 )
 from ._call_plan import FusedCall
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
+from ._module_state import once_per_call, parametrized
 from ._signature import lookup, tensor_key
-from .conv import CALLS, _ConvLayer
+from .conv import _PLAIN, CALLS, _ConvLayer
 
 # N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
 # the engine's empty-batch op would make CuPy arrays where the pointer path makes none
@@ -131,6 +132,13 @@ class _ConvTransposeNd(_ConvLayer):
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
         it runs in the autocast dtype, a residual cast too (Note [autocast])."""
+        if type(self) not in _PLAIN and parametrized(self):
+            with once_per_call():  # Note [a parametrized weight, once per call]
+                return self._forward(input, output_size, residual)
+        return self._forward(input, output_size, residual)
+
+    def _forward(self, input: torch.Tensor, output_size: Sequence[int] | None,
+                 residual: torch.Tensor | None) -> torch.Tensor:
         weight, bias = self._weight_bias()
         path = _eager.call_path(input, weight, bias, residual)
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
