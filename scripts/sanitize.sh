@@ -29,7 +29,7 @@ MODE=${1:-all}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-python3}
 WORK=${SANITIZE_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/convfuse-sanitize.XXXXXX")}
-TESTS=(tests/test_binding_library.py tests/test_binding_descriptors.py tests/test_binding_shapes.py tests/test_binding_lifetime_and_errors.py tests/test_leaks.py)
+TESTS=(tests/test_binding_library.py tests/test_binding_descriptors.py tests/test_binding_shapes.py tests/test_binding_lifetime_and_errors.py tests/test_binding_batchnorm.py tests/test_leaks.py)
 CUDNN_LIB=$("$PY" -c 'import os; from cuda.pathfinder import load_nvidia_dynamic_lib as l; print(os.path.dirname(l("cudnn").abs_path))')
 STATUS=0
 

@@ -193,7 +193,7 @@ def _fill_columns(xc: np.ndarray, geom: ConvGeometry, dtype: np.dtype, fill: Any
     """cols[G, C/G*L, N*prod(out)] of the L live taps (Note [im2col per group]) from the
     channels-first xc, `fill` where the padding is read.
 
-    Built per batch chunk on the engine's threads (Note [threads]). No padded copy of x:
+    Built per batch chunk on the engine's threads (ops/reference/_threads.py). No padded copy of x:
     each offset's block gets the input positions it reads copied in, and only the outputs
     that read padding are filled.
     """
