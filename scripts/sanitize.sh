@@ -49,7 +49,9 @@ run_asan() {
      > "$WORK/asan-build.log" 2>&1) || { tail -20 "$WORK/asan-build.log"; return 1; }
   local so
   so=$(ls "$src"/convfuse/_cudnn*.so)
-  ldd "$so" | grep -q libasan || { echo "not an ASan build: $so"; return 1; }
+  # grep reads all of ldd's output (grep -q would stop at the match, and ldd's SIGPIPE would
+  # fail the pipeline under pipefail: "not an ASan build" for one that is)
+  ldd "$so" | grep libasan > /dev/null || { echo "not an ASan build: $so"; return 1; }
   local preload
   preload="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
   rm -f "$WORK"/asan.log.*
