@@ -47,7 +47,8 @@ class PlainClasses:
 # again, which a spectral norm in training makes a power iteration each (its u and v drift
 # from torch.nn's, which reads once) and a random parametrization a draw each. A
 # parametrized layer's call therefore runs under parametrize.cached(): one computation per
-# call, as torch.nn's. Plain classes, which parametrize never is, pay one membership test.
+# call, as torch.nn's. An unparametrized layer's call pays one dict lookup (not a _PLAIN
+# test: under dynamo that would guard on _PLAIN's dict, which eager calls keep filling).
 def parametrized(module: nn.Module) -> bool:
     """Whether torch.nn.utils.parametrize computes any of the module's tensors."""
     children = module.__dict__.get("_modules")

@@ -218,7 +218,7 @@ class _BatchNormNd(_host_arrays.HoldsViews):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
         between batch and running statistics and whether the running ones are updated."""
-        if type(self) not in _PLAIN and parametrized(self):
+        if parametrized(self):
             with once_per_call():  # Note [a parametrized weight, once per call]
                 return self._forward(x, residual)
         return self._forward(x, residual)

@@ -337,7 +337,7 @@ class _ConvNd(_ConvLayer):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for
         identity and relu on the GPU). x is (N, C, *spatial) or unbatched (C, *spatial)."""
-        if type(self) not in _PLAIN and parametrized(self):
+        if parametrized(self):
             with once_per_call():  # Note [a parametrized weight, once per call]
                 weight, bias = self._weight_bias()
                 return self._conv_forward(x, weight, bias, residual)

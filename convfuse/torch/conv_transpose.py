@@ -32,7 +32,7 @@ from ._call_plan import FusedCall
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._module_state import once_per_call, parametrized
 from ._signature import lookup, tensor_key
-from .conv import _PLAIN, CALLS, _ConvLayer
+from .conv import CALLS, _ConvLayer
 
 # N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
 # the engine's empty-batch op would make CuPy arrays where the pointer path makes none
@@ -132,7 +132,7 @@ class _ConvTransposeNd(_ConvLayer):
         """act(conv_transpose(input) + bias + residual), fused; `output_size` picks the
         output's size among those the stride allows, as in torch.nn. Under torch.autocast
         it runs in the autocast dtype, a residual cast too (Note [autocast])."""
-        if type(self) not in _PLAIN and parametrized(self):
+        if parametrized(self):
             with once_per_call():  # Note [a parametrized weight, once per call]
                 return self._forward(input, output_size, residual)
         return self._forward(input, output_size, residual)
