@@ -147,10 +147,10 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
     momentum=None on the GPU then re-reads its count from the device at its next step
     (one sync per layer: Note [momentum=None without a host sync]); a float momentum
     keeps the step free of syncs."""
-    torch = _torch()
-    if not hasattr(model, "named_buffers"):
+    if not hasattr(model, "named_buffers"):  # before anything else, a process group included
         raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
                         f".named_buffers()), got {type(model).__name__}")
+    torch = _torch()
     by_kind: dict[tuple[Any, bool], list[Any]] = {}
     for _, b in model.named_buffers():
         by_kind.setdefault((b.dtype, is_cupy(b)), []).append(b)

@@ -337,3 +337,12 @@ def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
 
+
+
+def test_broadcast_buffers_refuses_what_has_no_buffers_before_anything():
+    """A typed error naming what it expects, before any process group is asked for."""
+    from convfuse.distributed import broadcast_buffers
+
+    with pytest.raises(TypeError, match=r"broadcast_buffers expects a convfuse layer or model "
+                                        r"\(with \.named_buffers\(\)\), got list"):
+        broadcast_buffers([cf.Linear(2, 2).weight])

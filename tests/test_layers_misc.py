@@ -160,6 +160,8 @@ def test_flatten_of_a_channels_last_input_takes_torchs_order(rng, dims):
     assert repr(flat).endswith("layout='NHWC')")
     with pytest.raises(ValueError, match="Flatten: unknown layout 'CHWN'"):
         cf.Flatten(layout="CHWN")
+    with pytest.raises(TypeError, match=r"Flatten: layout must be a str .* got int 4"):
+        cf.Flatten(layout=4)
 
 
 def test_a_checkpoint_moves_between_layouts_through_flatten(rng):

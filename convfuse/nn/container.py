@@ -35,6 +35,9 @@ class Flatten(Layer):
             if not is_int(value):
                 raise TypeError(f"Flatten: {name} must be an int, got {type(value).__name__} "
                                 f"{value!r}")
+        if not isinstance(layout, str):
+            raise TypeError(f"Flatten: layout must be a str such as 'NCHW' or 'NHWC', got "
+                            f"{type(layout).__name__} {layout!r}")
         try:
             channels_last = parse_layout(layout)
         except ValueError as exc:

@@ -324,6 +324,20 @@ def _forward(eager: bool, x: torch.Tensor, weight: torch.Tensor | None,
     return infer(x, weight, bias, running_mean, running_var, residual, eps, activation)
 
 
+def _save(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+          output: tuple[torch.Tensor, ...], hyper: tuple[bool, float, str, bool]) -> None:
+    """What BatchNormFunction.backward reads of a forward's (x, weight, bias) and output
+    (y, mean, invstd, z); `hyper` is (training, eps, activation, eager)."""
+    y, mean, invstd, z = output
+    kind = activations.saves(hyper[2])
+    ctx.save_for_backward(x, weight, bias, None if kind == "none" else y if kind == "output"
+                          else z, mean, invstd)
+    ctx.hyper = hyper
+    # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
+    ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
+    ctx.set_materialize_grads(False)
+
+
 class BatchNormFunction(torch.autograd.Function):
     """act(batchnorm(x) + residual) through the ops above (Note [autograd for a mutating
     custom op]), or in plain eager mode through their bodies (Note [two call paths] in
@@ -335,17 +349,11 @@ class BatchNormFunction(torch.autograd.Function):
                 num_batches_tracked, use_batch_stats, momentum, eps, activation):
         eager = _eager.takes_eager_path(x, weight, bias, residual, running_mean, running_var,
                                         num_batches_tracked)
-        y, mean, invstd, z = _forward(eager, x, weight, bias, residual, running_mean,
-                                      running_var, num_batches_tracked, use_batch_stats,
-                                      momentum, eps, activation)
-        kind = activations.saves(activation)
-        saved = None if kind == "none" else y if kind == "output" else z
-        ctx.save_for_backward(x, weight, bias, saved, mean, invstd)
-        ctx.hyper = (bool(use_batch_stats), float(eps), activation, eager)
-        # z stays differentiable where it is saved (Note [two backward paths] in _double.py).
-        ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
-        ctx.set_materialize_grads(False)
-        return y, mean, invstd, z
+        output = _forward(eager, x, weight, bias, residual, running_mean, running_var,
+                          num_batches_tracked, use_batch_stats, momentum, eps, activation)
+        _save(ctx, x, weight, bias, output, (bool(use_batch_stats), float(eps), activation,
+                                             eager))
+        return output
 
     @staticmethod
     def backward(ctx, dy, _dmean, _dinvstd, dz_output):
@@ -388,13 +396,7 @@ class _InferenceCtx:
 
 def _inference_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     x, weight, bias, _mean, _var, _residual, eps, activation = inputs
-    y, mean, invstd, z = output
-    kind = activations.saves(activation)
-    ctx.save_for_backward(x, weight, bias, None if kind == "none" else y if kind == "output"
-                          else z, mean, invstd)
-    ctx.hyper = (False, float(eps), activation, False)
-    ctx.mark_non_differentiable(mean, invstd, *([z] if kind != "preactivation" else []))
-    ctx.set_materialize_grads(False)
+    _save(ctx, x, weight, bias, output, (False, float(eps), activation, False))
 
 
 def _inference_backward(ctx: Any, dy: Any, dmean: Any, dinvstd: Any, dz: Any) -> Any:
