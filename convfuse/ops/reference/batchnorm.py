@@ -42,8 +42,7 @@ running statistics are assigned in place (`running[...] = keep * running + f * b
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,8 +50,6 @@ from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...plan.batchnorm import BatchNormGeometry
 from .activation import _backward_cd, apply_activation
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class _Axes(NamedTuple):
@@ -70,18 +67,6 @@ class _Axes(NamedTuple):
 
 
 _BY_OBJECT: dict[int, tuple[BatchNormGeometry, _Axes]] = {}
-
-
-def _ieee(fn: _F) -> _F:
-    """An engine entry under IEEE semantics, as PyTorch's CPU batch norm: an inf or NaN in
-    the data (an overflowing mixed-precision step) propagates silently, with no NumPy
-    RuntimeWarning, which a warnings-as-errors setting would raise part-way through a call
-    (after its caller counted the batch)."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with np.errstate(all="ignore"):
-            return fn(*args, **kwargs)
-    return run  # type: ignore[return-value]
 
 
 def _axes(g: BatchNormGeometry) -> _Axes:
@@ -207,7 +192,6 @@ def _affine_act(centred: np.ndarray, invstd: np.ndarray, weight: Any, bias: Any,
     return y, saved
 
 
-@_ieee
 def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_mean: Any,
                                running_var: Any, g: BatchNormGeometry, eps: float,
                                factor: float, activation: str,
@@ -233,7 +217,6 @@ def batchnorm_forward_training(x: np.ndarray, weight: Any, bias: Any, running_me
     return y, saved, mean, invstd
 
 
-@_ieee
 def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_mean: np.ndarray,
                                 running_var: np.ndarray, g: BatchNormGeometry, eps: float,
                                 activation: str, residual: Any,
@@ -249,7 +232,6 @@ def batchnorm_forward_inference(x: np.ndarray, weight: Any, bias: Any, running_m
     return (y, saved, mean, invstd) if stats else (y, saved, None, None)
 
 
-@_ieee
 def batchnorm_backward(dy: np.ndarray, x: np.ndarray, weight: Any, saved: Any, mean: np.ndarray,
                        invstd: np.ndarray, training: bool, g: BatchNormGeometry, activation: str,
                        residual: bool, need_dx: bool) -> tuple[Any, np.ndarray, np.ndarray, Any]:
