@@ -36,12 +36,48 @@ CuPy's current stream is the capturing stream, so the all-reduce is recorded int
 where the backend allows it: PyTorch's NCCL process group supports CUDA-graph capture of
 collectives; gloo runs on the host and cannot be captured (nor does the CPU path have
 graphs). The GPU path has not run on a GPU yet.
+
+Note [divide, then sum]
+Where convfuse averages itself (a backend without ReduceOp.AVG: gloo), each rank multiplies
+its gradients by 1/world before the sum, as DistributedDataParallel's reducer does when it
+copies a gradient into its bucket (`at::mul_out(bucket_view, grad, 1. / div_factor)`, then
+an all-reduce SUM; its steady state under gradient_as_bucket_view=True divides by the world
+size instead, the same bits when the world size is a power of two). Summing first would
+overflow float16 gradients that the average holds (40000 on 2 ranks: 80000 > 65504, inf),
+and the multiplication is torch's own kernel on the tensor, so the result is DDP's bit for
+bit in all four dtypes (tested against DDP on 2 gloo ranks). On NCCL, ReduceOp.AVG stays
+(no extra kernel): NCCL's own arithmetic, not compared with DDP's on a GPU yet.
+
+Note [matching models]
+A broadcast between ranks whose models differ is not detected by the backend: an array of
+another shape with as many elements silently receives rank src's values in its own shape,
+and one with another element count aborts the process (gloo) or hangs. DDP refuses such
+models when it wraps them; broadcast_parameters (and broadcast_buffers, unless told
+check=False) first runs one all-reduce (MAX) of an int64 pair [h, -h], h a hash of this
+rank's list of (shape, dtype): the result is [h, -h] on every rank exactly when every rank's
+h is the same, so either every rank raises or none does, and no rank is left waiting in a
+broadcast the others skipped. The pair is made like the arrays (a NumPy or a CuPy array,
+crossing as the arrays do), so it goes to the backend that will broadcast them. In a world
+of one there is nothing to compare and no collective. Reading the pair back is a host
+sync on the GPU: broadcast_buffers(model, check=False), for a call before every forward
+after a checked broadcast_parameters, stays free of syncs as DDP's per-forward buffer
+broadcast is.
+
+Note [arguments before collectives]
+`src` and `group` are checked in Python before any collective (so that a bad one gives a
+typed error naming the function and the argument on every rank, not a backend error from
+inside a collective that other ranks may already wait in): `src` is a global rank, as
+torch.distributed.broadcast's, so an int in [0, world size of the default group) and a
+member of `group`; `group` is None, a ProcessGroup, or GroupMember.NON_GROUP_MEMBER, which
+new_group returns on the ranks it leaves out, where, as torch's collectives are, every
+function here is a no-op.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -120,6 +156,74 @@ def _parameters(model: Any) -> list[Parameter]:
     return plist
 
 
+def _is_member(dist: Any, fn: str, group: Any) -> bool:
+    """Whether this rank belongs to `group` (None: the default group); TypeError for anything
+    but None, a ProcessGroup or GroupMember.NON_GROUP_MEMBER (Note [arguments before
+    collectives]). Pure Python: allreduce_gradients asks it every step."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return True
+    left_out = dist.GroupMember.NON_GROUP_MEMBER
+    if type(group) is type(left_out) and group == left_out:
+        return False
+    raise TypeError(f"{fn}: group must be None or a torch.distributed ProcessGroup (from "
+                    f"new_group), got {type(group).__name__} {group!r}")
+
+
+def _checked_src(dist: Any, fn: str, src: Any, group: Any, member: bool) -> int:
+    """`src` as an int, a global rank of `group` (Note [arguments before collectives])."""
+    if isinstance(src, bool) or not isinstance(src, (int, np.integer)):
+        raise TypeError(f"{fn}: src must be an int (a global rank), got "
+                        f"{type(src).__name__} {src!r}")
+    world = dist.get_world_size()
+    if not 0 <= src < world:
+        raise ValueError(f"{fn}: src={int(src)} is not a rank: the default group's ranks are "
+                         f"0 to {world - 1} (src is a global rank, as in "
+                         "torch.distributed.broadcast)")
+    if member and group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        if int(src) not in ranks:
+            raise ValueError(f"{fn}: src={int(src)} is not a rank of group (its global ranks: "
+                             f"{sorted(ranks)})")
+    return int(src)
+
+
+def _check_bool(fn: str, name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):  # "no" would count as true
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _buffers(model: Any) -> list[Any]:
+    return [b for _, b in model.named_buffers()] if hasattr(model, "named_buffers") else []
+
+
+def _check_same_model(torch: Any, fn: str, params: Sequence[Any], buffers: Sequence[Any],
+                      group: Any) -> None:
+    """ValueError on every rank unless every rank of `group` holds arrays of the same shapes
+    and dtypes, in the same order: one all-reduce of two int64s (Note [matching models])."""
+    dist = torch.distributed
+    if dist.get_world_size(group) <= 1:
+        return
+    kinds = [[(tuple(a.shape), str(a.dtype), is_cupy(a)) for a in arrays]
+             for arrays in (params, buffers)]
+    digest = hashlib.blake2b(repr(kinds).encode(), digest_size=8).digest()
+    h = int.from_bytes(digest, "little") >> 1  # -h fits an int64 too
+    arrays = [*params, *buffers]
+    like = arrays[0] if arrays else np.empty(0)
+    with _on_cupy_stream(torch, like):  # the device of the arrays, for CuPy ones
+        pair = array_module(like).asarray([h, -h], dtype=np.int64)
+        dist.all_reduce(_as_tensor(pair), op=dist.ReduceOp.MAX, group=group)
+        same = [int(v) for v in pair.tolist()] == [h, -h]
+    if not same:
+        shown = ", ".join(f"{shape} {dtype}" for shape, dtype, _ in (kinds[0] + kinds[1])[:6])
+        more = ", ..." if len(arrays) > 6 else ""
+        raise ValueError(
+            f"{fn}: the ranks hold different models: the shapes or dtypes of their "
+            f"parameters and buffers differ (rank {dist.get_rank()} has {len(params)} "
+            f"parameter(s) and {len(buffers)} buffer(s): {shown}{more}); every rank must "
+            "build the same model, as DistributedDataParallel requires. Nothing was "
+            "broadcast.")
+
+
 def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     """Overwrite every parameter's data, and every buffer (BatchNorm's running statistics
     and num_batches_tracked), on every rank with rank `src`'s, in place, as
@@ -128,15 +232,28 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     `model` is a convfuse layer or Sequential, or an iterable of convfuse Parameters. One
     broadcast per parameter (this runs once, before training); the arrays stay where they
     are, so an optimizer's flat buffers (whose views they may be) see the new values.
+    First, every rank checks that all ranks hold parameters and buffers of the same shapes
+    and dtypes (one small all-reduce: Note [matching models]), and raises ValueError if
+    not. `src` is a global rank; on a rank outside `group` this does nothing, as torch's
+    collectives do there.
     """
+    params = _parameters(model)
     torch = _torch()
-    for p in _parameters(model):
+    dist = torch.distributed
+    member = _is_member(dist, "broadcast_parameters", group)
+    src = _checked_src(dist, "broadcast_parameters", src, group, member)
+    if not member:
+        return
+    _check_same_model(torch, "broadcast_parameters", [p.data for p in params],
+                      _buffers(model), group)
+    for p in params:
         _broadcast_in_place(torch, p.data, src, group)
     if hasattr(model, "named_buffers"):
-        broadcast_buffers(model, src, group)
+        _broadcast_buffers(torch, model, src, group)
 
 
-def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
+def broadcast_buffers(model: Any, src: int = 0, group: Any = None, *,
+                      check: bool = True) -> None:
     """Overwrite every buffer of `model` (a convfuse layer or Sequential) on every rank
     with rank `src`'s, in place: one broadcast per buffer dtype.
 
@@ -146,11 +263,28 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
     to do the same, or once before evaluating or saving a checkpoint. A BatchNorm with
     momentum=None on the GPU then re-reads its count from the device at its next step
     (one sync per layer: Note [momentum=None without a host sync]); a float momentum
-    keeps the step free of syncs."""
+    keeps the step free of syncs.
+
+    With `check` (the default), every rank first checks that all ranks hold buffers of
+    the same shapes and dtypes (one small all-reduce, and a host sync on the GPU: Note
+    [matching models]), and raises ValueError if not. A call before every forward, after
+    broadcast_parameters checked the model, can pass check=False, as DDP checks once."""
     if not hasattr(model, "named_buffers"):  # before anything else, a process group included
         raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
                         f".named_buffers()), got {type(model).__name__}")
+    _check_bool("broadcast_buffers", "check", check)
     torch = _torch()
+    dist = torch.distributed
+    member = _is_member(dist, "broadcast_buffers", group)
+    src = _checked_src(dist, "broadcast_buffers", src, group, member)
+    if not member:
+        return
+    if check:
+        _check_same_model(torch, "broadcast_buffers", [], _buffers(model), group)
+    _broadcast_buffers(torch, model, src, group)
+
+
+def _broadcast_buffers(torch: Any, model: Any, src: int, group: Any) -> None:
     by_kind: dict[tuple[Any, bool], list[Any]] = {}
     for _, b in model.named_buffers():
         by_kind.setdefault((b.dtype, is_cupy(b)), []).append(b)
@@ -229,13 +363,16 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
     the group's first collective (unless init_process_group got `device_id`), which cannot
     happen inside a capture, so run one first (broadcast_parameters, or the eager warm-up
     step graph.capture runs). Call it between the backward and `optimizer.step()`.
+    Averaging without NCCL divides before the sum, as DDP (Note [divide, then sum]). On a
+    rank outside `group` it does nothing, as torch's collectives do there.
     """
-    if not isinstance(average, (bool, np.bool_)):  # "no" would average, being truthy
-        raise TypeError(f"allreduce_gradients: average must be a bool, got "
-                        f"{type(average).__name__} {average!r}")
+    _check_bool("allreduce_gradients", "average", average)
     torch = _torch()
     dist = torch.distributed
+    member = _is_member(dist, "allreduce_gradients", group)
     buffers = flat_gradients(optimizer)
+    if not member:
+        return
     world = dist.get_world_size(group)
     backend_name = str(dist.get_backend(group))
     pg = group
@@ -246,7 +383,6 @@ def allreduce_gradients(optimizer: Any, average: bool = True, group: Any = None)
         op = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         with _on_cupy_stream(torch, buf):
             t = _as_tensor(buf)
-            dist.all_reduce(t, op=op, group=group)
             if average and not native_avg and world > 1:
-                t.div_(world)
-
+                t.mul_(1.0 / world)  # DDP's reducer's own scaling: Note [divide, then sum]
+            dist.all_reduce(t, op=op, group=group)

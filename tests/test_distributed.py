@@ -315,9 +315,10 @@ def test_cupys_null_stream_is_pytorchs_default_stream():
     assert made == [("default", 1), ("external", 0x7F00, 1)]
 
 
-def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
-    """Under "cpu:gloo,cuda:nccl" a NumPy gradient buffer is reduced by gloo: SUM, then
-    one division by the world size (NCCL's AVG is for CUDA buffers only)."""
+def test_a_backend_per_device_type_divides_cpu_buffers_then_sums(monkeypatch):
+    """Under "cpu:gloo,cuda:nccl" a NumPy gradient buffer is reduced by gloo: each rank's
+    gradients multiplied by 1/world size, then SUM (NCCL's AVG is for CUDA buffers only),
+    in DDP's order (Note [divide, then sum])."""
     from convfuse.distributed import allreduce_gradients
 
     dist = torch.distributed
@@ -325,13 +326,19 @@ def test_a_backend_per_device_type_sums_cpu_buffers_then_divides(monkeypatch):
     opt = cf.optim.SGD(model.parameters(), lr=0.1)
     [buf] = [g.grad for g in opt._groups]
     buf[...] = 6.0
-    ops = []
+    seen = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
-    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: ops.append(op))
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda t, op=None, group=None: seen.append((op, t.numpy().copy())))
     allreduce_gradients(opt)
-    assert ops == [dist.ReduceOp.SUM] and (buf == 2.0).all()
+    [(op, handed)] = seen
+    assert op == dist.ReduceOp.SUM
+    # already divided when the sum sees it, by torch's multiplication by 1/3 (as DDP's)
+    want = (torch.full((buf.size,), 6.0, dtype=torch.float64) * (1 / 3)).numpy()
+    np.testing.assert_array_equal(handed, want)
+    np.testing.assert_array_equal(buf, want)
 
 
 if __name__ == "__main__":
