@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from .._memory import check_bytes
 from ..geometry import parse_layout
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
+from .parameter import Parameter
 
 
 def assignable(name: str, doc: str = "Validated on assignment.") -> property:
@@ -48,6 +49,29 @@ def assignable(name: str, doc: str = "Validated on assignment.") -> property:
     attr = "_" + name
     return property(lambda self: self.__dict__[attr],
                     lambda self, v: self._assign(**{name: v}), doc=doc)
+
+
+def _checkpoint_axes(ndim: int) -> tuple[int, ...]:
+    """A channels-last weight's (A, *kernel, B) axes in PyTorch's (A, B, *kernel) order."""
+    return (0, ndim - 1, *range(1, ndim - 1))
+
+
+class _WeightInLayout:
+    """A conv layer's `weight`: assigning a Parameter tells it the checkpoint layout
+    (`Parameter.state_axes`), since optimizers see only the Parameter and must save its
+    state as `state_dict` saves the weight. No __get__: reads go straight to the instance
+    __dict__, so a call pays nothing for it. Copies and pickles restore the __dict__ and
+    the Parameter's own slot, not through here."""
+
+    def __set__(self, layer: _FusedConvLayer, value: Any) -> None:
+        if isinstance(value, Parameter):
+            ndim = len(value.shape)
+            value.state_axes = (_checkpoint_axes(ndim) if layer.__dict__.get("_channels_last")
+                                and ndim >= 3 else None)
+        layer.__dict__["weight"] = value
+
+    def __delete__(self, layer: _FusedConvLayer) -> None:
+        del layer.__dict__["weight"]
 
 
 # signatures remembered per layer (Note [layer call cache]); a model fed ever new shapes
@@ -75,6 +99,10 @@ class _FusedConvLayer(Layer):
     # (x, weight, bias, residual, activation, scale, **geometry) -> (y, ctx) for a signature
     # _forward_op accepted before (Note [layer call cache])
     _known_op: Callable[..., Any]
+    if TYPE_CHECKING:
+        weight: Parameter
+    else:
+        weight = _WeightInLayout()
     # (values of _geometry_args) -> None, validating them together and clearing the cache
     _set_geometry: Callable[..., None]
     # (contiguous input, *the call's extra arguments) -> the geometry keywords of _forward_op
@@ -228,7 +256,7 @@ class _FusedConvLayer(Layer):
     def _param_to_state(self, name: str, value: Any) -> Any:
         # channels-last stores (A, *kernel, B); PyTorch's checkpoints hold (A, B, *kernel).
         if name == "weight" and self._channels_last:
-            return value.transpose(0, value.ndim - 1, *range(1, value.ndim - 1))
+            return value.transpose(_checkpoint_axes(value.ndim))
         return value
 
     def _param_from_state(self, name: str, value: Any) -> Any:

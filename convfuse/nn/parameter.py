@@ -29,9 +29,16 @@ class Parameter:
     (PyTorch's "modified by an inplace operation" check). Writes made directly into the
     array (`p.data[...] = v`) are not counted: nothing sees them without a copy or a
     device sync (README, "Behaviour worth knowing").
+
+    `state_axes` is the order a checkpoint holds the array in, as axes of the stored one
+    (None: as stored). A channels-last conv stores its weight (K, *kernel, C) and
+    `state_dict` saves it (K, C, *kernel); the layer sets `state_axes` to say so, because
+    an optimizer sees only Parameters and must save its per-parameter state (momentum,
+    Adam's moments) in that same order, or a checkpoint moved between layouts would load
+    it transposed.
     """
 
-    __slots__ = ("_data", "_version", "grad", "name")
+    __slots__ = ("_data", "_state_axes", "_version", "grad", "name")
 
     def __init__(self, data: Any, name: str = "") -> None:
         device_of(data)  # TypeError unless a NumPy or CuPy array
@@ -39,6 +46,7 @@ class Parameter:
         self._data = data
         self.grad: Any = array_module(data).zeros_like(data)
         self.name = name
+        self._state_axes: tuple[int, ...] | None = None
 
     @property
     def data(self) -> Any:
@@ -59,6 +67,45 @@ class Parameter:
                              f"{self.dtype}{self.shape}")
         device_of(data)
         self._data = data
+
+    @property
+    def state_axes(self) -> tuple[int, ...] | None:
+        """The checkpoint's axis order, as a permutation of the stored array's axes; None
+        when a checkpoint holds the array as stored."""
+        # a Parameter pickled before this slot existed has it unset: it meant "as stored"
+        return getattr(self, "_state_axes", None)
+
+    @state_axes.setter
+    def state_axes(self, axes: tuple[int, ...] | None) -> None:
+        n = len(self.shape)
+        if axes is not None and not (isinstance(axes, tuple) and all(
+                isinstance(a, int) and not isinstance(a, bool) for a in axes)):
+            raise TypeError(f"Parameter.state_axes must be None or a tuple of int axes, got "
+                            f"{type(axes).__name__} {axes!r}")
+        if axes is not None and sorted(axes) != list(range(n)):
+            raise ValueError(f"Parameter.state_axes must be None or a permutation of "
+                             f"range({n}), got {axes!r}")
+        # the identity is stored as None, so "as stored" has one spelling
+        self._state_axes = None if axes is None or axes == tuple(range(n)) else axes
+
+    def to_state_layout(self, array: Any) -> Any:
+        """`array` (shaped as `.data`) as a checkpoint holds it: a view, transposed."""
+        axes = self.state_axes
+        return array if axes is None else array.transpose(axes)
+
+    def from_state_layout(self, array: Any) -> Any:
+        """Inverse of `to_state_layout`: a checkpoint's array in the stored order (a view)."""
+        axes = self.state_axes
+        if axes is None:
+            return array
+        return array.transpose(tuple(sorted(range(len(axes)), key=axes.__getitem__)))
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """The shape a checkpoint holds this parameter (and its optimizer state) in."""
+        axes = self.state_axes
+        shape = self.shape
+        return shape if axes is None else tuple(shape[a] for a in axes)
 
     def bump_version(self) -> None:
         """Record an in-place write to `.data` (optimizers and load_state_dict call it)."""

@@ -242,14 +242,18 @@ class FlatOptimizer:
         return g.step
 
     def state_dict(self) -> dict[str, Any]:
-        """PyTorch-shaped state: per-parameter host (NumPy) copies, keyed by position."""
+        """PyTorch-shaped state: per-parameter host (NumPy) copies, keyed by position, each
+        buffer in its parameter's checkpoint layout (`Parameter.state_axes`: a channels-last
+        conv weight's state as `model.state_dict()` holds the weight, (K, C, *kernel)), so
+        a model + optimizer checkpoint moves between layouts and to torch.optim."""
         steps = {id(g): self._steps_taken(g) for g in self._groups}
         state: dict[int, dict[str, Any]] = {}
         for g, s in slots_in_order(self._groups):
             entry: dict[str, Any] = {"step": steps[id(g)]}
             for name in self._state_names():
                 view = g.state[name][s.offset : s.offset + s.size].reshape(s.shape)
-                entry[name] = np.array(to_device(view, "cpu"), copy=True)
+                host = s.param.to_state_layout(np.asarray(to_device(view, "cpu")))
+                entry[name] = np.array(host, copy=True, order="C")
             state[s.index] = entry
         n = sum(len(g.slots) for g in self._groups)
         group = {"lr": self._lr, **self.defaults, "params": list(range(n))}
@@ -331,9 +335,13 @@ class FlatOptimizer:
                     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
                         raise TypeError(f"state_dict['state'][{s.index}][{k!r}] must be a "
                                         f"floating array, got dtype {a.dtype}")
-                    if a.shape != s.shape:
+                    want = s.param.state_shape
+                    if a.shape != want:
+                        where = "the parameter has" if want == s.shape else \
+                            "the parameter's checkpoint layout has"
                         raise ValueError(f"state_dict['state'][{s.index}][{k!r}] has shape "
-                                         f"{a.shape}, the parameter has {s.shape}")
+                                         f"{a.shape}, {where} {want}")
+                    arrays[k] = s.param.from_state_layout(a)  # the storage order
                 plan[s.index] = {"step": int(entry["step"]), **arrays}
             if len(steps) != 1 or min(steps) < 0:
                 raise ValueError(f"parameters of dtype {g.dtype} must share one step count >= 0, "
