@@ -132,9 +132,11 @@ def test_repr_names_hyperparameters_and_groups():
 
 def test_defaults_follow_pytorch():
     p = [Parameter(np.zeros(3, np.float32))]
-    assert Adam(p).defaults == {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    assert Adam(p).defaults == {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                "decoupled_weight_decay": False}
     assert Adam(p).lr == 1e-3
     assert AdamW(p).defaults["weight_decay"] == 1e-2
+    assert AdamW(p).defaults["decoupled_weight_decay"] is True
     assert SGD(p, lr=0.5).defaults == {"momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
 
 

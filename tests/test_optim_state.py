@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import convfuse as cf
 from convfuse import Parameter
 from convfuse.optim import SGD, Adam, AdamW
 from tests._optim_helpers import grad_sequence, make_params, run
@@ -64,7 +65,15 @@ def test_load_state_dict_rejects_mismatches(rng):
     with pytest.raises(ValueError, match=r"\['state'\]\[1\] must hold \['exp_avg', 'exp_avg_sq'"):
         opt.load_state_dict({**good, "state": {0: good["state"][0]}})
     with pytest.raises(ValueError, match="unknown Adam hyperparameter"):
-        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0], "amsgrad": 1}]})
+        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0], "nope": 1}]})
+    with pytest.raises(ValueError, match=r"^Adam: amsgrad=True is not supported"):
+        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0],
+                                                       "amsgrad": True}]})
+    bad = opt.state_dict()
+    bad["state"][0]["step"] = np.array(1.5)
+    with pytest.raises(TypeError, match=r"\['step'\] must be an int \(or a 0-d tensor or "
+                                        r"array holding one\), got ndarray"):
+        opt.load_state_dict(bad)
     sgd = SGD(make_params(rng, np.float32, [(3,), (2,)]), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="unknown SGD hyperparameter"):
         sgd.load_state_dict(good)
@@ -187,3 +196,120 @@ def test_a_step_on_the_writes_own_stream_needs_no_wait(monkeypatch):
     opt._mark_filled()
     opt.step()
     assert [op[0] for op in gpu.stream_ops] == ["record"] and opt._filled is None
+
+
+# -- torch.optim's checkpoints and flags ------------------------------------------------------
+def _torch_pair(torch, rng, shapes, make_ours, make_theirs):
+    ours = make_params(rng, np.float64, shapes)
+    theirs = [torch.tensor(p.data, requires_grad=True) for p in ours]
+    return ours, theirs, make_ours(ours), make_theirs(theirs)
+
+
+def _torch_steps(torch, ours, theirs, opt, ref, grads):
+    run(opt, ours, grads)
+    for g in grads:
+        for t, gi in zip(theirs, g):
+            t.grad = torch.tensor(gi)
+        ref.step()
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [("AdamW", "Adam"), ("Adam", "AdamW"),
+                                               ("AdamW", "AdamW"), ("Adam", "Adam")])
+def test_decoupled_weight_decay_loads_as_torch_optim(rng, saved, loaded):
+    """torch 2.x saves decoupled_weight_decay in the group: Adam takes the checkpoint's
+    (an AdamW checkpoint makes it decay as AdamW), AdamW stays decoupled. Both optimizers
+    load the same convfuse checkpoint as torch's load torch's and continue in step."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 6)
+    kw = {"lr": 0.01, "weight_decay": 0.3}
+    ours, theirs, opt, ref = _torch_pair(
+        torch, rng, shapes, lambda ps: getattr(cf.optim, saved)(ps, **kw),
+        lambda ps: getattr(torch.optim, saved)(ps, **kw))
+    _torch_steps(torch, ours, theirs, opt, ref, grads[:3])
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] == \
+        ref_sd["param_groups"][0]["decoupled_weight_decay"] == (saved == "AdamW")
+    fresh = [Parameter(p.data.copy()) for p in ours]
+    opt = getattr(cf.optim, loaded)(fresh, **kw)
+    ref = getattr(torch.optim, loaded)(theirs, **kw)
+    opt.load_state_dict(sd)
+    ref.load_state_dict(ref_sd)
+    assert opt.defaults["decoupled_weight_decay"] == \
+        ref.param_groups[0]["decoupled_weight_decay"]
+    _torch_steps(torch, fresh, theirs, opt, ref, grads[3:])
+    for p, t in zip(fresh, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("loaded", ["Adam", "AdamW"])
+def test_a_checkpoint_without_the_decoupled_flag_keeps_the_optimizers_own_rule(rng, loaded):
+    """A checkpoint saved before the flag was (convfuse's, or torch 1.x's) has no key:
+    the loading optimizer's own rule applies, as torch.optim's __setstate__ defaults it."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2)]
+    grads = grad_sequence(rng, shapes, 4)
+    kw = {"lr": 0.01, "weight_decay": 0.3}
+    other = "Adam" if loaded == "AdamW" else "AdamW"
+    ours, theirs, opt, ref = _torch_pair(
+        torch, rng, shapes, lambda ps: getattr(cf.optim, other)(ps, **kw),
+        lambda ps: getattr(torch.optim, other)(ps, **kw))
+    _torch_steps(torch, ours, theirs, opt, ref, grads[:2])
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    del sd["param_groups"][0]["decoupled_weight_decay"]
+    del ref_sd["param_groups"][0]["decoupled_weight_decay"]
+    opt = getattr(cf.optim, loaded)(ours, **kw)
+    ref = getattr(torch.optim, loaded)(theirs, **kw)
+    opt.load_state_dict(sd)
+    ref.load_state_dict(ref_sd)
+    assert opt.defaults["decoupled_weight_decay"] == (loaded == "AdamW") == \
+        ref.param_groups[0]["decoupled_weight_decay"]
+    _torch_steps(torch, ours, theirs, opt, ref, grads[2:])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_torch_optims_own_adam_state_dict_loads(rng, name):
+    """torch.optim.Adam's state_dict as torch saves it (tensors, a 0-d float tensor step,
+    the group's foreach/fused/... flags at their defaults) loads, and the two continue in
+    step."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 6)
+    ours, theirs, opt, ref = _torch_pair(
+        torch, rng, shapes, lambda ps: getattr(cf.optim, name)(ps, lr=0.5),
+        lambda ps: getattr(torch.optim, name)(ps, lr=0.02, betas=(0.8, 0.99),
+                                              weight_decay=0.1))
+    for g in grads[:3]:
+        for t, gi in zip(theirs, g):
+            t.grad = torch.tensor(gi)
+        ref.step()
+    ref_sd = ref.state_dict()
+    assert ref_sd["state"][0]["step"].shape == () and ref_sd["state"][0]["step"].is_floating_point()
+    for p, t in zip(ours, theirs):
+        p.data[...] = t.detach().numpy()
+    opt.load_state_dict(ref_sd)
+    assert opt.lr == 0.02 and opt.defaults["betas"] == (0.8, 0.99)
+    assert opt.state_dict()["state"][1]["step"] == 3
+    _torch_steps(torch, ours, theirs, opt, ref, grads[3:])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+def test_torch_optims_sgd_group_loads_but_its_stepless_state_is_refused(rng):
+    """torch.optim.SGD's group (dampening 0, maximize, foreach, ...) is accepted; its state
+    has no step count (convfuse's SGD needs one: the first step sets the buffer), so the
+    state is refused, naming what an entry must hold."""
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    ref = torch.optim.SGD([t], lr=0.2, momentum=0.5)
+    opt = SGD([Parameter(np.zeros(3))], lr=0.1, momentum=0.5)
+    group = ref.state_dict()["param_groups"][0]
+    opt.load_state_dict({"state": opt.state_dict()["state"], "param_groups": [group]})
+    assert opt.lr == 0.2
+    t.grad = torch.ones(3, dtype=torch.float64)
+    ref.step()
+    with pytest.raises(ValueError, match=r"^SGD: state_dict\['state'\]\[0\] must hold "
+                                         r"\['momentum_buffer', 'step'\]"):
+        opt.load_state_dict(ref.state_dict())

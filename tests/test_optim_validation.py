@@ -9,6 +9,7 @@ import pytest
 import convfuse as cf
 from convfuse import Parameter
 from convfuse.optim import SGD, Adam, AdamW
+from tests._optim_helpers import grad_sequence, make_params, run
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -96,18 +97,23 @@ def test_none_grad_becomes_zeros():
     assert p.grad is not None and p.grad.shape == (3,) and not p.grad.any()
 
 
-def test_sgd_takes_torch_optim_sgds_arguments_in_its_order():
-    """Positional calls written for torch.optim.SGD mean the same: (params, lr, momentum,
-    dampening, weight_decay, nesterov), lr defaulting to 1e-3 as in torch; a nonzero
-    dampening, which the fused update does not implement, is refused rather than dropped."""
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_signature_is_torch_optims(name):
+    """Calls written for torch.optim mean the same: every argument's name, kind (positional
+    or keyword-only), order and default are torch's, lr defaulting to 1e-3 as in torch."""
     import inspect
 
     torch = pytest.importorskip("torch")
-    ours = list(inspect.signature(SGD).parameters.values())
-    theirs = [p for p in inspect.signature(torch.optim.SGD).parameters.values()
-              if p.kind is p.POSITIONAL_OR_KEYWORD]
-    assert [p.name for p in ours] == [p.name for p in theirs]
+    ours = list(inspect.signature(getattr(cf.optim, name)).parameters.values())
+    theirs = list(inspect.signature(getattr(torch.optim, name)).parameters.values())
+    assert [(p.name, p.kind) for p in ours] == [(p.name, p.kind) for p in theirs]
     assert [p.default for p in ours[1:]] == [p.default for p in theirs[1:]]
+
+
+def test_sgd_takes_torch_optim_sgds_arguments_in_its_order():
+    """Positional (params, lr, momentum, dampening, weight_decay, nesterov) as in torch; a
+    nonzero dampening, which the fused update does not implement, is refused rather than
+    dropped."""
     opt = SGD(_p(), 0.1, 0.9, 0.0, 1e-4, True)
     assert opt.lr == 0.1 and opt.defaults == {"momentum": 0.9, "weight_decay": 1e-4,
                                               "nesterov": True}
@@ -115,6 +121,95 @@ def test_sgd_takes_torch_optim_sgds_arguments_in_its_order():
         SGD(_p(), 0.1, 0.9, 0.5)
     with pytest.raises(TypeError, match=r"^SGD: dampening must be a real number, got str"):
         SGD(_p(), dampening="0")
+
+
+_FLAGS = {
+    "SGD": ("maximize", "foreach", "differentiable", "fused"),
+    "Adam": ("amsgrad", "foreach", "maximize", "capturable", "differentiable", "fused"),
+    "AdamW": ("amsgrad", "foreach", "maximize", "capturable", "differentiable", "fused"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FLAGS))
+def test_torch_flags_at_values_convfuse_computes_are_accepted_and_change_nothing(name, rng):
+    """torch.optim's flags that choose an implementation (foreach, fused, capturable) take
+    any value torch takes; those that change the update (amsgrad, maximize,
+    differentiable) their default False. The steps are those of the plain optimizer."""
+    cls = getattr(cf.optim, name)
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 3)
+    plain = make_params(rng, np.float64, shapes)
+    flagged = [Parameter(p.data.copy()) for p in plain]
+    opt = cls(plain, lr=0.01)
+    settings = {"foreach": True, "fused": False, "capturable": True, "amsgrad": False,
+                "maximize": np.False_, "differentiable": False}
+    other = cls(flagged, lr=0.01, **{k: settings[k] for k in _FLAGS[name]})
+    assert other.defaults == opt.defaults
+    run(opt, plain, grads)
+    run(other, flagged, grads)
+    for p, q in zip(plain, flagged):
+        np.testing.assert_array_equal(p.data, q.data)
+    for none_ok in ("foreach", "fused"):
+        cls(_p(), **{none_ok: None})
+
+
+@pytest.mark.parametrize("name", sorted(_FLAGS))
+def test_torch_flags_convfuse_does_not_implement_are_refused_naming_them(name):
+    """Refused before anything changes, with a typed error naming the optimizer and the
+    argument (not Python's bare 'unexpected keyword argument')."""
+    cls = getattr(cf.optim, name)
+    p = _p()
+    before = p[0].data
+    for flag in ("amsgrad", "maximize", "differentiable"):
+        if flag not in _FLAGS[name]:
+            continue
+        with pytest.raises(ValueError, match=rf"^{name}: {flag}=True is not supported: "
+                                             rf"convfuse's fused update is torch\.optim's "
+                                             rf"with {flag}=False"):
+            cls(p, **{flag: True})
+        with pytest.raises(TypeError, match=rf"^{name}: {flag} must be a bool, got str"):
+            cls(p, **{flag: "no"})
+    for flag in ("foreach", "fused"):
+        with pytest.raises(TypeError, match=rf"^{name}: {flag} must be None or a bool, got int"):
+            cls(p, **{flag: 1})
+    assert p[0].data is before  # never re-homed
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'nope'"):
+        cls(p, nope=1)
+
+
+def test_adam_takes_decoupled_weight_decay_as_torch_adam(rng):
+    """torch.optim.Adam(decoupled_weight_decay=True) is AdamW: so is convfuse's."""
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 4)
+    a = make_params(rng, np.float64, shapes)
+    b = [Parameter(p.data.copy()) for p in a]
+    opt_a = Adam(a, lr=0.01, weight_decay=0.1, decoupled_weight_decay=True)
+    opt_b = AdamW(b, lr=0.01, weight_decay=0.1)
+    assert opt_a.defaults == opt_b.defaults
+    run(opt_a, a, grads)
+    run(opt_b, b, grads)
+    for p, q in zip(a, b):
+        np.testing.assert_array_equal(p.data, q.data)
+    with pytest.raises(TypeError, match=r"^Adam: decoupled_weight_decay must be a bool"):
+        Adam(_p(), decoupled_weight_decay=1)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW"])
+def test_parameter_groups_and_closures_are_refused_naming_why(name):
+    """torch.optim's parameter groups (dicts in params) and step(closure): typed errors
+    naming the optimizer and what to do instead."""
+    cls = getattr(cf.optim, name)
+    p = _p()
+    with pytest.raises(TypeError, match=rf"^{name}: params\[1\] is a dict: parameter groups "
+                                        r"\(torch\.optim's .*are not supported; .*build one "
+                                        r"optimizer per group"):
+        cls([p[0], {"params": _p(), "lr": 0.1}])
+    opt = cls(p, lr=0.1)
+    p[0].grad[...] = 1.0
+    with pytest.raises(TypeError, match=rf"^{name}\.step: closure is not supported"):
+        opt.step(lambda: 0.0)
+    np.testing.assert_array_equal(p[0].data, 0.0)  # no step was taken
+    assert not hasattr(opt, "param_groups") and not hasattr(opt, "add_param_group")
 
 
 def test_interleaved_views_of_one_array_do_not_share_and_are_taken():

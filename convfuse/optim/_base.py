@@ -61,6 +61,50 @@ def check_lr(lr: Any) -> float:
     return value
 
 
+# torch.optim's arguments that choose how its step runs, not what it computes: convfuse's
+# step is always one fused, capturable launch (one NumPy pass on the CPU) with the numbers
+# of torch's single-tensor rule, so every value torch takes is accepted and changes nothing
+_HOW = {"foreach": True, "fused": True, "capturable": False}  # name: whether None is allowed
+# torch.optim's arguments that change the update: only their default, False, is implemented
+_OFF = ("amsgrad", "maximize", "differentiable")
+
+
+def take_torch_flags(hyper: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Remove torch.optim's flags `names` from `hyper` (constructor keywords, or a torch
+    state dict's group), refusing a value convfuse does not implement: TypeError for a
+    non-bool, ValueError for a True that would change the update."""
+    for name in names:
+        if name not in hyper:
+            continue
+        value = hyper.pop(name)
+        if name in _HOW and _HOW[name] and value is None:
+            continue
+        if not isinstance(value, (bool, np.bool_)):
+            kind = "None or a bool" if _HOW.get(name) else "a bool"
+            raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+        if name in _OFF and value:
+            raise ValueError(f"{name}={value!r} is not supported: convfuse's fused update is "
+                             f"torch.optim's with {name}=False (its default)")
+
+
+def step_count(step: Any, where: str) -> int:
+    """A state entry's step: an int, or (as torch.optim saves it) a 0-d tensor or array
+    holding an integral value, such as torch's tensor(3.)."""
+    if isinstance(step, (numbers.Integral, np.integer)) and not isinstance(step, (bool, np.bool_)):
+        return int(step)
+    if tuple(getattr(step, "shape", (None,))) == () and hasattr(step, "__array__"):
+        try:
+            a = np.asarray(step)
+        except Exception:  # a device tensor: NumPy cannot read it
+            a = None
+        if a is not None and a.dtype.kind in "iu":
+            return int(a)
+        if a is not None and a.dtype.kind == "f" and float(a).is_integer():  # not inf, NaN
+            return int(float(a))
+    raise TypeError(f"{where} must be an int (or a 0-d tensor or array holding one), got "
+                    f"{type(step).__name__} {step!r}")
+
+
 class FlatOptimizer:
     """Base class: subclasses set `_kernel` (the kernel name without its dtype suffix) and
     implement `_validated` (keyword hyperparameters -> `defaults`, raising PyTorch's
@@ -220,8 +264,13 @@ class FlatOptimizer:
             with device_context(g.device_id):
                 g.grad.fill(0)
 
-    def step(self) -> None:
-        """Apply one update to every parameter from its current `.grad`."""
+    def step(self, closure: None = None) -> None:
+        """Apply one update to every parameter from its current `.grad`. torch.optim's
+        `closure` (re-evaluating the loss) is not supported: TypeError unless None."""
+        if closure is not None:
+            raise TypeError(f"{type(self).__name__}.step: closure is not supported (convfuse "
+                            "has no autograd to re-evaluate the loss): run the forward and "
+                            "backward, then call step()")
         check_homes(self._groups)
         if self._filled is not None:  # pragma: gpu
             self._after_fill(self._filled)
@@ -325,11 +374,8 @@ class FlatOptimizer:
                 if not isinstance(entry, dict) or set(entry) != {"step", *names}:
                     raise ValueError(f"state_dict['state'][{s.index}] must hold "
                                      f"{sorted({'step', *names})}")
-                step = entry["step"]
-                if not isinstance(step, (numbers.Integral, np.integer)) or isinstance(step, bool):
-                    raise TypeError(f"state_dict['state'][{s.index}]['step'] must be an int, got "
-                                    f"{type(step).__name__} {step!r}")
-                steps.add(int(step))
+                step = step_count(entry["step"], f"state_dict['state'][{s.index}]['step']")
+                steps.add(step)
                 arrays = {k: np.asarray(to_device(entry[k], "cpu")) for k in names}
                 for k, a in arrays.items():
                     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
@@ -342,7 +388,7 @@ class FlatOptimizer:
                         raise ValueError(f"state_dict['state'][{s.index}][{k!r}] has shape "
                                          f"{a.shape}, {where} {want}")
                     arrays[k] = s.param.from_state_layout(a)  # the storage order
-                plan[s.index] = {"step": int(entry["step"]), **arrays}
+                plan[s.index] = {"step": step, **arrays}
             if len(steps) != 1 or min(steps) < 0:
                 raise ValueError(f"parameters of dtype {g.dtype} must share one step count >= 0, "
                                  f"got {sorted(steps)}")

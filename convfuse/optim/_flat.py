@@ -157,6 +157,12 @@ def check_params(params: Iterable[Parameter]) -> list[Parameter]:
         raise ValueError("optimizer got an empty parameter list")
     seen: dict[int, int] = {}
     for i, p in enumerate(plist):
+        if isinstance(p, dict):
+            raise TypeError(
+                f"params[{i}] is a dict: parameter groups (torch.optim's [{{'params': ..., "
+                "'lr': ...}, ...]) are not supported; a convfuse optimizer holds one group "
+                "(one flat buffer per dtype, one set of hyperparameters): build one optimizer "
+                "per group")
         if not isinstance(p, Parameter):
             raise TypeError(f"params[{i}] is a {type(p).__name__}, expected a convfuse Parameter")
         if id(p) in seen:

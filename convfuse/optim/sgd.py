@@ -18,18 +18,24 @@ import numpy as np
 
 from ..nn.parameter import Parameter
 from . import _cpu
-from ._base import FlatOptimizer, real
+from ._base import FlatOptimizer, real, take_torch_flags
 from ._flat import FlatGroup
+
+# torch.optim.SGD's keyword-only flags (take_torch_flags says which values are accepted)
+_TORCH_FLAGS = ("maximize", "foreach", "differentiable", "fused")
 
 
 class SGD(FlatOptimizer):
     """Stochastic gradient descent over flat buffers; one fused launch per dtype per step.
 
-    `SGD(params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False)`:
-    torch.optim.SGD's arguments, order and defaults, so positional calls written for it
-    mean the same here. `dampening` is there for that order: only its default, 0, is
-    supported (a nonzero one is refused). The momentum buffer is float32 for
-    float16/bfloat16 parameters.
+    `SGD(params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+    maximize=False, foreach=None, differentiable=False, fused=None)`: torch.optim.SGD's
+    arguments, order and defaults, so calls written for it mean the same here. `dampening`,
+    `maximize` and `differentiable` are supported at their defaults only (others are
+    refused, naming the argument); `foreach` and `fused` choose torch's implementation and
+    any value is accepted (convfuse's step is always one fused launch). A torch.optim.SGD
+    state dict's group, which holds all of these, loads too. The momentum buffer is
+    float32 for float16/bfloat16 parameters.
     """
 
     _kernel = "sgd"
@@ -42,19 +48,25 @@ class SGD(FlatOptimizer):
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
-        try:
-            damped = real(dampening, "dampening") != 0.0
-        except TypeError as exc:
-            raise TypeError(f"SGD: {exc}") from None
-        if damped:
-            raise ValueError(f"SGD: dampening={dampening!r} is not supported: convfuse's fused "
-                             "update is torch.optim.SGD's with dampening=0 (its default)")
         super().__init__(
-            params, lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+            params, lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov, maximize=maximize, foreach=foreach,
+            differentiable=differentiable, fused=fused,
         )
 
     def _validated(self, **hyper: Any) -> dict[str, Any]:
+        take_torch_flags(hyper, _TORCH_FLAGS)
+        if "dampening" in hyper:  # torch.optim.SGD's, at its default only: not in defaults
+            dampening = hyper.pop("dampening")
+            if real(dampening, "dampening") != 0.0:
+                raise ValueError(f"dampening={dampening!r} is not supported: convfuse's fused "
+                                 "update is torch.optim.SGD's with dampening=0 (its default)")
         unknown = set(hyper) - {"momentum", "weight_decay", "nesterov"}
         if unknown:
             raise ValueError(f"unknown SGD hyperparameter(s) {sorted(unknown)}")
