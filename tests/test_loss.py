@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -171,3 +172,35 @@ def test_mixing_numpy_and_cupy_raises(monkeypatch):
     monkeypatch.setattr(backend, "is_cupy", lambda a: isinstance(a, FakeDeviceArray))
     with pytest.raises(DeviceMismatchError, match="cannot mix NumPy and CuPy"):
         CrossEntropyLoss()(np.zeros((2, 3), np.float32), FakeDeviceArray())
+
+
+_INF = [
+    ([[np.inf, 0.0, 0.0], [0.0, 1.0, 2.0]], [0, 1]),  # +inf at the label
+    ([[np.inf, 0.0, 0.0], [0.0, 1.0, 2.0]], [1, 1]),
+    ([[-np.inf, 0.0, 0.0], [0.0, 1.0, 2.0]], [0, 1]),  # -inf at the label: loss inf
+    ([[-np.inf, -np.inf, -np.inf], [0.0, 1.0, 2.0]], [1, 1]),  # an all -inf row
+    ([[np.inf, np.inf, 0.0], [0.0, 1.0, 2.0]], [1, 0]),
+    ([[np.nan, 0.0, 0.0], [0.0, 1.0, 2.0]], [1, 1]),
+]
+
+
+@pytest.mark.parametrize(("logits", "labels"), _INF)
+@pytest.mark.parametrize("strict", ["warnings", "seterr"])
+def test_non_finite_logits_give_torchs_values_with_warnings_as_errors(logits, labels, strict):
+    """IEEE semantics, as torch: with warnings as errors (or np.seterr(all='raise')) an inf
+    or NaN logit gives torch's inf/NaN loss and gradient, raising nothing."""
+    torch = pytest.importorskip("torch")
+    x, y = np.array(logits), np.array(labels)
+    t = torch.tensor(x, requires_grad=True)
+    want = torch.nn.functional.cross_entropy(t, torch.tensor(y))
+    want.backward()
+    loss_fn = CrossEntropyLoss()
+    with warnings.catch_warnings(), np.errstate(all="raise" if strict == "seterr" else "warn"):
+        warnings.simplefilter("error")
+        loss = loss_fn(x, y)
+        grad = loss_fn.backward()
+    # NaN and inf where torch has them; finite values to rounding (torch's exp differs)
+    np.testing.assert_allclose(loss, want.item(), rtol=1e-14)
+    np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-14, atol=1e-16)
+    assert np.array_equal(np.isnan(grad), np.isnan(t.grad.numpy()))
+    assert int(loss_fn.correct) == int((t.detach().argmax(1) == torch.tensor(y)).sum())
