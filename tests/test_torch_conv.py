@@ -316,7 +316,8 @@ def test_hyperparameters_assigned_as_ints_after_construction(make, values):
 def test_an_invalid_assigned_stride_is_refused_naming_the_layer():
     conv = ct.Conv2d(4, 6, 3)
     conv.stride = 0
-    with pytest.raises(ValueError, match=r"^Conv2d: stride and dilation must be >= 1, got 0"):
+    with pytest.raises(ValueError,
+                       match=r"^Conv2d: stride and dilation must be >= 1 and < 2\*\*31, got 0"):
         conv(torch.randn(1, 4, 5, 5))
     conv.stride = (1, 2, 3)
     with pytest.raises(ValueError, match=r"^Conv2d: stride must be an int or 2 ints"):

@@ -295,10 +295,12 @@ def test_hyperparameters_reassigned_after_construction_are_honoured():
     fresh = ct.Conv2d(2, 3, 3, padding=1, stride=2, dtype=F64)
     fresh.load_state_dict(layer.state_dict())
     assert torch.equal(layer(x), fresh(x))
-    layer.in_channels = 4  # the checks read it again
-    with pytest.raises(ct.InputShapeError, match="expects 4"):
+    layer.in_channels = 4  # describes the layer only: torch.nn reads the weight's count
+    assert torch.equal(layer(x), fresh(x))
+    layer.weight = torch.nn.Parameter(layer.weight.detach()[:, :1])  # and this is read
+    with pytest.raises(ct.InputShapeError, match="expects 1"):
         layer(x)
-    layer.in_channels = 2
+    layer.weight = fresh.weight
     layer.stride = [1, 1]  # unhashable: checked every call, still right
     assert layer(x).shape == (1, 3, 7, 7)
     t = ct.ConvTranspose2d(2, 3, 3, stride=2, dtype=F64)

@@ -126,6 +126,20 @@ def logical(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return t.movedim(-1, 1).detach() if channels_last else t
 
 
+def strided_like(g: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`g` with `ref`'s strides where theirs differ only at size-one dims (the same memory):
+    a 1x1 kernel's (K, C, 1, 1) weight is both contiguous and channels_last, and torch.nn
+    gives a gradient its parameter's strides, which DDP's bucket views expect (else it
+    warns and copies the gradient at every step)."""
+    gs, rs = g.stride(), ref.stride()
+    if gs == rs or g.shape != ref.shape:
+        return g
+    for a, b, n in zip(gs, rs, g.shape):
+        if a != b and n != 1:
+            return g
+    return g.as_strided(g.shape, rs, g.storage_offset())
+
+
 def empty_in_layout(ref: torch.Tensor, shape: Sequence[int],
                     channels_last: bool) -> torch.Tensor:
     """A new (N, C, ...) tensor of `ref`'s dtype and device whose memory is C-contiguous in

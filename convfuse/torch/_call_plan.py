@@ -59,7 +59,7 @@ import torch
 from .. import activations, ops
 from ..ops import validated
 from . import _double, _eager
-from ._arrays import host_array, logical, to_tensor
+from ._arrays import host_array, logical, strided_like, to_tensor
 from ._host_arrays import HostArrays
 from ._ops import activation_grads, backward_parts, forward_parts
 from ._signature import Prepared, engine, op, validated_engine
@@ -231,6 +231,8 @@ class _FusedFunction(torch.autograd.Function):
         dx, dw, db, dz = call.backward(dy, x, weight, saved,
                                        (need_dx, need_dw, need_db,
                                         need_dres and not identity))
+        if dw is not None:
+            dw = strided_like(dw, weight)
         return (dx, dw, db, (dy if identity else dz) if need_dres else None, None, None)
 
 

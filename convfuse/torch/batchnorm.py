@@ -38,6 +38,16 @@ def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def _scalar(v: Any) -> Any:
+    """A hyperparameter's value: a 0-d tensor's number (it may change in place, and a
+    tensor hashes by identity), anything else as it is."""
+    if type(v) is float or v is None:  # the common cases first: this runs at every call
+        return v
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_complex():
+        return v.item()
+    return v
+
+
 def _torch_allows_zero_eps_in_eval() -> bool:
     """Whether the installed torch.nn accepts eps=0 with running statistics (2.13 does,
     2.11 refuses any eps <= 0)."""
@@ -157,18 +167,31 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         name = type(self).__name__
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise InputTypeError(f"{name}: input has layout {x.layout}; convfuse takes dense "
+                                 "(torch.strided) tensors")
         if x.dim() not in self._ndims:
             ranks = " or ".join(f"{n}-d" for n in self._ndims)
             raise ValueError(f"{name}: expected a {ranks} input, got shape {tuple(x.shape)}")
-        if x.shape[1] != self.num_features:  # torch.nn: a RuntimeError; this is both
-            raise InputShapeError(f"{name}: input has {x.shape[1]} channels, the layer expects "
-                             f"{self.num_features}")
         if x.dtype not in SUPPORTED_DTYPES:
             raise InputTypeError(f"{name}: input dtype {x.dtype} is not supported; convfuse "
                                  "computes in float32, float64, float16 or bfloat16")
         present = [(what, t) for what, t in (
             ("weight", self.weight), ("bias", self.bias), ("running_mean", self.running_mean),
             ("running_var", self.running_var)) if t is not None]
+        # torch.nn reads the channel count off the per-channel tensors, not num_features (a
+        # layer whose parameters and statistics were swapped for others still runs), and
+        # takes any count when there are none
+        channels = x.shape[1]
+        for what, t in present:
+            if tuple(t.shape) != (channels,):
+                first, ft = present[0]
+                if tuple(ft.shape) == (channels,) or ft.dim() != 1:
+                    raise InputShapeError(f"{name}: the {what} has shape {tuple(t.shape)}, the "
+                                          f"input has {channels} channels")
+                raise InputShapeError(f"{name}: input has {channels} channels, the layer "
+                                      f"expects {ft.shape[0]}")  # torch.nn: a RuntimeError
+        self._check_scalars(use_batch_stats)
         # the input's dtype throughout, or PyTorch's mixed precision: float16/bfloat16 data
         # with every parameter and statistic in float32 (torch.nn refuses a mix of the two)
         per_channel = x.dtype if x.dtype not in _HALF or not present \
@@ -188,17 +211,6 @@ class _BatchNormNd(_host_arrays.HoldsViews):
             if t.device != x.device:
                 raise InputDeviceError(f"{name}: input is on {x.device}, the {what} on "
                                        f"{t.device}")
-        # torch.nn's checks, made before anything runs: eps positive when normalising with
-        # the batch's statistics, non-negative otherwise (torch 2.11 wants it positive
-        # always: the rule of the installed torch is followed), and more than one value
-        # per channel (an empty batch is fine).
-        if use_batch_stats and not self.eps > 0:
-            raise ValueError(f"{name}: eps must be positive during training, but got "
-                             f"{self.eps!r}")
-        if not use_batch_stats and not (self.eps > 0 or (self.eps == 0 and _ZERO_EPS_IN_EVAL)):
-            raise ValueError(f"{name}: eps must be "
-                             f"{'non-negative' if _ZERO_EPS_IN_EVAL else 'positive'}, but got "
-                             f"{self.eps!r}")
         if use_batch_stats and math.prod(x.shape) == x.shape[1]:
             raise ValueError(f"{name}: expected more than 1 value per channel when training, "
                              f"got input shape {tuple(x.shape)}")
@@ -207,6 +219,9 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
                             f"{type(residual).__name__}")
+        if residual.layout != torch.strided:
+            raise InputTypeError(f"{name}: residual has layout {residual.layout}; convfuse "
+                                 "takes dense (torch.strided) tensors")
         if residual.shape != x.shape:
             raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the input "
                              f"has shape {tuple(x.shape)}")
@@ -214,6 +229,31 @@ class _BatchNormNd(_host_arrays.HoldsViews):
             raise (InputDeviceError if residual.device != x.device else InputTypeError)(
                 f"{name}: residual is {residual.dtype} on {residual.device}, the input "
                 f"{x.dtype} on {x.device}")
+
+    def _check_scalars(self, use_batch_stats: bool) -> None:
+        """eps and momentum as they are now (assigned after construction too, a 0-d tensor
+        included), checked before the count moves: a refused call changes nothing."""
+        name = type(self).__name__
+        eps, momentum = _scalar(self.eps), _scalar(self.momentum)
+        if not _is_real(eps) or not math.isfinite(eps):
+            raise ValueError(f"{name}: eps must be a finite number, got {self.eps!r}")
+        # torch.nn's checks: eps positive when normalising with the batch's statistics,
+        # non-negative otherwise (torch 2.11 wants it positive always: the rule of the
+        # installed torch is followed)
+        if use_batch_stats and not eps > 0:
+            raise ValueError(f"{name}: eps must be positive during training, but got "
+                             f"{self.eps!r}")
+        if not use_batch_stats and not (eps > 0 or (eps == 0 and _ZERO_EPS_IN_EVAL)):
+            raise ValueError(f"{name}: eps must be "
+                             f"{'non-negative' if _ZERO_EPS_IN_EVAL else 'positive'}, but got "
+                             f"{self.eps!r}")
+        # the constructor's rule (torch.nn takes any float and computes with it)
+        if momentum is not None and not _is_real(momentum):
+            raise TypeError(f"{name}: momentum must be a number or None, got "
+                            f"{type(self.momentum).__name__} {self.momentum!r}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: momentum must lie in [0, 1] or be None, got "
+                             f"{self.momentum!r}")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(batchnorm(x) + residual), fused in one convfuse op; torch.nn's rules decide
@@ -225,6 +265,11 @@ class _BatchNormNd(_host_arrays.HoldsViews):
 
     def _forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         weight, bias, rm, rv, nbt = self._state()
+        if weight is None and bias is not None:
+            # a weight set to None after construction (torch.nn takes it): torch's batch norm,
+            # as under torch.func, where the fused ops would give the bias no gradient
+            self._check(x, residual, self._use_batch_stats())
+            return self._torch_batch_norm(x, residual)
         eager = _eager.takes_eager_path(x, weight, bias, residual, rm, rv, nbt)
         if not eager and _eager.under_torch_func():  # Note [torch.func transforms]
             self._check(x, residual, self._use_batch_stats())
@@ -272,10 +317,11 @@ class _BatchNormNd(_host_arrays.HoldsViews):
 
     def _factor_momentum(self) -> float | None:
         """The momentum handed to the op: torch.nn's, 0 with no count to average over."""
-        if self.training and self.track_running_stats and self.momentum is None \
+        momentum = _scalar(self.momentum)
+        if self.training and self.track_running_stats and momentum is None \
                 and self.num_batches_tracked is None:
             return 0.0  # torch.nn: no count, no cumulative average
-        return self.momentum
+        return momentum
 
     def _plan(self, x: torch.Tensor, residual: torch.Tensor | None, use_batch_stats: bool,
               key: Any) -> Any:
@@ -331,8 +377,8 @@ class _BatchNormNd(_host_arrays.HoldsViews):
                 None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
                 None if rm is None else (rm.shape, rm.stride(), rm.dtype, rm.device),
                 None if rv is None else (rv.shape, rv.stride(), rv.dtype, rv.device),
-                nbt is None, self.num_features, self.eps, self.momentum, self.activation,
-                self.training, self.track_running_stats)
+                nbt is None, self.num_features, _scalar(self.eps), _scalar(self.momentum),
+                self.activation, self.training, self.track_running_stats)
 
     def _torch_batch_norm(self, x: torch.Tensor,
                           residual: torch.Tensor | None) -> torch.Tensor:

@@ -65,6 +65,9 @@ def _size(n: Any) -> Any:
     return n if isinstance(n, torch.SymInt) else int(n)
 
 
+_INT32_MAX = 2**31 - 1  # cuDNN's sizes are ints; the CPU engine's arrays would not fit either
+
+
 class _ConvLayer(_host_arrays.HoldsViews):
     """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
     the dtype, their parameters and initialisation, and the checks of an input."""
@@ -94,6 +97,8 @@ class _ConvLayer(_host_arrays.HoldsViews):
         """The key of an eager call's FusedCall (Note [call plans]): all its plan and its
         checks read, strides included. Only for the eager path's arguments (plain tensors,
         no trace: _eager.takes_eager_path), whose sizes are concrete."""
+        if x is None:  # the checks refuse it (the only non-tensor the eager path lets by)
+            return None
         dev = x.device
         return (type(self), x.shape, x.stride(), x.dtype, dev, weight.shape, weight.stride(),
                 weight.dtype, weight.device,
@@ -112,21 +117,33 @@ class _ConvLayer(_host_arrays.HoldsViews):
         d = self.__dict__
         key = (d.get("stride"), d.get("dilation"), self.weight.shape)
         memo = d.get("_window_memo")
-        if memo is not None and memo[0] == key:  # the general path asks at every call
-            return memo[1]
+        # stride and dilation by identity: `==` would compare a NumPy integer with a tuple
+        # elementwise (and a stride of 2.0 equals 2: the checks must see it)
+        if memo is not None and memo[0][0] is key[0] and memo[0][1] is key[1] \
+                and memo[0][2] == key[2]:
+            return memo[1]  # the general path asks at every call
         rank = self._rank
         try:
             stride = as_tuple(self.stride, rank, "stride")
             dilation = as_tuple(self.dilation, rank, "dilation")
         except ValueError as exc:
             raise ValueError(f"{type(self).__name__}: {exc}") from None
-        if min(stride + dilation) < 1:
-            raise ValueError(f"{type(self).__name__}: stride and dilation must be >= 1, got "
-                             f"{self.stride!r}, {self.dilation!r}")
+        if min(stride + dilation) < 1 or max(stride + dilation) > _INT32_MAX:
+            raise ValueError(f"{type(self).__name__}: stride and dilation must be >= 1 and "
+                             f"< 2**31, got {self.stride!r}, {self.dilation!r}")
         window = tuple(int(k) for k in self.weight.shape[2:]), stride, dilation
         if not isinstance(key[0], list) and not isinstance(key[1], list):
             d["_window_memo"] = (key, window)  # (a list could change in place, same key)
         return window
+
+    def _weight_channels(self) -> tuple[Any, Any]:
+        """(input, output) channels as the weight holds them: torch.nn's convolution reads
+        them off the weight (a swapped one, say summed over RGB for grey images, may differ
+        from in_channels and out_channels, which only describe the layer)."""
+        shape, groups = self.weight.shape, self.__dict__["groups"]
+        if self.transposed:
+            return shape[0], shape[1] * groups
+        return shape[1] * groups, shape[0]
 
     def _check_counts(self, in_channels: int, out_channels: int,
                       groups: int) -> tuple[int, int, int]:
@@ -184,13 +201,16 @@ class _ConvLayer(_host_arrays.HoldsViews):
         name, rank = type(self).__name__, self._rank
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        if x.layout != torch.strided:
+            raise InputTypeError(f"{name}: input has layout {x.layout}; convfuse takes dense "
+                                 "(torch.strided) tensors")
         if x.dim() not in (rank + 1, rank + 2):
             raise InputShapeError(f"{name}: expected a {rank + 1}-d (unbatched) or "
                                   f"{rank + 2}-d (batched) input, got shape {tuple(x.shape)}")
-        channels = x.shape[-rank - 1]
-        if channels != self.in_channels:
+        channels, expected = x.shape[-rank - 1], self._weight_channels()[0]
+        if channels != expected:
             raise InputShapeError(f"{name}: input has {channels} channels, the layer expects "
-                                  f"{self.in_channels}")
+                                  f"{expected}")
         if x.dtype != self.weight.dtype and not _autocast.casts(x, self.weight):
             raise InputTypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                                  f"{self.weight.dtype}")
@@ -259,7 +279,12 @@ class _ConvNd(_ConvLayer):
     def _pads(self) -> tuple[tuple[int, int], ...]:
         """The (left, right) zeros per spatial dim of `padding` as it is now: torch.nn's
         convolution reads its padding at every call, so an assignment after construction
-        takes effect (an invalid one is refused, naming the layer)."""
+        takes effect (an invalid one is refused, naming the layer). With another
+        padding_mode it pads by `_reversed_padding_repeated_twice` alone, as torch.nn does."""
+        if self.padding_mode != "zeros":
+            r, rank = self._reversed_padding_repeated_twice, self._rank
+            return tuple((int(r[2 * (rank - 1 - d)]), int(r[2 * (rank - 1 - d) + 1]))
+                         for d in range(rank))
         try:
             return self._resolve_padding(self.padding)[1]
         except ValueError as exc:
@@ -306,6 +331,10 @@ class _ConvNd(_ConvLayer):
                     f"around more than once for input shape {tuple(x.shape)} (as "
                     "torch.nn.functional.pad)")
         out = self.output_shape(x.shape)
+        if any(n + left + right > _INT32_MAX for n, (left, right) in zip(spatial, self._pads)) \
+                or any(n > _INT32_MAX for n in out):
+            raise InputShapeError(f"{name}: padding={self.padding!r} on input shape "
+                                  f"{tuple(x.shape)} gives sizes beyond cuDNN's 32-bit ones")
         if any(n < 1 for n in out[-rank:]):
             kernel, _, dilation = self._window()
             raise InputShapeError(
@@ -316,6 +345,9 @@ class _ConvNd(_ConvLayer):
         if not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
                             f"{type(residual).__name__}")
+        if residual.layout != torch.strided:
+            raise InputTypeError(f"{name}: residual has layout {residual.layout}; convfuse "
+                                 "takes dense (torch.strided) tensors")
         if tuple(residual.shape) != out:
             raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}, the output "
                              f"has shape {out}")
@@ -332,7 +364,8 @@ class _ConvNd(_ConvLayer):
         spatial = tuple(
             (_size(n) + left + right - d * (k - 1) - 1) // s + 1 for n, k, s, (left, right), d
             in zip(input_shape[-rank:], kernel, stride, self._pads, dilation))
-        return (*(_size(n) for n in input_shape[:-rank - 1]), self.out_channels, *spatial)
+        return (*(_size(n) for n in input_shape[:-rank - 1]), self._weight_channels()[1],
+                *spatial)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """act(conv(x) + bias + residual), fused (one convfuse op; one cuDNN call for

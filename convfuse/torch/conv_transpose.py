@@ -32,7 +32,7 @@ from ._call_plan import FusedCall
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
 from ._module_state import once_per_call, parametrized
 from ._signature import lookup, tensor_key
-from .conv import CALLS, _ConvLayer
+from .conv import _INT32_MAX, CALLS, _ConvLayer
 
 # N = 0 runs these (the empty output in torch.nn's memory format, zero parameter gradients):
 # the engine's empty-batch op would make CuPy arrays where the pointer path makes none
@@ -98,8 +98,9 @@ class _ConvTransposeNd(_ConvLayer):
         d = self.__dict__
         key = (d.get("padding"), d.get("output_padding"))
         memo = d.get("_pads_memo")
-        if memo is not None and memo[0] == key:  # the general path asks at every call
-            return memo[1]
+        # by identity: `==` would compare a NumPy integer with a tuple elementwise
+        if memo is not None and memo[0][0] is key[0] and memo[0][1] is key[1]:
+            return memo[1]  # the general path asks at every call
         rank, op = self._rank, "transposed convolution"
         try:
             padding = as_tuple(self.padding, rank, "padding", op)
@@ -144,7 +145,12 @@ class _ConvTransposeNd(_ConvLayer):
         if path == _eager.CUSTOM_OP:  # a tracer or transform: checked at every call
             call: Any = self._check(input, output_size, residual)
         else:
-            sizes = None if output_size is None else tuple(_size_key(v) for v in output_size)
+            try:
+                sizes = None if output_size is None else tuple(_size_key(v)
+                                                               for v in output_size)
+            except TypeError:  # torch.nn's TypeError too, in words naming neither
+                raise TypeError(f"{type(self).__name__}: output_size must be a sequence of "
+                                f"ints, got {output_size!r}") from None
             key = self._call_key(input, weight, bias, residual, sizes)
             call = lookup(CALLS, key)
             if call is None:
@@ -199,15 +205,22 @@ class _ConvTransposeNd(_ConvLayer):
         if residual is not None and not isinstance(residual, torch.Tensor):
             raise TypeError(f"{name}: residual must be a torch.Tensor or None, got "
                             f"{type(residual).__name__}")
+        if residual is not None and residual.layout != torch.strided:
+            raise InputTypeError(f"{name}: residual has layout {residual.layout}; convfuse "
+                                 "takes dense (torch.strided) tensors")
         try:
             opad = self._output_padding(input, output_size)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{name}: {exc}") from None
+            msg = str(exc)  # _pads' and _window's errors name the layer already
+            raise type(exc)(msg if msg.startswith(f"{name}: ") else f"{name}: {msg}") from None
         unbatched = input.dim() == self._rank + 1
         x = input.unsqueeze(0) if unbatched else input
         _, stride, dilation = self._window()
         shape = _transpose_ops.output_shape(x.shape, self.weight.shape, stride,
                                             self._pads()[0], opad, dilation, self.groups)
+        if any(n > _INT32_MAX for n in shape):
+            raise InputShapeError(f"{name}: the output's shape {tuple(shape)} is beyond "
+                                  "cuDNN's 32-bit sizes")
         if any(n < 1 for n in shape[2:]):  # torch.nn's RuntimeError ("... too small")
             raise InputShapeError(f"{name}: the output would be empty: input "
                                   f"{tuple(input.shape)} gives "
