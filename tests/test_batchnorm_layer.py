@@ -159,6 +159,9 @@ def test_call_rejects_bad_input(rng):
         bn(np.zeros((2, 4, 3, 3), np.float32))
     with pytest.raises(ValueError, match="has dtype float32 but its input has dtype float64"):
         bn(np.zeros((2, 3, 3, 3)))
+    with pytest.raises(ValueError, match=r"input has dtype int32; cast the input "
+                                         r"\(x.astype\('float32'\)\)$"):
+        bn(np.zeros((2, 3, 3, 3), np.int32))  # no advice to build an int32 layer
     with pytest.raises(TypeError, match="BatchNorm2d: input must be a NumPy or CuPy array"):
         bn([[1.0]])
     with pytest.raises(ValueError, match="more than 1 value per channel"):

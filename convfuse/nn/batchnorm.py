@@ -38,6 +38,7 @@ from ..errors import CaptureError
 from ..ops._checks import as_float
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
+from ._hyper import dtype_hint
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
 from .parameter import Parameter
 
@@ -162,8 +163,8 @@ class _BatchNorm(Layer):
             self._check_input(residual, "residual")
         if x.dtype != self.dtype:
             raise ValueError(
-                f"{name} has dtype {self.dtype} but its input has dtype {x.dtype}; cast the "
-                f"input (x.astype('{self.dtype}')) or build the layer with dtype={x.dtype}")
+                f"{name} has dtype {self.dtype} but its input has dtype {x.dtype}; "
+                f"{dtype_hint(self.dtype, x.dtype)}")
         x = contiguous(x)
         if residual is not None:
             residual = contiguous(residual)
