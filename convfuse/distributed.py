@@ -52,16 +52,16 @@ Note [matching models]
 A broadcast between ranks whose models differ is not detected by the backend: an array of
 another shape with as many elements silently receives rank src's values in its own shape,
 and one with another element count aborts the process (gloo) or hangs. DDP refuses such
-models when it wraps them; broadcast_parameters (and broadcast_buffers, unless told
-check=False) first runs one all-reduce (MAX) of an int64 pair [h, -h], h a hash of this
+models when it wraps them; broadcast_parameters first runs one all-reduce (MAX) of an int64
+pair [h, -h], h a hash of this
 rank's list of (shape, dtype): the result is [h, -h] on every rank exactly when every rank's
 h is the same, so either every rank raises or none does, and no rank is left waiting in a
 broadcast the others skipped. The pair is made like the arrays (a NumPy or a CuPy array,
 crossing as the arrays do), so it goes to the backend that will broadcast them. In a world
 of one there is nothing to compare and no collective. Reading the pair back is a host
-sync on the GPU: broadcast_buffers(model, check=False), for a call before every forward
-after a checked broadcast_parameters, stays free of syncs as DDP's per-forward buffer
-broadcast is.
+sync on the GPU, so broadcast_buffers, called before every forward, does not check: as DDP,
+which checks when it wraps the model and not at its per-forward buffer broadcast, it relies
+on broadcast_parameters having checked parameters and buffers once.
 
 Note [arguments before collectives]
 `src` and `group` are checked in Python before any collective (so that a bad one gives a
@@ -252,8 +252,7 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
         _broadcast_buffers(torch, model, src, group)
 
 
-def broadcast_buffers(model: Any, src: int = 0, group: Any = None, *,
-                      check: bool = True) -> None:
+def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
     """Overwrite every buffer of `model` (a convfuse layer or Sequential) on every rank
     with rank `src`'s, in place: one broadcast per buffer dtype.
 
@@ -265,22 +264,17 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None, *,
     (one sync per layer: Note [momentum=None without a host sync]); a float momentum
     keeps the step free of syncs.
 
-    With `check` (the default), every rank first checks that all ranks hold buffers of
-    the same shapes and dtypes (one small all-reduce, and a host sync on the GPU: Note
-    [matching models]), and raises ValueError if not. A call before every forward, after
-    broadcast_parameters checked the model, can pass check=False, as DDP checks once."""
+    It does not check that the ranks' models match (that check reads a result on the host:
+    Note [matching models]); broadcast_parameters, run once first, does."""
     if not hasattr(model, "named_buffers"):  # before anything else, a process group included
         raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
                         f".named_buffers()), got {type(model).__name__}")
-    _check_bool("broadcast_buffers", "check", check)
     torch = _torch()
     dist = torch.distributed
     member = _is_member(dist, "broadcast_buffers", group)
     src = _checked_src(dist, "broadcast_buffers", src, group, member)
     if not member:
         return
-    if check:
-        _check_same_model(torch, "broadcast_buffers", [], _buffers(model), group)
     _broadcast_buffers(torch, model, src, group)
 
 

@@ -118,7 +118,7 @@ def _lin(rank: int, fan_in: int, fan_out: int, **kw: Any) -> cf.Linear:
 def scenario_mismatch(rank: int) -> dict[str, Any]:
     """Models that differ between the ranks: each call's error on this rank, and whether
     this rank's arrays kept their own values."""
-    from convfuse.distributed import broadcast_buffers, broadcast_parameters
+    from convfuse.distributed import broadcast_parameters
 
     out: dict[str, Any] = {}
     # same element count, transposed shapes: the case a broadcast silently "succeeds" at
@@ -139,8 +139,6 @@ def scenario_mismatch(rank: int) -> dict[str, Any]:
     bn = cf.BatchNorm1d(3 if rank == 0 else 4, dtype="float64", device="cpu")
     model = cf.Sequential(_lin(rank, 3, 3, dtype="float64"), bn)
     out["buffers_via_parameters"] = _error(lambda: broadcast_parameters(model))
-    bn = cf.BatchNorm1d(3 if rank == 0 else 4, dtype="float64", device="cpu")
-    out["buffers"] = _error(lambda: broadcast_buffers(bn))
     # and the group is still in step: a matching model is broadcast as before
     lin = _lin(rank, 3, 4, dtype="float64")
     broadcast_parameters(lin)
@@ -178,7 +176,6 @@ def scenario_arguments(rank: int) -> dict[str, Any]:
         "group_str": lambda: broadcast_parameters(model, group="abc"),
         "group_ranks": lambda: broadcast_parameters(model, group=[0, 1]),
         "buffers_group_str": lambda: broadcast_buffers(model, group="abc"),
-        "buffers_check_str": lambda: broadcast_buffers(model, check="no"),
         "allreduce_group_str": lambda: allreduce_gradients(opt, group="abc"),
         "allreduce_group_int": lambda: allreduce_gradients(opt, group=0),
     }
@@ -192,6 +189,10 @@ def scenario_arguments(rank: int) -> dict[str, Any]:
         broadcast_parameters(model, src=np.int64(1))
         out["src_numpy_weight"] = model[0].weight.data.copy()
         out["src_numpy_calls"] = list(calls)
+        # the per-step buffer broadcast: broadcasts alone, no check (no host sync)
+        calls.clear()
+        broadcast_buffers(model)
+        out["buffers_calls"] = list(calls)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
@@ -324,9 +325,9 @@ def mismatch_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["shape", "count", "dtype", "extra_layer",
-                                  "buffers_via_parameters", "buffers"])
+                                  "buffers_via_parameters"])
 def test_ranks_holding_different_models_all_raise(mismatch_ranks, case):
-    fn = "broadcast_buffers" if case == "buffers" else "broadcast_parameters"
+    fn = "broadcast_parameters"  # broadcast_buffers, per step, does not check (no host sync)
     for rank, r in enumerate(mismatch_ranks):
         err = r[case]
         assert err is not None, f"rank {rank}: {case} was broadcast"
@@ -363,8 +364,6 @@ def test_bad_src_and_group_are_refused_before_any_collective(tmp_path):
                                      "torch.distributed ProcessGroup"),
         "buffers_group_str": ("TypeError", "broadcast_buffers: group must be None or a "
                                            "torch.distributed ProcessGroup"),
-        "buffers_check_str": ("TypeError", "broadcast_buffers: check must be a bool, got str "
-                                           "'no'"),
         "allreduce_group_str": ("TypeError", "allreduce_gradients: group must be None or a "
                                              "torch.distributed ProcessGroup"),
         "allreduce_group_int": ("TypeError", "allreduce_gradients: group must be None or a "
@@ -389,6 +388,7 @@ def test_bad_src_and_group_are_refused_before_any_collective(tmp_path):
         np.testing.assert_array_equal(r["src_numpy_weight"], own1)
         assert r["src_numpy_calls"][0] == "all_reduce"  # the models' check, then broadcasts
         assert set(r["src_numpy_calls"][1:]) == {"broadcast"}
+        assert r["buffers_calls"] == ["broadcast"] * 2  # BatchNorm's float64 and int64 ones
 
 
 def test_allreduce_gradients_leaves_a_rank_outside_the_group_alone(tmp_path):
