@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -62,19 +64,70 @@ def test_backward_matches_finite_differences(rng, shape, size):
 
 
 @pytest.mark.parametrize("adjoint", [False, True])
-def test_separable_broadcast_path_equals_matmul_path(rng, adjoint):
-    """The CuPy route (matrices built by elementwise kernels, broadcast multiply + sum: Note
-    [adaptive pooling without cuBLAS]) is plain array code: run it on NumPy."""
+def test_window_path_equals_matmul_path(rng, adjoint):
+    """The CuPy route (window sums: Note [adaptive pooling without cuBLAS]) is plain array
+    code: run it on NumPy against the matrix product."""
     for length, out in [(7, 3), (5, 2), (4, 6), (1, 3), (9, 9)]:
-        np.testing.assert_array_equal(
-            adaptive_pool.device_pooling_matrix(np, length, out, np.float64),
-            adaptive_pool.pooling_matrix(length, out))
+        m = np.zeros((out, length))
+        for i, (start, end) in enumerate(adaptive_pool.windows(length, out)):
+            m[i, start:end] = 1.0 / (end - start)
+        np.testing.assert_array_equal(m, adaptive_pool.pooling_matrix(length, out))
     shape = (2, 3, 2, 3) if adjoint else (2, 7, 5, 3)  # NHWC
     x = rng.standard_normal(shape)
     args = ((7, 3), (5, 2), 1, 2, np.dtype(np.float64), adjoint)
     ref = adaptive_pool._separable(x, *args)
-    got = adaptive_pool._separable_cupy(np, x, *args)
+    got = adaptive_pool._separable_windows(np, x, *args)
     np.testing.assert_allclose(got, ref, rtol=1e-13)
+
+
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_a_non_finite_value_stays_in_its_windows(value, layout):
+    """torch keeps an inf or NaN to the windows holding it, in the forward and in the input
+    gradient; a matrix product spread 0 * inf = NaN to every cell (Note [non-finite values
+    in adaptive pooling]). Sizes that do not divide, so the general path runs."""
+    x = np.zeros((1, 2, 5, 7))
+    x[0, 1, 0, 0] = value
+    x[0, 0, 4, 5:] = [np.inf, -np.inf]  # one window holding both: NaN, as in torch
+    dy = np.zeros((1, 2, 3, 4))
+    dy[0, 0, 2, 3] = value
+    pool = cf.AdaptiveAvgPool2d((3, 4), layout=layout)
+    nhwc = layout == "NHWC"
+    to = (lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1))) if nhwc else (lambda a: a)
+    back = (lambda a: a.transpose(0, 3, 1, 2)) if nhwc else (lambda a: a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and no NumPy warning on the way
+        y = back(pool(to(x)))
+        dx = back(pool.backward(to(dy)))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = F.adaptive_avg_pool2d(xt, (3, 4))
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_array_equal(y, yt.detach().numpy())
+    np.testing.assert_array_equal(dx, xt.grad.numpy())
+
+
+def test_hyperparameters_assigned_after_construction_are_validated():
+    pool = cf.AdaptiveAvgPool2d(2)
+    x = np.arange(2 * 3 * 4 * 6, dtype=np.float64).reshape(2, 3, 4, 6)
+    pool.layout = "nhwc"  # either case, as the constructor takes it
+    assert pool.layout == "NHWC"
+    pool.layout = "NCHW"
+    pool.output_size = 3  # torch.nn's int form
+    np.testing.assert_allclose(pool(x), F.adaptive_avg_pool2d(torch.tensor(x), 3).numpy())
+    for attr, value, error in [("layout", "bogus", ValueError), ("layout", 1, ValueError),
+                               ("output_size", 0, ValueError),
+                               ("output_size", 2.0, TypeError)]:
+        with pytest.raises(error, match=f"^AdaptiveAvgPool2d: {attr} "):
+            setattr(pool, attr, value)
+    assert (pool.layout, pool.output_size) == ("NCHW", (3, 3))  # refused: nothing changed
+
+
+def test_a_global_pool_on_a_map_of_its_size_returns_a_writable_gradient():
+    pool = cf.AdaptiveAvgPool2d(1)
+    pool(np.ones((2, 3, 1, 1)))
+    dx = pool.backward(np.ones((2, 3, 1, 1)))
+    dx *= 2  # the caller's array, as every other size gives
+    np.testing.assert_array_equal(dx, 2.0)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

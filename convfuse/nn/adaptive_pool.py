@@ -7,9 +7,16 @@ lengths, so the pool is separable: y = Ph @ x @ Pw^T with per-axis averaging mat
 
 Note [adaptive pooling without cuBLAS]: CuPy's matmul goes through cuBLAS, whose CuPy
 wrapper raises during graph capture. So the common cases (a global pool, and any size that
-divides the input) are one reshape + mean reduction, and the general case on CuPy is a
-broadcast multiply + sum per axis (elementwise and reduction kernels, both capturable).
-NumPy takes the matmul for the general case.
+divides the input) are one reshape + mean reduction, and the general case on CuPy sums each
+window's slice, one axis at a time (slicing, reduction and elementwise kernels, all
+capturable). NumPy takes the matmul for the general case.
+
+Note [non-finite values in adaptive pooling]: a matrix product multiplies every input by
+every row's weight, zeros included, so one inf or NaN made 0 * inf = NaN in every output
+cell (and in every input gradient), where torch's windows keep it to their own cells. The
+window sums are exact in that respect: CuPy always takes them (checking the product's
+result would be a host sync), NumPy when its product's result is not all finite (one
+check of the small output, no cost to finite data).
 """
 
 from __future__ import annotations
@@ -41,12 +48,15 @@ def _as_output_size(output_size: Any) -> tuple[int | None, int | None]:
     return tuple(None if v is None else int(v) for v in items)  # type: ignore[return-value]
 
 
+def windows(length: int, out: int) -> list[tuple[int, int]]:
+    """PyTorch's adaptive windows [start, end) of an axis of `length` pooled to `out`."""
+    return [((i * length) // out, -((-(i + 1) * length) // out)) for i in range(out)]
+
+
 def pooling_matrix(length: int, out: int) -> np.ndarray:
     """(out, length) float64 matrix whose row i averages PyTorch's i-th adaptive window."""
     m = np.zeros((out, length))
-    for i in range(out):
-        start = (i * length) // out
-        end = -((-(i + 1) * length) // out)  # ceil
+    for i, (start, end) in enumerate(windows(length, out)):
         m[i, start:end] = 1.0 / (end - start)
     return m
 
@@ -61,13 +71,32 @@ class AdaptiveAvgPool2d(Layer):
     """
 
     def __init__(self, output_size: Any, layout: str = "NCHW") -> None:
-        self.output_size = _as_output_size(output_size)
-        if not isinstance(layout, str) or layout.upper() not in ("NCHW", "NHWC"):
-            raise ValueError(f"AdaptiveAvgPool2d: layout must be 'NCHW' or 'NHWC', "
-                             f"got {layout!r}")
-        self.layout = layout.upper()
+        self.output_size = output_size
+        self.layout = layout
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
+
+    @property
+    def output_size(self) -> tuple[int | None, int | None]:
+        """(oh, ow), None keeping that input size; assignable as an int or a pair
+        (validated)."""
+        return self.__dict__["_output_size"]
+
+    @output_size.setter
+    def output_size(self, value: Any) -> None:
+        self.__dict__["_output_size"] = _as_output_size(value)
+
+    @property
+    def layout(self) -> str:
+        """'NCHW' or 'NHWC'; assignable (validated, either case)."""
+        return self.__dict__["_layout"]
+
+    @layout.setter
+    def layout(self, value: Any) -> None:
+        if not isinstance(value, str) or value.upper() not in ("NCHW", "NHWC"):
+            raise ValueError(f"AdaptiveAvgPool2d: layout must be 'NCHW' or 'NHWC', "
+                             f"got {value!r}")
+        self.__dict__["_layout"] = value.upper()
 
     def _check_input(self, x: Any, name: str = "input") -> None:
         if self.device is None:
@@ -164,8 +193,10 @@ def _unpool(dy: Any, x_shape: tuple[int, ...], h: int, w: int, oh: int, ow: int,
         scaled = dy.astype(acc) * acc.type(1.0 / (kh * kw))
         expanded = xp.expand_dims(xp.expand_dims(scaled, aw + 1), ah + 1)
         split = _split_shape(x_shape, ah, aw, oh, ow)
-        dx = xp.broadcast_to(expanded, split).reshape(x_shape)
-        return xp.ascontiguousarray(dx.astype(dy.dtype, copy=False))
+        dx = xp.broadcast_to(expanded, split).reshape(x_shape).astype(dy.dtype, copy=False)
+        if xp is np and not dx.flags.writeable:  # windows of one: reshape kept the view
+            dx = dx.copy()
+        return xp.ascontiguousarray(dx)
     # The adjoint of y = Ph x Pw^T is dx = Ph^T dy Pw: the same separable map, transposed.
     return _separable(dy, (h, oh), (w, ow), ah, aw, acc, adjoint=True).astype(dy.dtype,
                                                                               copy=False)
@@ -177,34 +208,42 @@ def _separable(a: Any, hs: tuple[int, int], ws: tuple[int, int], ah: int, aw: in
     with that of ws (their transposes when `adjoint`), in dtype acc."""
     xp = array_module(a)
     a = a.astype(acc, copy=False)
-    if xp is not np:
-        return _separable_cupy(xp, a, hs, ws, ah, aw, acc, adjoint)  # pragma: gpu
-    for axis, (length, out) in ((ah, hs), (aw, ws)):
-        m = pooling_matrix(length, out).astype(acc)
-        a = np.moveaxis(np.tensordot(m.T if adjoint else m, a, axes=([1], [axis])), 0, axis)
-    return np.ascontiguousarray(a)
+    if xp is not np:  # Note [adaptive pooling without cuBLAS]
+        return _separable_windows(xp, a, hs, ws, ah, aw, acc, adjoint)  # pragma: gpu
+    out = a
+    try:
+        for axis, (length, n) in ((ah, hs), (aw, ws)):
+            m = pooling_matrix(length, n).astype(acc)
+            out = np.moveaxis(np.tensordot(m.T if adjoint else m, out, axes=([1], [axis])),
+                              0, axis)
+    except (RuntimeWarning, FloatingPointError):  # 0 * inf under warnings-as-errors
+        out = None
+    if out is None or not np.isfinite(out).all():
+        # Note [non-finite values in adaptive pooling]; inf + -inf in a window is NaN, as
+        # in torch, silently (only non-finite data comes here)
+        with np.errstate(all="ignore"):
+            return _separable_windows(np, a, hs, ws, ah, aw, acc, adjoint)
+    return np.ascontiguousarray(out)
 
 
-def device_pooling_matrix(xp: Any, length: int, out: int, dtype: Any) -> Any:
-    """`pooling_matrix` built by elementwise kernels on xp's device: no host-to-device copy,
-    so it may run inside a CUDA graph capture."""
-    i = xp.arange(out).reshape(out, 1)
-    j = xp.arange(length).reshape(1, length)
-    start = (i * length) // out
-    end = -((-(i + 1) * length) // out)
-    inside = (j >= start) & (j < end)
-    return inside.astype(dtype) / (end - start).astype(dtype)
+def _separable_windows(xp: Any, a: Any, hs: tuple[int, int], ws: tuple[int, int], ah: int,
+                       aw: int, acc: np.dtype, adjoint: bool) -> Any:
+    """What `_separable` computes, window by window (a sum of each window's slice, or its
+    adjoint, an add into each window's slice): exact for inf and NaN, and free of cuBLAS."""
+    for axis, (length, n) in ((ah, hs), (aw, ws)):
+        def at(start: int, end: int, axis: int = axis) -> tuple[slice, ...]:
+            return (slice(None),) * axis + (slice(start, end),)
 
-
-def _separable_cupy(xp: Any, a: Any, hs: tuple[int, int], ws: tuple[int, int], ah: int,
-                    aw: int, acc: np.dtype, adjoint: bool) -> Any:
-    # Note [adaptive pooling without cuBLAS]: broadcast multiply + sum, one axis at a time.
-    for axis, (length, out) in ((ah, hs), (aw, ws)):
-        mat = device_pooling_matrix(xp, length, out, acc)
-        if adjoint:
-            mat = mat.T
-        shape = [1] * (a.ndim + 1)
-        shape[axis], shape[axis + 1] = mat.shape
-        expanded = xp.expand_dims(a, axis)  # a new length-1 axis before the contracted one
-        a = (expanded * mat.reshape(shape)).sum(axis=axis + 1)
+        spans = windows(length, n)
+        if adjoint:  # a holds n cells on `axis`; each spreads over its window
+            shape = list(a.shape)
+            shape[axis] = length
+            grown = xp.zeros(shape, dtype=acc)
+            for i, (start, end) in enumerate(spans):
+                grown[at(start, end)] += a[at(i, i + 1)] * acc.type(1.0 / (end - start))
+            a = grown
+        else:
+            a = xp.concatenate([a[at(start, end)].sum(axis=axis, keepdims=True)
+                                * acc.type(1.0 / (end - start)) for start, end in spans],
+                               axis=axis)
     return xp.ascontiguousarray(a)
