@@ -56,6 +56,20 @@ def test_dropout_train_eval_and_mask_reuse(rng):
         cf.Dropout("half")
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.bool_])
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_refuses_integer_and_bool_input(dtype, training):
+    # torch refuses them in training; an integer scale 1/(1-p) truncated (kept 10s stayed 10
+    # at p=0.3, and a p>=0.5 scale of 2 or more was an integer too)
+    drop = cf.Dropout(0.3, seed=0).train(training)
+    x = np.full((4, 5), 10, dtype=dtype)
+    before = x.copy()
+    with pytest.raises(ValueError, match=f"^Dropout: input has unsupported dtype "
+                                         f"{np.dtype(dtype)}"):
+        drop(x)
+    np.testing.assert_array_equal(x, before)
+
+
 def test_dropout_on_the_device_draws_from_its_own_seeded_generator(monkeypatch):
     """The GPU branch, with NumPy standing in for CuPy: the mask comes from the layer's own
     Generator (made once per device, seeded from `seed`), never from the module-level

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import activations, ops
+from .. import activations, dtypes, ops
 from ..backend import array_module
 from ..ops._checks import as_float
 from . import _hyper
@@ -100,6 +100,9 @@ class ReLU(Activation):
 _device_rngs: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 
 
+_FLOATS = frozenset(dtypes.SUPPORTED.values())
+
+
 class Dropout(_Stateless):
     """Zeroes each element with probability p in training mode and scales the rest by
     1/(1-p); the identity in eval mode. PyTorch's `Dropout(p=0.5)`. The mask is drawn on the
@@ -133,6 +136,9 @@ class Dropout(_Stateless):
 
     def __call__(self, x: Any) -> Any:
         self._check_input(x)
+        if x.dtype not in _FLOATS:  # an integer scale 1/(1-p) would truncate (to 1 at p<0.5)
+            raise ValueError(f"Dropout: input has unsupported dtype {x.dtype}; convfuse "
+                             f"supports {', '.join(dtypes.SUPPORTED)}")
         if not self.training or self.p == 0.0:
             self._ctx = (None, x)
             return x
