@@ -90,6 +90,41 @@ def test_pool_rejects_bad_hyperparameters():
         cf.MaxPool2d(2)(np.zeros((2, 3, 4)))
 
 
+@pytest.mark.parametrize("name, args, kwargs", [
+    ("MaxPool2d", (3, 2, 1, 1, False, False), {}),  # torch.nn's positional order
+    ("MaxPool2d", (3,), {"dilation": (1, 1), "return_indices": False, "ceil_mode": False}),
+    ("AvgPool2d", (3, 2, 1, False, True, None), {}),
+    ("AvgPool2d", (3,), {"stride": 2, "padding": 1, "count_include_pad": True}),
+])
+def test_pools_take_torch_nn_arguments_at_the_values_they_compute(rng, name, args, kwargs):
+    torch = pytest.importorskip("torch")
+    x = rng.standard_normal((2, 3, 7, 6))
+    pool = getattr(cf, name)(*args, **kwargs)
+    ref = getattr(torch.nn, name)(*args, **kwargs)
+    np.testing.assert_allclose(pool(x), ref(torch.from_numpy(x)).numpy(), rtol=1e-14)
+    def pair(v):  # dilation: an int or a pair, as given to torch.nn
+        return (v, v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    for attr in pool._fixed:  # torch.nn's attributes, at their values
+        assert pair(getattr(pool, attr)) == pair(getattr(ref, attr))
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("MaxPool2d", {"dilation": 2}), ("MaxPool2d", {"return_indices": True}),
+    ("MaxPool2d", {"ceil_mode": True}), ("AvgPool2d", {"ceil_mode": True}),
+    ("AvgPool2d", {"count_include_pad": False}), ("AvgPool2d", {"divisor_override": 4}),
+])
+def test_pools_refuse_torch_nn_arguments_they_do_not_compute(name, kwargs):
+    (arg, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"^{name}: {arg}={value!r} is not supported"):
+        getattr(cf, name)(2, **kwargs)
+    pool = getattr(cf, name)(2)
+    with pytest.raises(ValueError, match=rf"^{name}: {arg}={value!r} is not supported"):
+        setattr(pool, arg, value)  # not silently ignored
+    with pytest.raises(TypeError):  # layout is keyword-only: torch.nn's 4th is another
+        getattr(cf, name)(2, 2, 0, "NHWC", False, True, None, "NHWC")
+
+
 def make_net(seed=0, dtype="float64"):
     return cf.Sequential(
         cf.Conv2d(1, 4, 3, padding=1, activation="relu", dtype=dtype, device="cpu", seed=seed),

@@ -7,7 +7,7 @@ the kernel, as PyTorch) and clears the per-shape geometry cache, so the next cal
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -31,17 +31,35 @@ class _Pool2d(Layer):
     _padding: tuple[int, ...]
     _layout: str
 
-    def __init__(
-        self,
-        kernel_size: IntOrTuple,
-        stride: IntOrTuple | None = None,
-        padding: IntOrTuple = 0,
-        layout: str = "NCHW",
-    ) -> None:
+    # torch.nn's other arguments and the one value of each that convfuse computes
+    _fixed: ClassVar[dict[str, Any]] = {}
+
+    def _init(self, kernel_size: IntOrTuple, stride: IntOrTuple | None, padding: IntOrTuple,
+              layout: str, fixed: dict[str, Any]) -> None:
+        for name, value in fixed.items():
+            self._check_fixed(name, value)
         # A layer without parameters follows its input unless .to() pins a device.
         self.device: str | None = None  # type: ignore[assignment]
         self._ctx = None
         self._configure(kernel_size, stride, padding, layout)
+
+    def _check_fixed(self, name: str, value: Any) -> None:
+        """torch.nn's argument `name` at the value convfuse computes, or a ValueError naming
+        it (its truth value for the flags, as torch.nn reads them)."""
+        want = self._fixed[name]
+        if name == "dilation":
+            try:
+                ok = _hyper.int_tuple(value, 2, "dilation", 1, "pooling") == (1, 1)
+            except USER_ERRORS:
+                ok = False
+        elif want is None:
+            ok = value is None
+        else:
+            ok = bool(value) == want
+        if not ok:
+            supported = ", ".join(f"{k}={v!r}" for k, v in self._fixed.items())
+            raise ValueError(f"{type(self).__name__}: {name}={value!r} is not supported; "
+                             f"convfuse's pools compute {supported}")
 
     def _configure(self, kernel_size: Any, stride: Any, padding: Any, layout: Any) -> None:
         """Validate all four on a shape they must fit, then store them (or change nothing)."""
@@ -127,13 +145,48 @@ class _Pool2d(Layer):
                 f"padding={self._padding}, layout={self._layout!r}")
 
 
+def _fixed_property(name: str) -> property:
+    """torch.nn's attribute `name`: its one supported value; an assignment is checked."""
+    return property(lambda self: self._fixed[name],
+                    lambda self, v: self._check_fixed(name, v),
+                    doc=f"torch.nn's `{name}`, at the one value convfuse computes.")
+
+
 class MaxPool2d(_Pool2d):
-    """Max over each window; padding counts as -inf (never selected)."""
+    """Max over each window; padding counts as -inf (never selected). torch.nn's arguments,
+    in its order; `dilation`, `return_indices` and `ceil_mode` only at their defaults."""
 
     _mode = "max"
+    _fixed: ClassVar[dict[str, Any]] = {"dilation": 1, "return_indices": False, "ceil_mode": False}
+    dilation = _fixed_property("dilation")
+    return_indices = _fixed_property("return_indices")
+    ceil_mode = _fixed_property("ceil_mode")
+
+    def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0, dilation: IntOrTuple = 1,
+                 return_indices: bool = False, ceil_mode: bool = False, *,
+                 layout: str = "NCHW") -> None:
+        self._init(kernel_size, stride, padding, layout,
+                   {"dilation": dilation, "return_indices": return_indices,
+                    "ceil_mode": ceil_mode})
 
 
 class AvgPool2d(_Pool2d):
-    """Mean over each window, padding included in the divisor (PyTorch's default)."""
+    """Mean over each window, padding included in the divisor (PyTorch's default). torch.nn's
+    arguments, in its order; `ceil_mode`, `count_include_pad` and `divisor_override` only at
+    their defaults."""
 
     _mode = "avg"
+    _fixed: ClassVar[dict[str, Any]] = {"ceil_mode": False, "count_include_pad": True,
+                                        "divisor_override": None}
+    ceil_mode = _fixed_property("ceil_mode")
+    count_include_pad = _fixed_property("count_include_pad")
+    divisor_override = _fixed_property("divisor_override")
+
+    def __init__(self, kernel_size: IntOrTuple, stride: IntOrTuple | None = None,
+                 padding: IntOrTuple = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None, *,
+                 layout: str = "NCHW") -> None:
+        self._init(kernel_size, stride, padding, layout,
+                   {"ceil_mode": ceil_mode, "count_include_pad": count_include_pad,
+                    "divisor_override": divisor_override})
