@@ -156,6 +156,22 @@ def test_the_layout_travels_with_copies_and_assignments():
     assert moved.state_axes is None
 
 
+def test_a_layer_pickled_before_state_axes_existed_learns_it_again():
+    """A Parameter pickled by an older convfuse has no _state_axes slot, and unpickling a
+    layer bypasses the weight's descriptor: the layer sets it when it is restored, so its
+    optimizer state is saved in the checkpoint's layout, not in storage order."""
+    conv = cf.Conv2d(3, 5, (3, 2), layout="NHWC", dtype="float64", device="cpu")
+    del conv.weight._state_axes  # as an old pickle restores the Parameter
+    assert conv.weight.state_axes is None
+    for restored in (pickle.loads(pickle.dumps(conv)), copy.deepcopy(conv)):
+        assert restored.weight.state_axes == (0, 3, 1, 2)
+        opt = SGD(restored.parameters(), lr=0.1, momentum=0.9)
+        opt.step()
+        # the model's checkpoint order (5, 3, 3, 2), not the storage order (5, 3, 2, 3)
+        assert opt.state_dict()["state"][0]["momentum_buffer"].shape == \
+            restored.state_dict()["weight"].shape == (5, 3, 3, 2)
+
+
 def test_state_axes_must_be_a_permutation_of_the_parameters_axes():
     p = Parameter(np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"^Parameter\.state_axes must be None or a "

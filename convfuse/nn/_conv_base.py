@@ -108,6 +108,15 @@ class _FusedConvLayer(Layer):
     # (contiguous input, *the call's extra arguments) -> the geometry keywords of _forward_op
     _geometry_kwargs: Callable[..., dict[str, Any]]
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # pickle and deepcopy restore __dict__ without the weight's descriptor; a Parameter
+        # pickled before Parameter.state_axes existed comes back without it, and a
+        # channels-last weight's optimizer state would then be saved in storage order
+        self.__dict__.update(state)
+        weight = state.get("weight")
+        if isinstance(weight, Parameter):
+            self.weight = weight
+
     # -- construction --------------------------------------------------------------------
     def _set_channels(self, in_channels: Any, out_channels: Any, groups: Any) -> None:
         d = self.__dict__
