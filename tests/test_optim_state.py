@@ -237,15 +237,18 @@ def test_decoupled_weight_decay_loads_as_torch_optim(rng, saved, loaded):
     ref.load_state_dict(ref_sd)
     assert opt.defaults["decoupled_weight_decay"] == \
         ref.param_groups[0]["decoupled_weight_decay"]
+    # what the GPU kernel is handed (its CPU twin is checked by the steps below)
+    assert opt._hyper_args()[-1] == int(ref.param_groups[0]["decoupled_weight_decay"])
     _torch_steps(torch, fresh, theirs, opt, ref, grads[3:])
     for p, t in zip(fresh, theirs):
         np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("loaded", ["Adam", "AdamW"])
-def test_a_checkpoint_without_the_decoupled_flag_keeps_the_optimizers_own_rule(rng, loaded):
+@pytest.mark.parametrize("loaded, flag", [("Adam", False), ("AdamW", False), ("Adam", True)])
+def test_a_checkpoint_without_the_decoupled_flag_loads_as_in_torch_optim(rng, loaded, flag):
     """A checkpoint saved before the flag was (convfuse's, or torch 1.x's) has no key:
-    the loading optimizer's own rule applies, as torch.optim's __setstate__ defaults it."""
+    torch.optim's __setstate__ defaults it to False, so Adam decays as L2 even when built
+    with decoupled_weight_decay=True, and AdamW stays decoupled."""
     torch = pytest.importorskip("torch")
     shapes = [(3, 2)]
     grads = grad_sequence(rng, shapes, 4)
@@ -258,12 +261,15 @@ def test_a_checkpoint_without_the_decoupled_flag_keeps_the_optimizers_own_rule(r
     sd, ref_sd = opt.state_dict(), ref.state_dict()
     del sd["param_groups"][0]["decoupled_weight_decay"]
     del ref_sd["param_groups"][0]["decoupled_weight_decay"]
-    opt = getattr(cf.optim, loaded)(ours, **kw)
-    ref = getattr(torch.optim, loaded)(theirs, **kw)
+    extra = {"decoupled_weight_decay": True} if flag else {}
+    opt = getattr(cf.optim, loaded)(ours, **kw, **extra)
+    ref = getattr(torch.optim, loaded)(theirs, **kw, **extra)
     opt.load_state_dict(sd)
     ref.load_state_dict(ref_sd)
-    assert opt.defaults["decoupled_weight_decay"] == (loaded == "AdamW") == \
-        ref.param_groups[0]["decoupled_weight_decay"]
+    decoupled = ref.param_groups[0]["decoupled_weight_decay"]
+    assert decoupled == (loaded == "AdamW")
+    assert opt.defaults["decoupled_weight_decay"] == decoupled
+    assert opt._hyper_args()[-1] == int(decoupled)  # what the GPU kernel is handed
     _torch_steps(torch, ours, theirs, opt, ref, grads[2:])
     for p, t in zip(ours, theirs):
         np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
