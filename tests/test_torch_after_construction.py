@@ -184,6 +184,17 @@ def test_a_swapped_weight_sets_the_channel_counts(transposed: bool) -> None:
         conv(torch.randn(2, 3, 5, 5, dtype=D))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_stale_bias_after_a_weight_swap_is_refused_naming_the_layer(transposed: bool) -> None:
+    conv = ct.ConvTranspose2d(3, 4, 3) if transposed else ct.Conv2d(3, 4, 3)
+    shape = (3, 6, 3, 3) if transposed else (6, 3, 3, 3)
+    conv.weight = nn.Parameter(torch.randn(shape))  # six output channels, the bias four
+    name = type(conv).__name__
+    with pytest.raises(ct.InputShapeError, match=rf"^{name}: bias has shape \(4,\), the "
+                                                 r"weight .* gives 6 output channels"):
+        conv(torch.randn(1, 3, 5, 5))
+
+
 def test_a_residual_follows_a_weight_with_other_output_channels() -> None:
     conv = ct.Conv2d(3, 4, 3, dtype=D)
     conv.weight = nn.Parameter(torch.randn(6, 3, 3, 3, dtype=D))

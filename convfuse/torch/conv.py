@@ -215,6 +215,10 @@ class _ConvLayer(_host_arrays.HoldsViews):
             raise InputTypeError(f"{name}: input dtype {x.dtype} differs from the weight's "
                                  f"{self.weight.dtype}")
         bias = self.bias
+        if bias is not None and tuple(bias.shape) != (self._weight_channels()[1],):
+            raise InputShapeError(f"{name}: bias has shape {tuple(bias.shape)}, the weight "
+                                  f"{tuple(self.weight.shape)} gives "
+                                  f"{self._weight_channels()[1]} output channels")
         if (bias is not None and bias.dtype != self.weight.dtype
                 and not _autocast.casts(x, self.weight, bias)):  # torch.nn's RuntimeError
             raise InputTypeError(f"{name}: bias dtype {bias.dtype} differs from the "
