@@ -45,7 +45,9 @@ an all-reduce SUM; its steady state under gradient_as_bucket_view=True divides b
 size instead, the same bits when the world size is a power of two). Summing first would
 overflow float16 gradients that the average holds (40000 on 2 ranks: 80000 > 65504, inf),
 and the multiplication is torch's own kernel on the tensor, so the result is DDP's bit for
-bit in all four dtypes (tested against DDP on 2 gloo ranks). On NCCL, ReduceOp.AVG stays
+bit in all four dtypes on 2 gloo ranks (tested against DDP; with more ranks gloo's sum runs
+over this flat buffer in its own chunks, not DDP's buckets, and float16 may differ by an
+ulp). On NCCL, ReduceOp.AVG stays
 (no extra kernel): NCCL's own arithmetic, not compared with DDP's on a GPU yet.
 
 Note [matching models]
