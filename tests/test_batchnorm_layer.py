@@ -291,3 +291,31 @@ def test_an_output_backward_reads_is_read_only(activation, saved_is_y, training)
     if saved_is_y:
         with pytest.raises(ValueError, match="read-only"):
             y += 1.0
+
+
+def test_activation_is_validated_naming_the_layer_at_construction_and_assignment():
+    with pytest.raises(ValueError, match=r"^BatchNorm2d: unknown activation 'bogus'"):
+        cf.BatchNorm2d(3, activation="bogus")
+    # torch.nn's 6th positional argument is device, convfuse's is activation
+    with pytest.raises(ValueError, match=r"^BatchNorm2d: activation 'cpu' is a device; pass "
+                                         r"device='cpu' by keyword"):
+        cf.BatchNorm2d(3, 1e-5, 0.1, True, True, "cpu")
+    bn = cf.BatchNorm2d(3, activation="relu")
+    with pytest.raises(ValueError, match=r"^BatchNorm2d: unknown activation 'bogus'"):
+        bn.activation = "bogus"
+    assert bn.activation == "relu"  # refused: unchanged
+    bn.activation = "sigmoid"
+    x = np.linspace(-2, 2, 2 * 3 * 2 * 2).reshape(2, 3, 2, 2)
+    ref = cf.BatchNorm2d(3, dtype="float64", activation="sigmoid")
+    bn64 = cf.BatchNorm2d(3, dtype="float64", activation="relu")
+    bn64.activation = "sigmoid"
+    np.testing.assert_array_equal(bn64(x), ref(x))
+
+
+def test_a_batchnorm_pickled_with_a_plain_activation_attribute_still_loads():
+    import pickle
+
+    bn = cf.BatchNorm2d(3, activation="relu")
+    d = bn.__dict__
+    d["activation"] = d.pop("_activation")  # as an older convfuse pickled it
+    assert pickle.loads(pickle.dumps(bn)).activation == "relu"

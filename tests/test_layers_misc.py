@@ -40,6 +40,12 @@ def test_linear_gradients(act, bias, rng):
         assert layer.bias is None and len(layer.parameters()) == 1
 
 
+def test_linear_in_torch_nn_positional_order_is_told_where_device_goes():
+    with pytest.raises(ValueError, match=r"^Linear: activation 'cpu' is a device; pass "
+                                         r"device='cpu' by keyword"):
+        cf.Linear(5, 4, True, "cpu")  # torch.nn's 4th positional argument is device
+
+
 def test_linear_rejects_bad_input(rng):
     layer = cf.Linear(6, 3, device="cpu")
     with pytest.raises(ValueError, match=r"expects input of shape \(N, 6\)"):

@@ -74,6 +74,11 @@ def activation(value: Any) -> str:
         raise ValueError(f"activation {value!r} is a padding mode; pass padding_mode={value!r} "
                          "by keyword (convfuse's Conv takes activation where torch.nn's takes "
                          "padding_mode)")
+    if isinstance(value, str) and value.split(":")[0].lower() in ("cpu", "cuda"):
+        # torch.nn's Linear and BatchNorm take device where convfuse's take activation
+        raise ValueError(f"activation {value!r} is a device; pass device={value!r} by keyword "
+                         "(convfuse's layers take activation where torch.nn's Linear and "
+                         "BatchNorm take device)")
     return activations.normalize(value)
 
 
@@ -114,7 +119,11 @@ def activation_property(doc: str = "The activation's canonical name; assignable 
     from .module import USER_ERRORS
 
     def get(self: Any) -> str:
-        return self.__dict__["_activation"]
+        d = self.__dict__
+        try:
+            return d["_activation"]
+        except KeyError:  # pickled when the layer kept a plain attribute
+            return d["activation"]
 
     def set_(self: Any, value: Any) -> None:
         try:

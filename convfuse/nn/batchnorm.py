@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import activations, dtypes, ops
+from .. import dtypes, ops
 from ..backend import array_module, is_cupy, resolve_device, to_device
 from ..errors import CaptureError
 from ..ops._checks import as_float
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
+from . import _hyper
 from ._hyper import dtype_hint
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
 from .parameter import Parameter
@@ -54,6 +55,8 @@ class _BatchNorm(Layer):
     running_var: Any
     num_batches_tracked: Any
 
+    activation = _hyper.activation_property()
+
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
                  activation: str | None = None, layout: str = "NCHW", dtype: Any = "float32",
@@ -66,7 +69,7 @@ class _BatchNorm(Layer):
         self.eps = _real(name, "eps", eps, 0.0, None)
         self.momentum = None if momentum is None else _real(name, "momentum", momentum, 0.0, 1.0)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
-        self.activation = activations.normalize(activation)
+        self.activation = activation
         if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
             raise ValueError(f"{name}: layout must be 'NCHW' or 'NHWC', got {layout!r}")
         self.layout = layout.upper()
