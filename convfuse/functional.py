@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from . import activations, ops
+from . import activations, dtypes, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
 from .geometry import ConvGeometry, ConvShapes, IntOrTuple
@@ -292,15 +292,15 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     if not isinstance(ctx, ConvContext):
         raise TypeError(f"{op}: ctx must be the ConvContext conv_bias_act_forward returned, "
                         f"got {type(ctx).__name__}")
-    dy = _array(op, "dy", dy)
+    given, dy = dy, _array(op, "dy", dy)
     geom = ctx.geom
     _check_dy(dy, ctx)
-    _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
     if not isinstance(dy, np.ndarray) and geom.batch:  # pragma: gpu
-        o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved, dweight,
-                                            dbias)) or ops
+        # (dweight and dbias: _check_outputs checked their addresses and device)
+        o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved)) or ops
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,
                                 o.activation_backward_bias, o.activation_backward)
     if ctx.columns is not None:
@@ -396,16 +396,22 @@ class _Direct:  # pragma: gpu
 def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:
     if not ctx.has_residual:
         return None
-    # dz may be the caller's dy (identity): hand back a new array, never an alias. The
-    # scale is cast to dz's dtype: bfloat16 times a Python float is float32 in ml_dtypes
-    if ctx.residual_scale != 1.0 or dz is dy:
-        return dz * dz.dtype.type(ctx.residual_scale)
-    return dz
+    scale = ctx.residual_scale
+    if scale == 1.0:  # dz may be the caller's dy (identity): a new array, never an alias
+        return dz.copy() if dz is dy else dz
+    # in the compute dtype, rounded once, as the forward scales the residual: a scale
+    # rounded to float16/bfloat16 first was another number (0.3 -> 0.30078125 in bfloat16)
+    # and overflowed (1e5 -> inf in float16)
+    cd = dtypes.compute_dtype(dz.dtype)
+    if cd == dz.dtype:
+        return dz * cd.type(scale)
+    return (dz.astype(cd) * cd.type(scale)).astype(dz.dtype)
 
 
 def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: Any,
-                   accumulate: Any) -> None:
-    """The output buffers, checked as the ops would check them, before any op writes."""
+                   accumulate: Any, given: Any = None) -> None:
+    """The output buffers, checked as the ops would check them, before any op writes
+    (`given`: the caller's dy, where `dy` is a contiguous copy of it)."""
     geom = ctx.geom
     if not isinstance(accumulate, (bool, np.bool_)):
         raise TypeError(f"{op}: accumulate must be a bool, got {type(accumulate).__name__}")
@@ -419,6 +425,8 @@ def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: 
         raise ValueError(f"{op}: dbias was given, but the forward had no bias")
     saved = [("ctx.x", ctx.x), ("ctx.weight", ctx.weight), ("ctx.saved", ctx.saved),
              ("dy", dy)]
+    if given is not None and given is not dy:  # the caller's, which a write would change
+        saved.append(("dy", given))
     checked: list[tuple[str, Any]] = []
     for name, out, shape in outs:
         if out is None:
@@ -443,6 +451,12 @@ def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: 
         if isinstance(out, np.ndarray) and not out.flags.writeable:
             raise ValueError(f"{op}: {name} is read-only but the gradient is written there")
         checked.append((name, out))
+    device_outs = [ops_checks.Arg(name, out, None, output=True) for name, out in checked
+                   if not isinstance(out, np.ndarray)]
+    if device_outs:  # pragma: gpu
+        # the ops' own checks (alignment, device id), made here for both outputs: dbias is
+        # written before the filter gradient's op would refuse dweight
+        ops_checks._check_gpu_arrays(op, device_outs)
 
 
 def _check_dy(dy: Any, ctx: _ForwardContext) -> None:

@@ -144,10 +144,10 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
     if not isinstance(ctx, ConvTransposeContext):
         raise TypeError(f"{op}: ctx must be the ConvTransposeContext "
                         f"conv_transpose_bias_act_forward returned, got {type(ctx).__name__}")
-    dy = _array(op, "dy", dy)
+    given, dy = dy, _array(op, "dy", dy)
     geom = ctx.geom
     _check_dy(dy, ctx)
-    _check_outputs(op, dy, ctx, dweight, dbias, accumulate)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
     beta = 1.0 if accumulate else 0.0
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_transpose_backward_bias,
                                 ops.conv_transpose_activation_backward_bias)

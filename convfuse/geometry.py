@@ -18,6 +18,8 @@ import numpy as np
 
 IntOrTuple = int | Sequence[int]
 
+_INT32_MAX = 2**31 - 1
+
 _LAYOUT_NAMES = {
     # name -> (channels_last, rank or None for "any rank")
     "NCHW": (False, None), "NHWC": (True, None),
@@ -193,6 +195,9 @@ class ConvShapes(LayoutShapes):
             raise ValueError(f"stride must be >= 1, got {self.stride}")
         if any(d < 1 for d in self.dilation):
             raise ValueError(f"dilation must be >= 1, got {self.dilation}")
+        if max(self.stride + self.dilation) > _INT32_MAX:  # cuDNN's descriptors take ints
+            raise ValueError(f"stride and dilation must be < 2**31, got {self.stride}, "
+                             f"{self.dilation}")
         if any(p < 0 for p in self.padding):
             raise ValueError(f"padding must be >= 0, got {self.padding}")
 
