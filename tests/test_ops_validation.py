@@ -326,3 +326,28 @@ def test_layers_hand_the_ops_aligned_copies_of_unaligned_device_slices():
     strided = np.arange(10.0)[::2]
     ready = _checks.engine_ready(strided)
     assert ready.flags.c_contiguous and np.array_equal(ready, strided)
+
+
+@pytest.mark.parametrize("activation, exc, match", [
+    ("foo", ValueError, "unknown activation 'foo'"),
+    (5, TypeError, "activation must be a str or None, got int 5"),
+])
+def test_a_bad_activation_names_the_op(rng, activation, exc, match):
+    from convfuse.transpose_geometry import ConvTransposeGeometry
+
+    x, w, b, dz = arrays(rng)
+    tgeom = ConvTransposeGeometry.create((2, 4, 3, 3), (4, 3, 3, 3))
+    xt = rng.standard_normal(tgeom.input_shape).astype(np.float32)
+    wt = rng.standard_normal(tgeom.weight_shape).astype(np.float32)
+    rm, rv = np.zeros(4, np.float32), np.ones(4, np.float32)
+    xb = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    calls = {
+        "conv_bias_act": lambda: ops.conv_bias_act(x, w, b, GEOM, activation),
+        "conv_transpose_bias_act": lambda: ops.conv_transpose_bias_act(xt, wt, None, tgeom,
+                                                                       activation),
+        "activation_forward": lambda: ops.activation_forward(dz, activation),
+        "batchnorm_forward_training": lambda: ops.batchnorm_forward_training(
+            xb, rm + 1, rm, rm, rv, activation=activation),
+    }
+    for op, call in calls.items():
+        raises_unchanged([x, w, b, dz, xt, wt, rm, rv, xb], exc, rf"^{op}: {match}", call)

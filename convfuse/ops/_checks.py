@@ -284,11 +284,23 @@ def check_beta(op: str, beta: Any, out: Any, out_name: str = "out") -> float:
 # The array checks of the convolution ops, shared by the forward (ConvGeometry) and the
 # transposed (ConvTransposeGeometry) ones: `g` is either, already checked, and both name
 # their shapes alike (input, weight, bias and output in the user's layout).
+def check_activation(op: str, activation: Any) -> str:
+    """The canonical activation name; TypeError for a non-str, ValueError for an unknown
+    name, each naming the op."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"{op}: activation must be a str or None, got "
+                        f"{type(activation).__name__} {activation!r}")
+    try:
+        return activations.normalize(activation)
+    except ValueError as err:
+        raise ValueError(f"{op}: {err}") from None
+
+
 def check_fused_args(op: str, g: Any, x: Any, w: Any, b: Any, residual: Any,
                      activation: str | None, residual_scale: Any
                      ) -> tuple[ModuleType, str, float]:
     """(array module, canonical activation, residual scale) of a fused bias_act op."""
-    act = activations.normalize(activation)
+    act = check_activation(op, activation)
     scale = check_scalar(op, "residual_scale", residual_scale)
     xp = validate(op, [
         Arg("x", x, g.input_shape), Arg("w", w, g.weight_shape),

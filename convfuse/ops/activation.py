@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import activations as _activations
 from . import _checks, validated
-from ._checks import Arg, check_beta, check_geometry, validate, zero_filled
+from ._checks import Arg, check_activation, check_beta, check_geometry, validate, zero_filled
 
 
 def activation_forward(z: Any, activation: str | None, out: Any = None) -> Any:
@@ -73,7 +73,4 @@ def _shape_of(a: Any) -> tuple[int, ...] | None:
 
 
 def _name(op: str, activation: Any) -> str:
-    if activation is not None and not isinstance(activation, str):
-        raise TypeError(f"{op}: activation must be a str or None, got "
-                        f"{type(activation).__name__} {activation!r}")
-    return _activations.normalize(activation)
+    return check_activation(op, activation)

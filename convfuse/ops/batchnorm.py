@@ -19,7 +19,7 @@ from ..dtypes import SUPPORTED, compute_dtype
 from ..errors import DeviceMismatchError
 from ..plan.batchnorm import BatchNormGeometry
 from . import _checks, validated
-from ._checks import Arg, check_scalar, validate, zero_filled
+from ._checks import Arg, check_activation, check_scalar, validate, zero_filled
 from .validated import BatchNormSaved
 
 
@@ -152,10 +152,7 @@ def _empty_batch(xp: Any, x: Any, g: BatchNormGeometry, act: str, training: bool
 
 
 def _activation(op: str, activation: Any) -> str:
-    try:
-        return activations.normalize(activation)
-    except ValueError as err:
-        raise ValueError(f"{op}: {err}") from None
+    return check_activation(op, activation)
 
 
 def _geometry(op: str, x: Any, layout: str) -> BatchNormGeometry:

@@ -16,6 +16,7 @@ from ..transpose_geometry import ConvTransposeGeometry
 from . import _checks, validated
 from ._checks import (
     Arg,
+    check_activation,
     check_beta,
     check_data_grad_args,
     check_filter_grad_args,
@@ -93,7 +94,7 @@ def conv_transpose_activation_backward_bias(dy: Any, saved: Any, activation: str
     identity, db alone and dz is dy), whatever config.bias_grad says for convolutions."""
     op = "conv_transpose_activation_backward_bias"
     g = check_transpose_geometry(op, tgeom)
-    act = activations.normalize(activation)
+    act = check_activation(op, activation)
     if activations.saves(act) != "none" and saved is None:
         raise ValueError(f"{op}: activation {act!r} needs saved (what the forward saved), "
                          "got None")
