@@ -10,8 +10,6 @@ loopback interface only.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import convfuse as cf  # noqa: E402
+from tests._ranks import run_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 STEPS = 3
 PER_RANK = 4
@@ -166,25 +164,9 @@ def _worker(mode: str, rank: int, init_file: str, out: str) -> None:
 
 
 def _run_ranks(mode: str, tmp_path: Path) -> list[dict[str, np.ndarray]]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
     init = tmp_path / "store"
-    procs = [
-        subprocess.Popen([sys.executable, __file__, mode, str(r), str(init),
-                          str(tmp_path / f"rank{r}.npz")], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    run_ranks(__file__, [[mode, str(r), str(init), str(tmp_path / f"rank{r}.npz")]
+                         for r in range(WORLD)], TIMEOUT_S)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]
 
 

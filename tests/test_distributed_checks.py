@@ -12,9 +12,7 @@ tmp_path, and each writes what it saw to OUT (a pickle) for the test to compare.
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +25,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import convfuse as cf  # noqa: E402
+from tests._ranks import run_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 GROUP_TIMEOUT_S = 30  # a rank left waiting in a collective fails instead of hanging
 TIMEOUT_S = 180
@@ -260,25 +258,9 @@ def _worker(scenario: str, rank: int, init_file: str, out: str) -> None:
 
 
 def _run_ranks(scenario: str, tmp_path: Path) -> list[dict[str, Any]]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
     init = tmp_path / "store"
-    procs = [
-        subprocess.Popen([sys.executable, __file__, scenario, str(r), str(init),
-                          str(tmp_path / f"rank{r}.pkl")], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{logs[r][-3000:]}"
+    run_ranks(__file__, [[scenario, str(r), str(init), str(tmp_path / f"rank{r}.pkl")]
+                         for r in range(WORLD)], TIMEOUT_S)
     results = []
     for r in range(WORLD):
         with open(tmp_path / f"rank{r}.pkl", "rb") as f:

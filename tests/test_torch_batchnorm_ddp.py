@@ -14,17 +14,14 @@ The ranks run this file as a script; they meet through a FileStore in tmp_path.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+from tests._ranks import run_ranks  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PER_RANK, TIMEOUT_S = 2, 3, 4, 240
 
 
@@ -76,22 +73,8 @@ def _worker(rank: int, init_file: str, out: str) -> None:
 
 @pytest.mark.slow  # two fresh interpreters importing torch: about 20 s here; in the default run
 def test_ddp_with_convfuse_batchnorm_two_ranks(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               OPENBLAS_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(tmp_path / "store"),
-                               str(tmp_path / f"rank{r}.npz")], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    run_ranks(__file__, [[str(r), str(tmp_path / "store"), str(tmp_path / f"rank{r}.npz")]
+                         for r in range(WORLD)], TIMEOUT_S)
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]
     start = _reference(0).state_dict()
     for r in ranks:
