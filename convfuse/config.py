@@ -183,8 +183,10 @@ def flags(**changes: object) -> Iterator[Flags]:
     try:
         yield _current
     finally:
+        # only the flags this block changed: one assigned inside it, or by another thread
+        # meanwhile, stays as it was set
         with _lock:
-            _current = previous
+            _current = replace(_current, **{k: getattr(previous, k) for k in changes})
             _combine()
 
 

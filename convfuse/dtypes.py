@@ -24,7 +24,10 @@ SUPPORTED: dict[str, np.dtype] = {
 
 
 def canonical(dtype: Any) -> np.dtype:
-    """Map a dtype spec ('float32', np.float16, ml_dtypes.bfloat16, ...) to a supported dtype."""
+    """Map a dtype spec ('float32', np.float16, ml_dtypes.bfloat16, ...) to a supported dtype;
+    None is the default, float32, as in torch.nn (NumPy would read it as float64)."""
+    if dtype is None:
+        return float32
     try:
         dt = np.dtype(dtype) if not isinstance(dtype, str) else SUPPORTED[dtype.lower()]
     except (KeyError, TypeError) as exc:

@@ -48,6 +48,55 @@ def test_config_flags_are_scoped_and_validated():
     assert config.get() == before
 
 
+def test_config_flags_restores_only_the_flags_it_changed():
+    import threading
+
+    before = config.get()
+    try:
+        with config.flags(allow_tf32=False):
+            config.benchmark = not before.benchmark  # assigned inside the block: it stays
+            other = threading.Thread(target=config.set_flags,
+                                     kwargs={"deterministic": not before.deterministic})
+            other.start()
+            other.join()  # another thread's change meanwhile: it stays too
+        now = config.get()
+        assert now.allow_tf32 == before.allow_tf32  # the block's own flag, restored
+        assert now.benchmark == (not before.benchmark)
+        assert now.deterministic == (not before.deterministic)
+    finally:
+        config.set_flags(benchmark=before.benchmark, deterministic=before.deterministic)
+    assert config.get() == before
+
+
+def test_dtype_none_is_float32_as_in_torch_nn():
+    import convfuse as cf
+
+    assert cf.dtypes.canonical(None) == np.float32  # NumPy reads None as float64
+    assert cf.Conv2d(2, 2, 2, dtype=None, device="cpu").weight.data.dtype == np.float32
+    assert cf.Linear(2, 2, dtype=None, device="cpu").weight.data.dtype == np.float32
+    assert cf.BatchNorm2d(2, dtype=None).weight.data.dtype == np.float32
+
+
+@pytest.mark.parametrize("device, error", [("gpu", ValueError), ("banana", ValueError),
+                                           (None, TypeError), (0, TypeError)])
+def test_xp_for_and_to_device_refuse_what_resolve_device_refuses(device, error):
+    from convfuse.backend import to_device, xp_for
+
+    with pytest.raises(error):  # they returned NumPy for anything but exactly "cuda"
+        xp_for(device)
+    with pytest.raises(error):
+        to_device(np.zeros(2), device)
+    assert xp_for("CPU") is np and type(to_device(np.zeros(2), "CPU")) is np.ndarray
+
+
+def test_a_batchnorm_too_large_for_the_cap_is_refused_before_allocating():
+    import convfuse as cf
+    from convfuse.errors import ArrayTooLargeError
+
+    with pytest.raises(ArrayTooLargeError, match=r"^BatchNorm2d: weight .* \(100000000000,\)"):
+        cf.BatchNorm2d(10**11)  # 745 GiB of float64 on the host first
+
+
 def test_backend_without_gpu_says_why():
     if gpu_unavailable_reason() is not None:
         with pytest.raises(DeviceUnavailableError, match="no usable CUDA device or driver"):
