@@ -123,14 +123,24 @@ def resolve_device(device: str | None) -> str:
 
 
 def xp_for(device: str) -> ModuleType:
-    """The array module that holds arrays of a resolved device."""
+    """The array module that holds arrays of `device` ('cuda' or 'cpu', any case, 'cuda:N'
+    as 'cuda'); anything else is refused as resolve_device refuses it."""
+    if device != "cuda" and device != "cpu":
+        device = resolve_device(device) if device is not None else _not_none("xp_for")
     return require_gpu(f"device={device!r}") if device == "cuda" else np
 
 
+def _not_none(fn: str) -> str:
+    raise TypeError(f"{fn}: device must be 'cuda' or 'cpu', got None")
+
+
 def to_device(a: Any, device: str) -> Any:
-    """Copy an array to 'cuda' or 'cpu' (no copy when it is there already)."""
+    """Copy an array to 'cuda' or 'cpu' (no copy when it is there already); the device as
+    xp_for takes it."""
     if a is None:
         return None
+    if device != "cuda" and device != "cpu":
+        device = resolve_device(device) if device is not None else _not_none("to_device")
     if device == "cuda":
         cp = require_gpu("moving an array to the GPU")
         return cp.asarray(a)

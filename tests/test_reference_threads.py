@@ -58,6 +58,17 @@ def test_num_threads_reads_the_environment(monkeypatch):
         _threads.set_num_threads(0)
 
 
+@pytest.mark.parametrize("junk", ["abc", "0", "-1", "4,2", "\u00b2", "\u0663", "9" * 5000, ""])
+def test_a_thread_count_that_is_not_a_positive_int_is_skipped(monkeypatch, junk):
+    # "²" is a digit int() refuses, "٣" a decimal it takes; 5000 digits exceed int()'s
+    # limit: each once crashed every large enough CPU convolution, naming nothing
+    monkeypatch.setenv("CONVFUSE_NUM_THREADS", junk)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _threads.num_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", junk)
+    assert _threads.num_threads() == _threads._usable_cores()
+
+
 def test_an_error_in_a_worker_reaches_the_caller_after_all_chunks_finish(threads):
     threads(3)
     done = []

@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, ops
+from .._memory import check_bytes
 from ..backend import array_module, is_cupy, resolve_device, to_device
-from ..errors import CaptureError
+from ..errors import ArrayTooLargeError, CaptureError, renamed
 from ..ops._checks import as_float
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
@@ -78,6 +79,11 @@ class _BatchNorm(Layer):
         pdt = dtypes.compute_dtype(self.dtype)
         self._ctx = None
         self._host_count: int | None = None  # Note [momentum=None without a host sync]
+        try:  # each per-channel array, drawn on the host in float64 first (as the convs')
+            check_bytes((num_features,), np.float64, "cpu", "weight (made on the host)")
+            check_bytes((num_features,), pdt, self.device, "weight")
+        except ArrayTooLargeError as exc:
+            raise renamed(exc, name) from None
         if self.affine:
             self.weight = init_parameter(np.ones(num_features), pdt, self.device, "weight")
             self.bias = init_parameter(np.zeros(num_features), pdt, self.device, "bias")

@@ -66,10 +66,21 @@ def num_threads() -> int:
     if _override is not None:
         return _override
     for var in ("CONVFUSE_NUM_THREADS", "OMP_NUM_THREADS"):
-        text = os.environ.get(var, "").strip()
-        if text.isdigit() and int(text) > 0:
-            return int(text)
+        n = _count(os.environ.get(var, ""))
+        if n is not None:
+            return n
     return _usable_cores()
+
+
+def _count(text: str) -> int | None:
+    """A thread count's value, None for anything but a positive decimal int (unset, junk,
+    OpenMP's nested "4,2": the next source decides). isdecimal, not isdigit: "²" is a
+    digit int() refuses."""
+    text = text.strip()
+    if not text.isascii() or not text.isdecimal() or len(text) > 9:
+        return None  # (nine digits: more threads than any machine, and no int() limit)
+    n = int(text)
+    return n if n > 0 else None
 
 
 def set_num_threads(n: int | None) -> None:
