@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,12 +34,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the report cannot be written to `path`, or None (it may still fail later: the
+    write's own error is reported then)."""
+    if not path:
+        return "needs a file name"
+    if os.path.isdir(path):
+        return f"{path!r} is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"{path!r} is not writable"
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        return f"the folder of {path!r} does not exist"
+    return None if os.access(folder, os.W_OK) else f"the folder of {path!r} is not writable"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command != "selfcheck":
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    if args.json is not None:  # before the checks run (on a GPU, minutes of them)
+        problem = _unwritable(args.json)
+        if problem:
+            parser.exit(EXIT_USAGE, f"convfuse selfcheck: error: argument --json: {problem}\n")
     from .selfcheck import selfcheck
 
     try:

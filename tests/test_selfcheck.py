@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -115,10 +116,41 @@ def test_cli_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["selfcheck", "--no-such-flag"])
     assert info.value.code == 2
-    bad = tmp_path / "missing-folder" / "r.json"
-    assert cli.main(["selfcheck", "--no-kernels", "--json", str(bad)]) == cli.EXIT_USAGE
+
+
+
+@pytest.mark.parametrize("where, says", [
+    ("missing-folder/r.json", "the folder of '.*missing-folder/r.json' does not exist"),
+    ("", "needs a file name"),
+    (".", "'.*' is a directory"),
+])
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_check(
+        monkeypatch, tmp_path, capsys, where, says):
+    import convfuse.selfcheck as sc
+
+    def no_checks(*args, **kwargs):
+        raise AssertionError("the checks ran before --json was refused")
+
+    monkeypatch.setattr(sc, "run", no_checks)
+    path = "" if not where else str(tmp_path / where)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["selfcheck", "--no-kernels", "--json", path])
+    assert info.value.code == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "missing-folder" in err and "Traceback" not in err
+    assert re.search(f"^convfuse selfcheck: error: argument --json: {says}", err), err
+    assert "Traceback" not in err
+
+
+def test_the_json_report_is_written_before_the_text(monkeypatch, tmp_path):
+    """A broken stdout (`| true`, a closed pipe) must not cost the file."""
+    class Broken:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    path = tmp_path / "report.json"
+    monkeypatch.setattr(sys, "stdout", Broken())
+    cli.main(["selfcheck", "--no-kernels", "--json", str(path)])  # the text fails
+    assert json.loads(path.read_text())["ok"] is True
 
 
 def test_cli_reports_a_selfcheck_bug_without_a_traceback(monkeypatch, capsys):

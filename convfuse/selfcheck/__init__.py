@@ -110,9 +110,14 @@ def selfcheck(json_path: str | None = None, out: TextIO | None = None,
     """Run, print the text report to `out` (stdout), write JSON if asked; the exit code."""
     out = out or sys.stdout
     report = run(cpu_only=cpu_only, kernels=kernels)
+    if json_path:  # first: a closed or broken stdout must not cost the file
+        try:
+            report.write_json(json_path)
+        except OSError as exc:
+            raise OSError(exc.errno, f"could not write the JSON report to {json_path!r}: "
+                          f"{exc.strerror or exc}") from None
     write_text(report, out)
     if json_path:
-        report.write_json(json_path)
         out.write(f"Full report written to {json_path}\n")
     return report.exit_code
 
