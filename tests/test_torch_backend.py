@@ -216,6 +216,27 @@ def test_channels_last():
                                   ("conv2d+silu", True)]
 
 
+class IdentityFirst(nn.Module):
+    """`x + bn(conv(x))`: torch's add takes the first operand's layout, the fused op the
+    conv's; with channels_last weights and a contiguous x the two differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        # a view: only torch's (contiguous) layout allows it; the conv's failed the compile
+        return F.relu(x + self.bn(self.conv(x))).view(x.shape[0], -1)
+
+
+def test_a_residual_add_of_another_layout_is_left_to_torch():
+    model = IdentityFirst().to(memory_format=torch.channels_last)
+    records, _ = assert_matches_torch(model, torch.randn(2, 3, 5, 5))
+    assert _patterns(records) == [("conv2d", True), ("batch_norm", True)]
+    assert "changes the memory layout" in records[1].reason
+
+
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()

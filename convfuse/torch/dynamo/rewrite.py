@@ -222,6 +222,12 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
             return f"{nxt.name} changes dtype or autocast region"
         if v.shape != out.shape:  # a residual add that broadcasts the chain's output
             return f"{nxt.name} changes the shape {tuple(out.shape)} to {tuple(v.shape)}"
+        if not _same_layout(v, out):
+            # torch's add takes its layout from its operands (the first, where they
+            # differ); the fused op gives the head's: `x + bn(conv(x))` with a contiguous
+            # x and channels_last weights would come back in another memory format
+            return f"{nxt.name} changes the memory layout (strides {tuple(out.stride())} " \
+                   f"to {tuple(v.stride())})"
         if extra is not None:
             r = forms.value(extra)
             if r is None or r.shape != v.shape or r.dtype != dtype or r.device != v.device:
@@ -271,6 +277,12 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
             why = f"{nxt.name} is no activation" if nxt.op != "output" else ""
     chain.stop = why
     return chain
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    """The same memory layout: equal strides wherever a dimension has more than one element
+    (a size-one dimension's stride is arbitrary)."""
+    return all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def _reads(n: Node, stats: set[Node]) -> bool:
