@@ -280,6 +280,31 @@ def test_parameters_are_the_graphs_own():
     assert all(a.op == "placeholder" for n in fused for a in n.args[1:3])
 
 
+class GradSwitch(nn.Module):
+    """A grad-mode switch inside the forward: a compile leaves what it separates."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.c2 = nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        y = self.c(x)
+        with torch.no_grad():
+            z = self.c2(x)
+        return F.relu(y + z)
+
+
+def test_explain_reports_what_a_compile_in_the_callers_grad_mode_does():
+    model, x = GradSwitch(), torch.randn(2, 3, 5, 5)
+    report = ct.explain(model, x)
+    compiled, records, _ = compile_recorded(model, "eager")
+    compiled(x)  # grad mode on, as the caller's
+    assert [(r.pattern, r.fused, r.reason) for r in report] == \
+        [(r.pattern, r.fused, r.reason) for r in records]
+    assert all("switches grad mode" in r.reason for r in records)  # explain ran under
+    # no_grad before, where Dynamo saw no switch and reported conv2d+add+relu fused
+
+
 def test_explain_table_and_records_and_state_restored():
     model = Shared()
     before = {k: v.clone() for k, v in model.state_dict().items()}

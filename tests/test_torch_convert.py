@@ -428,3 +428,43 @@ def test_a_conversion_that_raises_part_way_changes_nothing():
         with pytest.raises(UserWarning, match="SyncBatchNorm"):
             ct.convert(model)
     assert list(model) == children and type(model[0]) is nn.Conv2d
+
+
+def test_a_relu6_with_other_bounds_is_not_folded():
+    # nn.ReLU6 is a Hardtanh whose forward reads min_val and max_val at every call
+    ref = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU6()).double()
+    ref[1].max_val = 3.0
+    model = ct.convert(copy.deepcopy(ref))
+    assert ct.activation_of(ref[1]) is None and type(model[1]) is nn.ReLU6
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64) * 10
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=1e-12)
+    assert ref(x).max() == 3.0
+
+
+def test_a_module_used_in_two_places_stays_one_module():
+    bn = nn.BatchNorm2d(3)
+    ref = nn.Sequential(nn.Conv2d(3, 3, 1), bn, nn.ReLU(), nn.Conv2d(3, 3, 1), bn)
+    model = ct.convert(copy.deepcopy(ref))
+    assert model[1] is model[4] and type(model[1]).__module__.startswith("convfuse")
+    assert type(model[2]) is nn.ReLU  # no activation folded into a shared module
+    ref, model = ref.double(), model.double()  # one module: its buffers move once
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model[1].running_mean, ref[1].running_mean, rtol=1e-12,
+                               atol=1e-14)
+
+
+def test_the_fused_functions_refuse_bad_arguments_naming_them():
+    conv, bn = nn.Conv2d(2, 2, 3), nn.BatchNorm2d(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused as arguments, not kept with a warning
+        with pytest.raises(ValueError, match=r"^fused_conv: unknown activation 'foo'"):
+            ct.fused_conv(conv, "foo")
+        with pytest.raises(ValueError, match=r"^fused_batchnorm: unknown activation 'rleu'"):
+            ct.fused_batchnorm(bn, "rleu")
+        with pytest.raises(TypeError, match=r"^fused_conv_transpose: activation must be"):
+            ct.fused_conv_transpose(nn.ConvTranspose2d(2, 2, 3), 5)
+        with pytest.raises(TypeError, match=r"^fused_conv expects a torch.nn.Module, got str"):
+            ct.fused_conv("conv")
+        with pytest.raises(TypeError, match=r"^activation_of expects a torch.nn.Module"):
+            ct.activation_of("relu")

@@ -225,6 +225,19 @@ def test_timm_batchnorm_act(kwargs, activation, kept):
     assert fused.running_mean is None or fused.num_batches_tracked.item() == 2
 
 
+def test_timm_batchnorm_acts_act_with_a_hook_is_kept_and_its_hook_runs():
+    BatchNormAct2d = _timm_layers().BatchNormAct2d
+    torch.manual_seed(2)
+    ref = BatchNormAct2d(3)
+    calls = []
+    ref.act.register_forward_hook(lambda *args: calls.append(1))
+    fused = _agree(ref, [(4, 3, 3, 5)])  # one call each, the reference's hook included
+    assert fused.activation == "identity" and type(fused.act) is nn.ReLU  # a deep copy
+    before = len(calls)
+    fused(torch.randn(4, 3, 3, 5, dtype=torch.float64))
+    assert len(calls) == before + 1  # folded into an Identity, it ran no more
+
+
 def test_timm_batchnorm_act_shares_its_tensors_and_folds_nothing_after_it():
     BatchNormAct2d = _timm_layers().BatchNormAct2d
 

@@ -63,11 +63,15 @@ def hooks_of(module: nn.Module) -> list[str]:
 def activation_of(module: nn.Module) -> str | None:
     """The convfuse activation that equals `module` exactly, or None (also for one whose
     instance has its own forward: a patched module computes something else)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"activation_of expects a torch.nn.Module, got "
+                        f"{type(module).__name__}")
     if "forward" in module.__dict__:
         return None
     kind = type(module)
-    simple = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh",
-              nn.SiLU: "silu"}
+    if kind is nn.ReLU6:  # a Hardtanh: its forward reads the bounds, which may be reassigned
+        return "relu6" if (module.min_val, module.max_val) == (0.0, 6.0) else None
+    simple = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh", nn.SiLU: "silu"}
     if kind in simple:
         return simple[kind]
     if kind is nn.GELU and module.approximate == "none":
@@ -178,7 +182,9 @@ def _timm_batchnorm_act(bn: Any, base: type, activation: str | None) -> nn.Modul
         raise ValueError("timm's BatchNormAct2d takes no further activation: its own `act` "
                          "is the one convert() folds")
     drop, act = bn.drop, bn.act
-    folded = activation_of(act) if type(drop) is nn.Identity else None
+    # an act with hooks stays a module of its own, its hooks running (as convert's rule for
+    # an activation after a conv in a Sequential)
+    folded = activation_of(act) if type(drop) is nn.Identity and not hooks_of(act) else None
     return on_buffers_of(bn, zoo_layers.BatchNormAct2d, folded, drop=drop,
                          act=nn.Identity() if folded is not None else act)
 

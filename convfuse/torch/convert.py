@@ -26,11 +26,14 @@ is left gets one warning with the reason.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
+from collections import Counter
 from typing import Any
 
 from torch import nn
 
+from .. import activations
 from . import _convert_blocks
 from ._convert_kinds import Kind, activation_of, classify, hooks_of, known_kinds
 from .batchnorm import _BatchNormNd
@@ -40,7 +43,22 @@ from .conv_transpose import _ConvTransposeNd
 __all__ = ["activation_of", "convert", "fused_batchnorm", "fused_conv", "fused_conv_transpose"]
 
 
+_FUNCTIONS = {"conv": "fused_conv", "conv_transpose": "fused_conv_transpose",
+              "batchnorm": "fused_batchnorm"}
+
+
 def _fused(module: nn.Module, family: str, activation: str | None) -> nn.Module | None:
+    fn = _FUNCTIONS[family]
+    # the caller's arguments, refused as such (not as a module kept unconverted)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{fn} expects a torch.nn.Module, got {type(module).__name__}")
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"{fn}: activation must be a str or None, got "
+                        f"{type(activation).__name__} {activation!r}")
+    try:
+        activations.normalize(activation)
+    except ValueError as exc:
+        raise ValueError(f"{fn}: {exc}") from None
     base, kind, why = classify(module, known_kinds())
     if why is not None and family in _family_of(module):
         warnings.warn(f"convfuse.torch.convert: kept {type(module).__name__} {module!r} "
@@ -117,6 +135,8 @@ def convert(model: nn.Module) -> nn.Module:
     # all or nothing: a raise part-way (a warning turned into an error, a refusal) puts
     # every module's class and children back as they were
     before = [(m, m.__class__, dict(m._modules)) for m in model.modules()]
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    token = _SHARED.set(({i for i, n in uses.items() if n > 1}, {}))
     try:
         if guard is not None or not _fuse_block(model, kinds):
             _convert_children(model, kinds, guard)
@@ -126,7 +146,18 @@ def convert(model: nn.Module) -> nn.Module:
             m._modules.clear()
             m._modules.update(children)
         raise
+    finally:
+        _SHARED.reset(token)
     return model
+
+
+# Note [a module used in several places]: a module registered under two names (a shared
+# batch norm) is one object in torch.nn, so .to() and .double() move its buffers once; it
+# converts to one object too, looked up here by the original's id, and folds no activation
+# (its uses may be followed by different ones). (module ids used more than once, {id: the
+# converted module}) for the conversion running in this context.
+_SHARED: contextvars.ContextVar[tuple[set[int], dict[int, nn.Module]]] = \
+    contextvars.ContextVar("convfuse_convert_shared")
 
 
 #: Names whose use in a train() override says it may set batch norms' mode itself.
@@ -173,12 +204,19 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
                       f"unconverted ({why})", stacklevel=4)
     if kind is None:
         return None
+    shared, done = _SHARED.get((set(), {}))
+    if id(module) in shared:  # Note [a module used in several places]
+        if id(module) in done:
+            return done[id(module)], 1
+        follower = None
     # a hooked activation stays: nn.Identity in its place would run none of its hooks
     act = activation_of(follower) if (follower is not None and kind.folds_next
                                        and not hooks_of(follower)) else None
     fused = kind.build(module, base, act)
     if fused is None:  # refused by convfuse's constructor, which warned
         return None
+    if id(module) in shared:
+        done[id(module)] = fused
     return fused, (2 if act is not None else 1)
 
 

@@ -57,8 +57,9 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **example_kwargs: Any,
     saved = [(t, t.detach().clone()) for t in (*model.parameters(), *model.buffers())]
     try:
         compiled = torch.compile(model, backend=backend("eager", records=records))
-        with torch.no_grad():
-            compiled(*example_inputs, **example_kwargs)
+        # in the caller's grad mode, as a compile of it runs: under no_grad Dynamo records
+        # no switch for a `with torch.no_grad()` in the forward, and fuses across it
+        compiled(*example_inputs, **example_kwargs)
     finally:
         with torch.no_grad():
             for t, copy in saved:
