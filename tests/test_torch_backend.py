@@ -329,6 +329,9 @@ def test_backend_refuses_a_bad_inner():
         ct.backend(inner="convfuse")
     for name in ("inductor", "aot_eager", "eager"):
         assert callable(ct.backend(inner=name))
+    with pytest.raises(TypeError, match=r"^convfuse\.torch\.backend: records must be a list or "
+                                        "None, got int"):
+        ct.backend(records=5)  # at construction, not inside the first compile
 
 
 def test_explain_refuses_what_is_not_a_module():

@@ -70,6 +70,9 @@ def backend(inner: str | Compiler = "inductor",
                         f"callable, got {type(inner).__name__}")
     if isinstance(inner, str):
         _check_backend_name(inner)
+    if records is not None and not isinstance(records, list):  # extended at each compile
+        raise TypeError(f"convfuse.torch.backend: records must be a list or None, got "
+                        f"{type(records).__name__}")
     count = [0]
 
     def compile_graph(gm: GraphModule, example_inputs: Sequence[Any], *,
