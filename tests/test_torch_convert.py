@@ -454,6 +454,34 @@ def test_a_module_used_in_two_places_stays_one_module():
                                atol=1e-14)
 
 
+def test_a_container_used_twice_still_folds_its_activations():
+    # its children are registered once (in it), though two paths reach them
+    block = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+    ref = nn.Sequential(block, block).double()
+    model = ct.convert(copy.deepcopy(ref))
+    assert model[0] is model[1] and model[0][1].activation == "relu"
+    assert type(model[0][2]) is nn.Identity
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_residual_blocks_batch_norm_used_elsewhere_stays_one_module():
+    class Tapped(nn.Module):  # the block's bn2 also registered outside it
+        def __init__(self):
+            super().__init__()
+            self.block = BasicBlock(3, 3)
+            self.tap = self.block.bn2
+
+        def forward(self, x):
+            return self.block(x) + self.tap(x)
+
+    ref = Tapped().double()
+    model = ct.convert(copy.deepcopy(ref))
+    assert model.tap is model.block.bn2 and type(model.tap).__module__.startswith("convfuse")
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
 def test_the_fused_functions_refuse_bad_arguments_naming_them():
     conv, bn = nn.Conv2d(2, 2, 3), nn.BatchNorm2d(2)
     with warnings.catch_warnings():

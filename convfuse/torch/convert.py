@@ -135,7 +135,9 @@ def convert(model: nn.Module) -> nn.Module:
     # all or nothing: a raise part-way (a warning turned into an error, a refusal) puts
     # every module's class and children back as they were
     before = [(m, m.__class__, dict(m._modules)) for m in model.modules()]
-    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    # registrations, not paths: a container used twice holds its children once
+    uses = Counter(id(child) for parent in model.modules()
+                   for child in parent._modules.values() if child is not None)
     token = _SHARED.set(({i for i, n in uses.items() if n > 1}, {}))
     try:
         if guard is not None or not _fuse_block(model, kinds):
@@ -263,9 +265,10 @@ def _fuse_block(block: nn.Module, kinds: dict[type, Kind]) -> bool:
     if taken is None:
         return False
     fused_name, bns = taken
+    shared = _SHARED.get((set(), {}))[0]
     for name, _ in bns:
         bn = block._modules.get(name)
-        if bn is None:
+        if bn is None or id(bn) in shared:  # Note [a module used in several places]
             return False
         _, kind, why = classify(bn, kinds)
         if kind is None or kind.family != "batchnorm" or why is not None:
