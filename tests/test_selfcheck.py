@@ -149,8 +149,23 @@ def test_the_json_report_is_written_before_the_text(monkeypatch, tmp_path):
 
     path = tmp_path / "report.json"
     monkeypatch.setattr(sys, "stdout", Broken())
-    cli.main(["selfcheck", "--no-kernels", "--json", str(path)])  # the text fails
+    # the reader left: the checks' verdict is the exit code still (not a usage error)
+    assert cli.main(["selfcheck", "--no-kernels", "--json", str(path)]) == cli.EXIT_OK
     assert json.loads(path.read_text())["ok"] is True
+
+
+def test_a_failed_json_write_keeps_the_text_report(monkeypatch, capsys):
+    """A disk that fills after the path was checked: the report is still printed."""
+    import convfuse.selfcheck as sc
+
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sc.Report, "write_json", full)
+    assert cli.main(["selfcheck", "--no-kernels", "--json", "r.json"]) == cli.EXIT_USAGE
+    captured = capsys.readouterr()
+    assert "Result: PASS" in captured.out and "Full report written" not in captured.out
+    assert "could not write the JSON report to 'r.json': No space left" in captured.err
 
 
 def test_cli_reports_a_selfcheck_bug_without_a_traceback(monkeypatch, capsys):

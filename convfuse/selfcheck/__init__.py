@@ -110,15 +110,21 @@ def selfcheck(json_path: str | None = None, out: TextIO | None = None,
     """Run, print the text report to `out` (stdout), write JSON if asked; the exit code."""
     out = out or sys.stdout
     report = run(cpu_only=cpu_only, kernels=kernels)
+    failed = None
     if json_path:  # first: a closed or broken stdout must not cost the file
         try:
             report.write_json(json_path)
-        except OSError as exc:
-            raise OSError(exc.errno, f"could not write the JSON report to {json_path!r}: "
-                          f"{exc.strerror or exc}") from None
-    write_text(report, out)
-    if json_path:
-        out.write(f"Full report written to {json_path}\n")
+        except OSError as exc:  # and a failed write must not cost the text (a full disk)
+            failed = OSError(exc.errno, f"could not write the JSON report to {json_path!r}: "
+                                        f"{exc.strerror or exc}")
+    try:
+        write_text(report, out)
+        if json_path and failed is None:
+            out.write(f"Full report written to {json_path}\n")
+    except BrokenPipeError:  # `| head`: the reader left; the checks' verdict still counts
+        pass
+    if failed is not None:
+        raise failed
     return report.exit_code
 
 
