@@ -170,9 +170,21 @@ def _check_overlap(op: str, present: Sequence[Arg]) -> None:
 
 
 def _extent(a: Any) -> tuple[int, int]:
-    """[start, end) of an array's bytes; exact because arrays are C-contiguous by now."""
+    """[start, end) of the bytes an array spans: exact for a C-contiguous one (the ops'
+    arrays by now), its strides' bounds otherwise (a caller's view, negative strides
+    included)."""
     start = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
-    return start, start + a.nbytes
+    if a.flags.c_contiguous:
+        return start, start + a.nbytes
+    if a.size == 0:
+        return start, start
+    lo = hi = 0
+    for n, step in zip(a.shape, a.strides):
+        if step < 0:
+            lo += (n - 1) * step
+        else:
+            hi += (n - 1) * step
+    return start + lo, start + hi + a.itemsize
 
 
 def _overlaps(a: Any, b: Any) -> bool:
