@@ -262,3 +262,20 @@ def test_exact_same_memory_is_refused_outside_elementwise_ops(rng):
     w = rng.standard_normal(g.weight_shape).astype(np.float32)
     refused("conv_backward_data", "out", "dz", dz,
             lambda: ops.conv_backward_data(dz, w, g, out=dz))
+
+
+def test_the_byte_range_of_a_strided_view_follows_its_strides():
+    """The device arrays' overlap rule compares byte ranges: a view's is its strides' span
+    (what np.may_share_memory bounds), not [first byte, first byte + nbytes)."""
+    from convfuse.ops._checks import _extent
+
+    a = np.zeros((4, 6))
+    for view in (a, a[:, ::2], a[::-1], a[:, 1:3], a.T, a[::-1, ::-2], a[:0]):
+        lo, hi = _extent(view)
+        if view.size == 0:
+            assert lo == hi
+            continue
+        start = view.__array_interface__["data"][0]
+        # every element's address, from its index and the strides
+        offsets = sum(i * s for i, s in zip(np.indices(view.shape), view.strides))
+        assert (lo, hi) == (start + offsets.min(), start + offsets.max() + view.itemsize)
