@@ -299,8 +299,11 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
     if not isinstance(dy, np.ndarray) and geom.batch:  # pragma: gpu
-        # (dweight and dbias: _check_outputs checked their addresses and device)
-        o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved)) or ops
+        o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved, dweight,
+                                            dbias))
+        if o is None:  # an array the ops would refuse (or a spy): outputs refused first
+            check_device_outputs(op, dweight, dbias)
+            o = ops
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,
                                 o.activation_backward_bias, o.activation_backward)
     if ctx.columns is not None:
@@ -425,8 +428,8 @@ def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: 
         raise ValueError(f"{op}: dbias was given, but the forward had no bias")
     saved = [("ctx.x", ctx.x), ("ctx.weight", ctx.weight), ("ctx.saved", ctx.saved),
              ("dy", dy)]
-    if given is not None and given is not dy:  # the caller's, which a write would change
-        saved.append(("dy", given))
+    # the caller's dy where `dy` is a copy of it: a write there would change their array
+    view = given if given is not None and given is not dy else None
     checked: list[tuple[str, Any]] = []
     for name, out, shape in outs:
         if out is None:
@@ -448,15 +451,21 @@ def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: 
                     f"{op}: {name} shares memory with {other}, which backward reads while "
                     f"writing {name}; pass a separate array"
                 )
+        if view is not None and ops_checks.overlaps_view(out, view):
+            raise ValueError(f"{op}: {name} shares memory with dy, which backward reads "
+                             f"while writing {name}; pass a separate array")
         if isinstance(out, np.ndarray) and not out.flags.writeable:
             raise ValueError(f"{op}: {name} is read-only but the gradient is written there")
         checked.append((name, out))
-    device_outs = [ops_checks.Arg(name, out, None, output=True) for name, out in checked
-                   if not isinstance(out, np.ndarray)]
-    if device_outs:  # pragma: gpu
-        # the ops' own checks (alignment, device id), made here for both outputs: dbias is
-        # written before the filter gradient's op would refuse dweight
-        ops_checks._check_gpu_arrays(op, device_outs)
+
+
+def check_device_outputs(op: str, dweight: Any, dbias: Any) -> None:  # pragma: gpu
+    """The ops' own checks of device outputs (alignment, device id), made before the first
+    write: dbias is written before the filter gradient's op would refuse dweight."""
+    outs = [ops_checks.Arg(name, out, None, output=True)
+            for name, out in (("dweight", dweight), ("dbias", dbias)) if out is not None]
+    if outs:
+        ops_checks._check_gpu_arrays(op, outs)
 
 
 def _check_dy(dy: Any, ctx: _ForwardContext) -> None:

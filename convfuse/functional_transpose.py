@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import ops
 from .backend import device_of
 from .errors import ConvfuseError, renamed
@@ -25,6 +27,7 @@ from .functional import (
     _fused_args,
     _residual_grad,
     _saved,
+    check_device_outputs,
 )
 from .geometry import IntOrTuple
 from .transpose_geometry import ConvTransposeGeometry
@@ -148,6 +151,8 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
     geom = ctx.geom
     _check_dy(dy, ctx)
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
+    if not isinstance(dy, np.ndarray):  # pragma: gpu
+        check_device_outputs(op, dweight, dbias)
     beta = 1.0 if accumulate else 0.0
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, ops.conv_transpose_backward_bias,
                                 ops.conv_transpose_activation_backward_bias)

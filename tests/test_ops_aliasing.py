@@ -267,11 +267,11 @@ def test_exact_same_memory_is_refused_outside_elementwise_ops(rng):
 def test_the_byte_range_of_a_strided_view_follows_its_strides():
     """The device arrays' overlap rule compares byte ranges: a view's is its strides' span
     (what np.may_share_memory bounds), not [first byte, first byte + nbytes)."""
-    from convfuse.ops._checks import _extent
+    from convfuse.ops._checks import _span
 
     a = np.zeros((4, 6))
     for view in (a, a[:, ::2], a[::-1], a[:, 1:3], a.T, a[::-1, ::-2], a[:0]):
-        lo, hi = _extent(view)
+        lo, hi = _span(view)
         if view.size == 0:
             assert lo == hi
             continue

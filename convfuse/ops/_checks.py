@@ -170,12 +170,15 @@ def _check_overlap(op: str, present: Sequence[Arg]) -> None:
 
 
 def _extent(a: Any) -> tuple[int, int]:
-    """[start, end) of the bytes an array spans: exact for a C-contiguous one (the ops'
-    arrays by now), its strides' bounds otherwise (a caller's view, negative strides
-    included)."""
+    """[start, end) of an array's bytes; exact because arrays are C-contiguous by now."""
     start = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
-    if a.flags.c_contiguous:
-        return start, start + a.nbytes
+    return start, start + a.nbytes
+
+
+def _span(a: Any) -> tuple[int, int]:
+    """[start, end) of the bytes any array spans, by its strides (negative ones included):
+    for a caller's view, which may be neither C-contiguous nor start at its lowest byte."""
+    start = a.data.ptr if not isinstance(a, np.ndarray) else a.__array_interface__["data"][0]
     if a.size == 0:
         return start, start
     lo = hi = 0
@@ -185,6 +188,14 @@ def _extent(a: Any) -> tuple[int, int]:
         else:
             hi += (n - 1) * step
     return start + lo, start + hi + a.itemsize
+
+
+def overlaps_view(a: Any, view: Any) -> bool:
+    """`overlaps` for a `view` of any strides (a caller's array the ops never see)."""
+    if isinstance(a, np.ndarray) or isinstance(view, np.ndarray):
+        return _overlaps(a, view)  # NumPy's bounds follow strides; host and device never meet
+    (a0, a1), (b0, b1) = _span(a), _span(view)
+    return a0 < b1 and b0 < a1
 
 
 def _overlaps(a: Any, b: Any) -> bool:
