@@ -296,3 +296,53 @@ def test_needs_input_grad_of_a_sequential_is_its_first_layers(rng):
     empty.needs_input_grad = False
     empty.append(cf.ReLU())
     assert empty.needs_input_grad is False and empty[0].needs_input_grad is False
+
+
+def test_a_layer_added_after_the_first_passes_its_input_gradient_on(rng):
+    """A layer whose own default is needs_input_grad=False (a ResNet's) placed after another
+    in a Sequential computes its input gradient: the layers before it need it."""
+    torch = pytest.importorskip("torch")
+    first = cf.Conv2d(1, 2, 1, dtype="float64", device="cpu", seed=0)
+    second = cf.Conv2d(2, 2, 3, padding=1, dtype="float64", device="cpu", seed=1)
+    second.needs_input_grad = False
+    model = cf.Sequential(first, second)
+    assert second.needs_input_grad is True
+    x = rng.standard_normal((2, 1, 4, 4))
+    dy = rng.standard_normal((2, 2, 4, 4))
+    model(x)
+    model.backward(dy)
+    xt = torch.tensor(x)
+    w1, b1 = (torch.tensor(a).requires_grad_() for a in (first.weight.data, first.bias.data))
+    w2, b2 = (torch.tensor(a) for a in (second.weight.data, second.bias.data))
+    torch.nn.functional.conv2d(torch.nn.functional.conv2d(xt, w1, b1), w2, b2,
+                               padding=1).backward(torch.tensor(dy))
+    np.testing.assert_allclose(first.weight.grad, w1.grad.numpy(), rtol=1e-12)
+    appended = cf.Sequential(cf.ReLU())
+    late = cf.Conv2d(2, 2, 1, device="cpu")
+    late.needs_input_grad = False
+    appended.append(late)
+    assert late.needs_input_grad is True
+
+
+def test_a_later_layer_set_to_compute_no_input_gradient_is_refused_before_any_write(rng):
+    model = cf.Sequential(cf.Conv2d(1, 2, 1, device="cpu", seed=0),
+                          cf.Conv2d(2, 2, 1, device="cpu", seed=1))
+    y = model(rng.standard_normal((1, 1, 3, 3)).astype(np.float32))
+    model[1].needs_input_grad = False  # after construction
+    with pytest.raises(ValueError, match=r"^Sequential: layer 1 \(Conv2d\) has "
+                                         r"needs_input_grad=False"):
+        model.backward(np.ones_like(y))
+    assert all(not p.grad.any() for p in model.parameters())  # nothing written
+    model[1].needs_input_grad = True
+    model.backward(np.ones_like(y))  # the forward's context was kept
+    assert model[0].weight.grad.any()
+
+
+def test_a_residual_whose_branch_computes_no_input_gradient_is_refused_before_any_write(rng):
+    body = cf.Sequential(cf.Conv2d(2, 2, 3, padding=1, device="cpu", seed=0))
+    block = cf.Residual(body)
+    body[0].needs_input_grad = False  # the block's own flag still says True
+    y = block(rng.standard_normal((1, 2, 3, 3)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"^Residual: the body's first layer"):
+        block.backward(np.ones_like(y))
+    assert all(not p.grad.any() for p in block.parameters())

@@ -138,6 +138,8 @@ class Sequential(Layer):
             raise ValueError(f"Sequential layers are on different devices: {sorted(devices)}")
         for name, layer in named:
             self.add_module(name, layer)
+        for _, layer in named[1:]:  # they pass gradients on (a ResNet defaults to False)
+            layer.needs_input_grad = True
         self.device = devices.pop() if devices else None  # type: ignore[assignment]
         self._ctx = None
 
@@ -166,6 +168,8 @@ class Sequential(Layer):
             raise TypeError(f"Sequential.append: {type(layer).__name__} is not a convfuse layer")
         if not len(self) and "_needs_input_grad" in self.__dict__:  # set while it was empty
             layer.needs_input_grad = self.__dict__["_needs_input_grad"]
+        elif len(self):  # it passes gradients on to the layers before it
+            layer.needs_input_grad = True
         self.add_module(str(len(self)), layer)
         return self
 
@@ -197,7 +201,12 @@ class Sequential(Layer):
     def _check_backward(self) -> Any:
         ctx = self._peek_ctx()
         layers = self.layers
-        for layer in layers:
+        for i, layer in enumerate(layers):
+            if i and not layer.needs_input_grad:  # set False after it was added
+                raise ValueError(
+                    f"Sequential: layer {i} ({type(layer).__name__}) has "
+                    "needs_input_grad=False, but the layers before it need its input "
+                    "gradient; set it True")
             layer._check_backward()
         return ctx
 

@@ -110,6 +110,15 @@ class ResidualBase(Layer):
         """The block's context and, below it, every layer's (checked before a container
         holding the block writes any gradient)."""
         ctx = self._peek_ctx()
+        if self.needs_input_grad:  # dx = d body + d shortcut: both branches must give one
+            shortcut = self._shortcut()
+            for what, layer in (("body", self._body_layers()[0]), ("shortcut", shortcut)):
+                if layer is not None and not layer.needs_input_grad:
+                    raise ValueError(
+                        f"{type(self).__name__}: the {what}'s first layer "
+                        f"({type(layer).__name__}) has needs_input_grad=False, but the "
+                        "block's input gradient needs it; set the block's needs_input_grad "
+                        "(it sets both)")
         check_contexts(self)
         return ctx
 
