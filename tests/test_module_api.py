@@ -344,3 +344,35 @@ def test_sequential_setitem_at_the_front_keeps_needs_input_grad():
     assert later.needs_input_grad is True
     seq(x)
     assert seq.backward(np.ones((1, 1, 3, 3), np.float32)) is None
+
+
+@pytest.mark.parametrize("name, error", [
+    ("a.b", KeyError), ("", KeyError), ("weight", KeyError), ("forward", KeyError),
+    ("training", KeyError), (2, TypeError),
+])
+def test_add_module_refuses_names_torch_nn_refuses_and_changes_nothing(name, error):
+    # "a.b" beside a child a holding b would give two layers one state_dict key; "weight"
+    # would drop the parameter; an int was registered before the TypeError
+    torch = pytest.importorskip("torch")
+    layer = cf.Linear(2, 2, device="cpu")
+    before = (list(layer.state_dict()), [n for n, _ in layer.named_children()])
+    with pytest.raises(error):
+        layer.add_module(name, cf.ReLU())
+    with pytest.raises((KeyError, TypeError)):  # torch.nn's verdict on the same name
+        torch.nn.Linear(2, 2).add_module(name, torch.nn.ReLU())
+    assert (list(layer.state_dict()), [n for n, _ in layer.named_children()]) == before
+    assert layer.weight is not None and len(list(layer.parameters())) == 2
+
+
+@pytest.mark.parametrize("name", ["weight", "forward", "training"])
+def test_register_buffer_does_not_take_over_another_attribute(name):
+    torch = pytest.importorskip("torch")
+    layer = cf.Conv2d(1, 1, 1, device="cpu")
+    with pytest.raises(KeyError, match=f"attribute '{name}' already exists"):
+        layer.register_buffer(name, np.zeros(1, np.float32))
+    with pytest.raises(KeyError):
+        torch.nn.Conv2d(1, 1, 1).register_buffer(name, torch.zeros(1))
+    assert [n for n, _ in layer.named_parameters()] == ["weight", "bias"]
+    layer.register_buffer("extra", np.zeros(1, np.float32))
+    layer.register_buffer("extra", np.ones(1, np.float32))  # its own name: replaced
+    assert [n for n, _ in layer.named_buffers()] == ["extra"]

@@ -66,7 +66,8 @@ class Layer:
     training: bool = True
     needs_input_grad: bool = True
 
-    # -- calls: subclasses define __call__ (or forward) and backward ---------------------
+    # -- calls: subclasses define forward (a block with children: then a forward that
+    # raises part-way leaves their contexts as they were) or __call__, and backward ------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.__dict__.get("_module_names"):
             return self.forward(*args, **kwargs)
@@ -136,6 +137,7 @@ class Layer:
         if not isinstance(name, str) or not name.isidentifier():
             raise ValueError(f"{type(self).__name__}: buffer name must be an identifier, "
                              f"got {name!r}")
+        self._check_free(name, "_buffer_names", "register_buffer")
         if value is not None:
             _check_array(value, f"{type(self).__name__}: buffer {name!r}")
         self._register("_buffer_names", name)
@@ -147,11 +149,28 @@ class Layer:
         object.__setattr__(self, name, value)
 
     def add_module(self, name: str, module: Layer | None) -> None:
+        """Register `module` (a convfuse layer, or None) as child `name`, as torch.nn's
+        add_module: a str without '.', not empty, not another attribute (a parameter,
+        buffer or method); checked before anything is registered."""
+        fn = f"{type(self).__name__}.add_module"
+        if not isinstance(name, str):
+            raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} {name!r}")
+        if not name or "." in name:  # "a.b" would collide with child a's child b's keys
+            raise KeyError(f"{fn}: module name {name!r} can't be empty or contain '.'")
         if module is not None and not isinstance(module, Layer):
-            raise TypeError(f"{type(self).__name__}.add_module: {name!r} is a "
-                            f"{type(module).__name__}, not a convfuse layer")
+            raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a convfuse "
+                            "layer")
+        self._check_free(name, "_module_names", "add_module")
         self._register("_module_names", name)
         object.__setattr__(self, name, module)
+
+    def _check_free(self, name: str, which: str, fn: str) -> None:
+        """KeyError when `name` is an attribute other than one of registry `which` (torch.nn's
+        rule: a buffer or child must not silently take over a parameter or a method)."""
+        if name in self.__dict__.get(which, ()):
+            return
+        if name in self.__dict__ or hasattr(type(self), name):
+            raise KeyError(f"{type(self).__name__}.{fn}: attribute {name!r} already exists")
 
     # -- traversal ---------------------------------------------------------------------------
     def named_children(self) -> Iterator[tuple[str, Layer]]:
