@@ -376,3 +376,19 @@ def test_register_buffer_does_not_take_over_another_attribute(name):
     layer.register_buffer("extra", np.zeros(1, np.float32))
     layer.register_buffer("extra", np.ones(1, np.float32))  # its own name: replaced
     assert [n for n, _ in layer.named_buffers()] == ["extra"]
+
+
+def test_to_the_device_a_model_is_on_keeps_its_pending_backward(rng):
+    # torch.nn: model.cpu() between forward and backward changes nothing on a CPU model
+    torch = pytest.importorskip("torch")
+    model = cf.Sequential(cf.Conv2d(1, 2, 3, dtype="float64", device="cpu", seed=0))
+    ref = torch.nn.Conv2d(1, 2, 3).double()
+    ref.weight.data = torch.tensor(model[0].weight.data)
+    ref.bias.data = torch.tensor(model[0].bias.data)
+    x = rng.standard_normal((1, 1, 5, 5))
+    y = model(x)
+    model.cpu()
+    model.to("cpu")
+    model.backward(np.ones_like(y))
+    ref(torch.tensor(x)).sum().backward()
+    np.testing.assert_allclose(model[0].weight.grad, ref.weight.grad.numpy(), rtol=1e-12)

@@ -268,7 +268,17 @@ class Layer:
             mod._move_own(target)
         return self
 
+    def _own_arrays(self) -> Iterator[Any]:
+        for _, p in self._own("_param_names"):
+            yield p.data
+            yield p.grad
+        for _, b in self._own("_buffer_names"):
+            yield b
+
     def _move_own(self, target: str) -> None:
+        if self.__dict__.get("device") == target and all(
+                a is None or device_of(a) == target for a in self._own_arrays()):
+            return  # already there: a pending backward stays, as in torch.nn
         for _, p in self._own("_param_names"):
             p.data = to_device(p.data, target)
             p.grad = to_device(p.grad, target)
