@@ -381,14 +381,16 @@ def test_register_buffer_does_not_take_over_another_attribute(name):
 def test_to_the_device_a_model_is_on_keeps_its_pending_backward(rng):
     # torch.nn: model.cpu() between forward and backward changes nothing on a CPU model
     torch = pytest.importorskip("torch")
-    model = cf.Sequential(cf.Conv2d(1, 2, 3, dtype="float64", device="cpu", seed=0))
+    # parameter-free layers (following their input, device None) around the conv too
+    model = cf.Sequential(cf.ReLU(), cf.Conv2d(1, 2, 3, dtype="float64", device="cpu", seed=0),
+                          cf.MaxPool2d(1))
     ref = torch.nn.Conv2d(1, 2, 3).double()
-    ref.weight.data = torch.tensor(model[0].weight.data)
-    ref.bias.data = torch.tensor(model[0].bias.data)
+    ref.weight.data = torch.tensor(model[1].weight.data)
+    ref.bias.data = torch.tensor(model[1].bias.data)
     x = rng.standard_normal((1, 1, 5, 5))
     y = model(x)
     model.cpu()
     model.to("cpu")
     model.backward(np.ones_like(y))
-    ref(torch.tensor(x)).sum().backward()
-    np.testing.assert_allclose(model[0].weight.grad, ref.weight.grad.numpy(), rtol=1e-12)
+    ref(torch.tensor(x).relu()).sum().backward()
+    np.testing.assert_allclose(model[1].weight.grad, ref.weight.grad.numpy(), rtol=1e-12)

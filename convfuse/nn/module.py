@@ -264,7 +264,15 @@ class Layer:
             target = resolve_device(device)
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
-        for mod in self.modules():
+        modules = list(self.modules())
+        if _already_on(modules, target):
+            # nothing moves: a pending backward stays, as in torch.nn (the layers that
+            # follow their input are pinned, as a move pins them)
+            for mod in modules:
+                if mod.__dict__.get("device") is None:
+                    mod.device = target
+            return self
+        for mod in modules:
             mod._move_own(target)
         return self
 
@@ -276,9 +284,6 @@ class Layer:
             yield b
 
     def _move_own(self, target: str) -> None:
-        if self.__dict__.get("device") == target and all(
-                a is None or device_of(a) == target for a in self._own_arrays()):
-            return  # already there: a pending backward stays, as in torch.nn
         for _, p in self._own("_param_names"):
             p.data = to_device(p.data, target)
             p.grad = to_device(p.grad, target)
@@ -554,6 +559,26 @@ def contiguous(a: Any) -> Any:
     """`a`, or one C-contiguous copy of it when it is not, or is in device memory at an
     address the ops refuse (ops/_checks.engine_ready; the caller's array is untouched)."""
     return engine_ready(a)
+
+
+def _already_on(modules: list[Layer], target: str) -> bool:
+    """Every layer pinned to `target` or following its input, every array of theirs there,
+    and at least one array (a model of parameter-free layers alone says nothing about where
+    its last forward ran)."""
+    seen = False
+    for mod in modules:
+        if mod.__dict__.get("device") not in (None, target):
+            return False
+        for a in mod._own_arrays():
+            if a is None:
+                continue
+            try:
+                if device_of(a) != target:
+                    return False
+            except TypeError:  # not an array (a .grad assigned by hand): moved, converted
+                return False
+            seen = True
+    return seen
 
 
 def _check_array(value: Any, what: str) -> None:
