@@ -346,3 +346,17 @@ def test_a_residual_whose_branch_computes_no_input_gradient_is_refused_before_an
     with pytest.raises(ValueError, match=r"^Residual: the body's first layer"):
         block.backward(np.ones_like(y))
     assert all(not p.grad.any() for p in block.parameters())
+
+
+def test_a_blocks_later_body_layer_set_to_compute_no_input_gradient_is_refused(rng):
+    """A ResNet BasicBlock's body is a list of layers, not a Sequential: the block checks
+    them itself, before any gradient is written."""
+    from convfuse.models.resnet import BasicBlock
+
+    block = BasicBlock(4, 4, device="cpu", seed=0)
+    y = block(rng.standard_normal((2, 4, 3, 3)).astype(np.float32))
+    block.conv2.needs_input_grad = False
+    with pytest.raises(ValueError, match=r"^BasicBlock: a body layer after the first "
+                                         r"\(Conv2d\) has needs_input_grad=False"):
+        block.backward(np.ones_like(y))
+    assert all(not p.grad.any() for p in block.parameters())

@@ -110,9 +110,14 @@ class ResidualBase(Layer):
         """The block's context and, below it, every layer's (checked before a container
         holding the block writes any gradient)."""
         ctx = self._peek_ctx()
+        body = self._body_layers()
+        for layer in body[1:]:  # each passes its gradient on to the one before it
+            if not layer.needs_input_grad:
+                raise ValueError(f"{type(self).__name__}: a body layer after the first "
+                                 f"({type(layer).__name__}) has needs_input_grad=False, but "
+                                 "the layer before it needs its input gradient; set it True")
         if self.needs_input_grad:  # dx = d body + d shortcut: both branches must give one
-            shortcut = self._shortcut()
-            for what, layer in (("body", self._body_layers()[0]), ("shortcut", shortcut)):
+            for what, layer in (("body", body[0]), ("shortcut", self._shortcut())):
                 if layer is not None and not layer.needs_input_grad:
                     raise ValueError(
                         f"{type(self).__name__}: the {what}'s first layer "
