@@ -298,10 +298,10 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
-    if not isinstance(dy, np.ndarray) and geom.batch:  # pragma: gpu
+    if not isinstance(dy, np.ndarray):  # pragma: gpu
         o = _Direct.checked(_BACKWARD_OPS, (dy, ctx.x, ctx.weight, ctx.saved, dweight,
-                                            dbias))
-        if o is None:  # an array the ops would refuse (or a spy): outputs refused first
+                                            dbias)) if geom.batch else None
+        if o is None:  # an array the ops would refuse (or a spy, or N = 0): outputs first
             check_device_outputs(op, dweight, dbias)
             o = ops
     dz, db = _bias_act_backward(dy, ctx, dbias, beta, o.conv_backward_bias,

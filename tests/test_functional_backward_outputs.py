@@ -76,12 +76,13 @@ class _DeviceArray:
         self.host = np.zeros(shape, self.dtype)
 
 
+@pytest.mark.parametrize("batch", [2, 0])  # N = 0: no direct path, the ops zero-fill dbias
 @pytest.mark.parametrize("misplaced, error", [
     ({"ptr": 0x4000004}, ValueError),                     # not 16-byte aligned
     ({"ptr": 0x4000000, "device": 1}, DeviceMismatchError),  # another GPU
 ])
 def test_a_device_dweight_the_ops_would_refuse_is_refused_before_dbias_is_written(
-        monkeypatch, misplaced, error):
+        monkeypatch, misplaced, error, batch):
     monkeypatch.setattr(backend, "DEVICE_ARRAY_TYPES", backend.DEVICE_ARRAY_TYPES)
     monkeypatch.setattr(backend, "_device_types", None)
     backend.register_device_array_type(_DeviceArray)
@@ -93,7 +94,7 @@ def test_a_device_dweight_the_ops_would_refuse_is_refused_before_dbias_is_writte
         raise AssertionError("an engine call before the refusal")
 
     monkeypatch.setattr(F, "_bias_act_backward", engine_call)
-    geom = ConvGeometry.create((2, 3, 5, 5), (4, 3, 3, 3))
+    geom = ConvGeometry.create((batch, 3, 5, 5), (4, 3, 3, 3))
     x = _DeviceArray(geom.input_shape, 0x1000000)
     w = _DeviceArray(geom.weight_shape, 0x2000000)
     ctx = F.ConvContext(geom, "identity", x, w, None, True, False, 1.0)

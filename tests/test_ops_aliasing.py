@@ -279,3 +279,23 @@ def test_the_byte_range_of_a_strided_view_follows_its_strides():
         # every element's address, from its index and the strides
         offsets = sum(i * s for i, s in zip(np.indices(view.shape), view.strides))
         assert (lo, hi) == (start + offsets.min(), start + offsets.max() + view.itemsize)
+
+
+def test_a_strided_device_view_overlaps_by_its_span():
+    """overlaps_view on device arrays (CuPy's branch, with stand-ins): the caller's strided
+    dy against an output, by the bytes each spans."""
+    import types
+
+    from convfuse.ops._checks import overlaps_view
+
+    def device(ptr, shape, strides, itemsize=4):
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr), shape=shape,
+                                     strides=strides, itemsize=itemsize,
+                                     size=int(np.prod(shape)), nbytes=int(np.prod(shape)) * 4)
+
+    dy = device(1000, (2, 3), (48, 8))  # every other float of a (2, 6) array: [1000, 1068)
+    assert overlaps_view(device(1060, (2,), (4,)), dy)  # inside its span, past nbytes
+    assert not overlaps_view(device(1068, (2,), (4,)), dy)
+    flipped = device(1048, (2, 3), (-48, 8))  # rows reversed: [1000, 1068) again
+    assert overlaps_view(device(1000, (1,), (4,)), flipped)
+    assert not overlaps_view(device(996, (1,), (4,)), flipped)
