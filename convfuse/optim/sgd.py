@@ -34,8 +34,9 @@ class SGD(FlatOptimizer):
     `maximize` and `differentiable` are supported at their defaults only (others are
     refused, naming the argument); `foreach` and `fused` choose torch's implementation and
     any value is accepted (convfuse's step is always one fused launch). A torch.optim.SGD
-    state dict's group, which holds all of these, loads too. The momentum buffer is
-    float32 for float16/bfloat16 parameters.
+    state dict's group holds all of these and passes their check, but its state does not
+    load: it keeps no step count, which convfuse's does. The momentum buffer is float32 for
+    float16/bfloat16 parameters.
     """
 
     _kernel = "sgd"
