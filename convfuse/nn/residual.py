@@ -117,11 +117,13 @@ class ResidualBase(Layer):
                                  f"({type(layer).__name__}) has needs_input_grad=False, but "
                                  "the layer before it needs its input gradient; set it True")
         if self.needs_input_grad:  # dx = d body + d shortcut: both branches must give one
-            for what, layer in (("body", body[0]), ("shortcut", self._shortcut())):
-                if layer is not None and not layer.needs_input_grad:
+            branches: tuple[tuple[str, Layer | None], ...] = (
+                ("body", body[0]), ("shortcut", self._shortcut()))
+            for what, first in branches:
+                if first is not None and not first.needs_input_grad:
                     raise ValueError(
                         f"{type(self).__name__}: the {what}'s first layer "
-                        f"({type(layer).__name__}) has needs_input_grad=False, but the "
+                        f"({type(first).__name__}) has needs_input_grad=False, but the "
                         "block's input gradient needs it; set the block's needs_input_grad "
                         "(it sets both)")
         check_contexts(self)
