@@ -79,6 +79,7 @@ class FusedCall:
     __slots__ = (
         "act",
         "apply",
+        "dw_restride",
         "hyper",
         "identity",
         "name",
@@ -102,6 +103,9 @@ class FusedCall:
         dtypes = {t.dtype for t in tensors if t is not None}
         self.same_dtype = len(dtypes) == 1
         self.runner: Any = None  # once the op validated the signature: a runner or False
+        # whether dweight needs the weight's strides (strided_like): the signature fixes
+        # both, so the first backward decides it (None until then)
+        self.dw_restride: bool | None = None
         self.recorded, self.hyper = recorded, hyper
         self.act = activations.normalize(activation)
         self.saves = activations.saves(self.act)
@@ -232,7 +236,11 @@ class _FusedFunction(torch.autograd.Function):
                                        (need_dx, need_dw, need_db,
                                         need_dres and not identity))
         if dw is not None:
-            dw = strided_like(dw, weight)
+            restride = call.dw_restride
+            if restride is None:
+                restride = call.dw_restride = dw.stride() != weight.stride()
+            if restride:
+                dw = strided_like(dw, weight)
         return (dx, dw, db, (dy if identity else dz) if need_dres else None, None, None)
 
 
