@@ -240,12 +240,10 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     collectives do there.
     """
     params = _parameters(model)
-    torch = _torch()
-    dist = torch.distributed
-    member = _is_member(dist, "broadcast_parameters", group)
-    src = _checked_src(dist, "broadcast_parameters", src, group, member)
-    if not member:
+    checked = _checked_call("broadcast_parameters", src, group)
+    if checked is None:
         return
+    torch, src = checked
     _check_same_model(torch, "broadcast_parameters", [p.data for p in params],
                       _buffers(model), group)
     for p in params:
@@ -271,13 +269,20 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
     if not hasattr(model, "named_buffers"):  # before anything else, a process group included
         raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
                         f".named_buffers()), got {type(model).__name__}")
+    checked = _checked_call("broadcast_buffers", src, group)
+    if checked is not None:
+        torch, src = checked
+        _broadcast_buffers(torch, model, src, group)
+
+
+def _checked_call(fn: str, src: Any, group: Any) -> tuple[Any, int] | None:
+    """(torch, src as an int) for a broadcast by `fn`, its arguments checked before any
+    collective; None on a rank outside `group`, where it does nothing."""
     torch = _torch()
     dist = torch.distributed
-    member = _is_member(dist, "broadcast_buffers", group)
-    src = _checked_src(dist, "broadcast_buffers", src, group, member)
-    if not member:
-        return
-    _broadcast_buffers(torch, model, src, group)
+    member = _is_member(dist, fn, group)
+    src = _checked_src(dist, fn, src, group, member)
+    return (torch, src) if member else None
 
 
 def _broadcast_buffers(torch: Any, model: Any, src: int, group: Any) -> None:
