@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import convfuse.torch as ct  # noqa: E402
+from convfuse.torch.dynamo import Record, backend  # noqa: E402
 from tests._backend_helpers import (  # noqa: E402
     assert_matches_torch,
     compile_recorded,
@@ -178,6 +179,30 @@ def test_momentum_none_is_left_to_torch_and_still_matches():
     model = nn.Sequential(nn.Conv2d(2, 2, 3), nn.BatchNorm2d(2, momentum=None), nn.ReLU())
     assert_matches_torch(model, torch.randn(2, 2, 5, 5), steps=3, fullgraph=False)
     assert int(model[1].num_batches_tracked) == 3
+
+
+def test_dynamic_shapes_say_how_to_keep_batch_norm_floats_constant():
+    """Under dynamic=True Dynamo passes a module's momentum and eps as graph inputs: the
+    batch norm is left to torch with a reason naming the setting that keeps them constant,
+    and with that setting it is fused (the numbers match torch.nn either way)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.ReLU()).double()
+
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64)
+    for specialize, fused in ((False, False), (True, True)):
+        m, ref = model(), model()
+        records: list[Record] = []
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(specialize_float=specialize):
+            y = torch.compile(m, backend=backend(records=records), dynamic=True)(x)
+        torch.testing.assert_close(y, ref(x), rtol=1e-12, atol=1e-12)
+        bn = [r for r in records if "batch_norm" in r.pattern]
+        left = [r for r in bn if not r.fused]
+        if fused:
+            assert bn and not left, records
+        else:  # (Dynamo may also compile a second, specialised graph)
+            assert left and all("specialize_float" in r.reason for r in left), records
 
 
 class Shared(nn.Module):

@@ -136,6 +136,13 @@ class BatchNorm:
     kind: str = "batch_norm"
 
 
+# Under dynamic=True Dynamo lifts a module's float attributes into graph inputs (read back
+# with .item()), so a batch norm's momentum and eps reach the backend as nodes.
+_FLOAT_INPUTS = (" (momentum=None, or dynamic=True, under which Dynamo passes module floats"
+                 " as graph inputs: torch._dynamo.config.specialize_float = True keeps them"
+                 " constants)")
+
+
 def batch_norm(node: Node) -> BatchNorm | Refused | None:
     if _target(node) is not F.batch_norm:
         return None
@@ -151,9 +158,9 @@ def batch_norm(node: Node) -> BatchNorm | Refused | None:
         # momentum=None: torch.nn computes 1 / float(num_batches_tracked) on the host, which
         # breaks Dynamo's graph before the batch norm (torch runs it), or, with
         # capture_scalar_outputs, fails in Dynamo itself (torch 2.13)
-        return Refused("momentum is not a constant")
+        return Refused("momentum is not a constant" + _FLOAT_INPUTS)
     if not isinstance(a["eps"], (int, float)):
-        return Refused("eps is not a constant")
+        return Refused("eps is not a constant" + _FLOAT_INPUTS)
     if a["weight"] is None and a["bias"] is not None:  # convfuse's backward pairs them
         return Refused("a bias without a weight")
     if not a["training"] and (a["running_mean"] is None or a["running_var"] is None):
