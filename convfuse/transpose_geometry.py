@@ -114,7 +114,7 @@ class ConvTransposeGeometry(ConvShapes):
         output_size: Sequence[int] | None = None,
     ) -> ConvTransposeGeometry:
         """Validate everything; ValueError names what is wrong. `output_size` (spatial, or
-        with batch and channels) replaces output_padding as in PyTorch."""
+        a full shape in `layout`'s order) replaces output_padding as in PyTorch."""
         x_shape = tuple(int(v) for v in input_shape)
         w_shape = tuple(int(v) for v in weight_shape)
         rank = check_conv_ranks(x_shape, w_shape, "in_channels, out_channels/groups, *kernel",
@@ -135,6 +135,12 @@ class ConvTransposeGeometry(ConvShapes):
             for name, t in (("stride", stride_t), ("dilation", dil_t)):
                 if any(v < 1 for v in t):
                     raise ValueError(f"{name} must be >= 1, got {t}")
+            if (channels_last and isinstance(output_size, Sequence)
+                    and not isinstance(output_size, (str, bytes))
+                    and len(output_size) == rank + 2):
+                # a full shape is in the layer's layout: a skip connection's shape, the
+                # U-Net idiom `up(x, output_size=skip.shape)`, is (N, *spatial, C)
+                output_size = to_channels_first(output_size, True)
             opad_t = output_padding_for(spatial, output_size, stride_t, pad_t, kernel, dil_t)
         else:
             opad_t = as_tuple(output_padding, rank, "output_padding", op)

@@ -84,6 +84,32 @@ def test_output_size_and_residual(rng):
         m(x, output_size=(8,))
 
 
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_full_output_size_is_read_in_the_layers_layout(rank, rng):
+    """A channels-last layer given a skip connection's shape (N, *spatial, C), the U-Net
+    idiom `up(x, output_size=skip.shape)`, takes its spatial sizes from the middle: the
+    same output as torch.nn given the NCHW shape. The functional form reads it so too."""
+    from convfuse.functional_transpose import conv_transpose_bias_act
+
+    m = CLASSES[rank](3, 2, 3, stride=2, padding=1, dtype="float64", seed=1,
+                      layout=LAYOUTS[rank][1])
+    ref = TORCH[rank](3, 2, 3, stride=2, padding=1, dtype=torch.float64)
+    ref.load_state_dict({k: torch.tensor(v) for k, v in m.state_dict().items()})
+    x = rng.standard_normal((2, 3, *[4, 5, 3][:rank]))
+    spatial = (8, 9, 6)[:rank]  # each the larger of the two sizes stride 2 allows
+    skip_shape = (2, *spatial, 2)
+    want = ref(torch.tensor(x), output_size=[2, 2, *spatial]).detach().numpy()
+    y = m(_cl(x), output_size=skip_shape)
+    assert y.shape == skip_shape
+    np.testing.assert_allclose(np.moveaxis(y, -1, 1), want, rtol=1e-12, atol=1e-12)
+    w = m.weight.data
+    yf = conv_transpose_bias_act(_cl(x), w, stride=2, padding=1, layout=LAYOUTS[rank][1],
+                                 output_size=skip_shape)
+    np.testing.assert_allclose(np.moveaxis(yf, -1, 1),
+                               want - ref.bias.detach().numpy().reshape(1, 2, *[1] * rank),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("kwargs,kind,pattern", [
     (dict(padding_mode="reflect"), ValueError, 'Only "zeros" padding mode is supported'),
     (dict(padding_mode="bogus"), ValueError, 'Only "zeros" padding mode is supported'),
