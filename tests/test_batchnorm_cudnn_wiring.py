@@ -160,7 +160,7 @@ def test_undocumented_configs_run_plain_without_warning(gpu, dtype, shape, layou
     assert (a[9], a[13], a[16], a[17]) == (ptr(dz), ptr(w), 1e-5, ptr(saved.mean))
 
 
-def test_persistent_mode_only_for_channels_last_non_double(gpu):
+def test_persistent_mode_only_for_4d_channels_last_non_double(gpu):
     lib = gpu.lib
     for shape, layout, dtype, mode in [
         ((2, 3, 3, 4), "NHWC", "float32", lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT),
@@ -168,6 +168,10 @@ def test_persistent_mode_only_for_channels_last_non_double(gpu):
         ((2, 3, 3, 4), "NHWC", "float64", lib.CUDNN_BATCHNORM_SPATIAL),
         ((2, 4, 3, 3), "NCHW", "float16", lib.CUDNN_BATCHNORM_SPATIAL),
         ((5, 4), "NHWC", "float32", lib.CUDNN_BATCHNORM_SPATIAL),  # (N, C): no spatial dims
+        ((2, 5, 4), "NHWC", "float16", lib.CUDNN_BATCHNORM_SPATIAL_PERSISTENT),  # 4-d lifted
+        # 5-d: PyTorch runs channels_last_3d SPATIAL (its getCudnnBatchNormMode)
+        ((2, 3, 3, 3, 4), "NHWC", "float32", lib.CUDNN_BATCHNORM_SPATIAL),
+        ((2, 3, 3, 3, 4), "NHWC", "float16", lib.CUDNN_BATCHNORM_SPATIAL),
     ]:
         plan = get_batchnorm_plan(BatchNormGeometry.create(shape, layout), dtype)
         assert plan.training_mode == mode, (shape, layout, dtype)

@@ -2,11 +2,13 @@
 
 Note [BatchNorm in cuDNN]
 - Mode: inference always runs CUDNN_BATCHNORM_SPATIAL. Training (and its backward, which
-  must use the forward's mode) runs CUDNN_BATCHNORM_SPATIAL_PERSISTENT for channels-last
-  float/half/bfloat16 data, as PyTorch does for channels_last (cuDNN documents its
-  optimized path for float and half at compute capability >= 6.0; the reference's caveat
-  on its scaled atomic integers, overflow-prone on extreme ranges, is for NCHW, which
-  never runs it here), and SPATIAL otherwise (channels-first, and double).
+  must use the forward's mode) runs CUDNN_BATCHNORM_SPATIAL_PERSISTENT for 4-d
+  channels-last float/half/bfloat16 data, as PyTorch does for channels_last (cuDNN
+  documents its optimized path for float and half at compute capability >= 6.0; the
+  reference's caveat on its scaled atomic integers, overflow-prone on extreme ranges, is
+  for NCHW, which never runs it here), and SPATIAL otherwise (channels-first, double, and
+  5-d NDHWC, which PyTorch's channels_last_3d also runs SPATIAL: its reduction, and so its
+  rounding, is PyTorch's).
 - Rank: cuDNN documents the BN kernels for 4-d and 5-d tensors, so (N, C) is described as
   (N, C, 1, 1) and (N, C, L) as (N, C, 1, L), like Note [1-D convolutions as 2-D].
 - Scale, bias, mean and variance use the descriptor cudnnDeriveBNTensorDescriptor gives:
@@ -126,8 +128,9 @@ class BatchNormGeometry:
 
 
 def training_mode_name(geom: BatchNormGeometry, dtype: Any) -> str:
-    """Note [BatchNorm in cuDNN]: persistent for channels-last non-double data."""
-    if geom.channels_last and canonical(dtype).name != "float64":
+    """Note [BatchNorm in cuDNN]: persistent for 4-d channels-last non-double data."""
+    if (geom.channels_last and len(geom.lifted_cf) == 4
+            and canonical(dtype).name != "float64"):
         return "CUDNN_BATCHNORM_SPATIAL_PERSISTENT"
     return "CUDNN_BATCHNORM_SPATIAL"
 
