@@ -216,6 +216,11 @@ def test_only_a_search_in_cupys_pool_hands_its_blocks_back(monkeypatch):
         found = get_plan(make_geom(1, False, 1), "float64")
     found.choice("fwd", "h", inputs=(1, 2), allocate=lambda n: None)  # a caller's memory
     assert q.released == []
+    # the identity slot's algorithm is forced: no search, so CuPy's pool keeps its blocks
+    with config.flags(benchmark=True):
+        identity = get_plan(make_geom(1, False, 1), "float64", "identity")
+    identity.choice("fwd", "h", inputs=(1, 2), fused=True)
+    assert q.calls[-1] == ("forced",) and q.released == []
 
 
 def test_query_errors_name_the_plan(monkeypatch):

@@ -217,8 +217,8 @@ class ConvPlan(FusedFallbackState):
                 chosen = self._choose(direction, slot, handle, inputs,
                                       allocate if allocate is not None else pool_alloc)
                 self._chosen[slot] = chosen
-                if self.key.benchmark and allocate is None:
-                    release_search_memory()
+                if self.key.benchmark and allocate is None and not chosen.forced:
+                    release_search_memory()  # (the forced identity slot searched nothing)
             elif chosen.retry_in:
                 chosen.retry_in -= 1
                 if not chosen.retry_in:
