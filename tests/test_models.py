@@ -239,6 +239,14 @@ def test_constructor_errors(kwargs, err, match):
         ResNet(**args)
 
 
+def test_numpy_ints_are_taken_as_ints():
+    """As block_counts takes them, and torchvision's resnet18(num_classes=np.int64(10))."""
+    model = ResNet(np.array([1]), (np.int64(2),), num_classes=np.int64(3),
+                   in_channels=np.int32(2), stem="small", device="cpu")
+    assert type(model.num_classes) is int and model.num_classes == 3
+    assert model.fc.weight.data.shape == (3, 2) and model.conv1.weight.data.shape[1] == 2
+
+
 def test_call_errors(rng):
     model = tiny()
     with pytest.raises(ValueError, match=r"ResNet expects a 4-d input \(NCHW\)"):

@@ -92,8 +92,10 @@ class ResNet(Layer):
                  seed: int | None = None) -> None:
         counts, widths = _stage_spec(block_counts, widths)
         for what, v in (("num_classes", num_classes), ("in_channels", in_channels)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            # NumPy ints as block_counts takes them (and torchvision's resnet18)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ResNet: {what} must be a positive int, got {v!r}")
+        num_classes, in_channels = int(num_classes), int(in_channels)
         if stem not in STEMS:
             raise ValueError(f"ResNet: stem must be one of {STEMS}, got {stem!r}")
         if not isinstance(layout, str) or layout.upper() not in ("NCHW", "NHWC"):

@@ -20,8 +20,8 @@ one also takes the identity as its residual, and the block's class becomes a sub
 its own (`FusedBasicBlock`, `FusedTimmBottleneck`, ...) whose forward makes those calls,
 as torch.nn.utils.parametrize swaps a module's class. The submodules, attributes and
 state-dict keys stay; the activation modules stay as submodules, unused. The downsample
-runs before the main branch instead of after it: they share no state (each batch norm
-updates its own statistics) and draw no random numbers. `out += identity` keeps `out`'s
+runs after the main branch's last convolution, as the blocks' own forwards run it: a
+downsample with dropout draws its random numbers in the same order. `out += identity` keeps `out`'s
 dtype, so an identity of another dtype (an input torch.autocast left in float32) is cast to
 the main branch's before the fused call, where torch.nn rounds the sum to that dtype
 instead. The classes are made on first use from the library already imported (convert
