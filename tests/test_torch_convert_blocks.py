@@ -187,6 +187,44 @@ def test_a_block_that_may_compute_something_else_is_kept(change):
     assert len(fired) == 2 * (change in ("hook", "bn_hook")) + 4 * (change == "relu_hook")
 
 
+def test_global_module_hooks_keep_every_activation_called():
+    """A hook registered for every module's call (torch.nn.modules.module.
+    register_module_forward_hook) must see the ReLUs: with one in place, convert() warns
+    once, fuses no block and folds no activation; each hook sees what torch.nn's did."""
+    tv = import_torchvision()
+    block = _block(tv)
+    seq = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU()).double()
+    seen = []
+
+    def hook(module, args, out):
+        seen.append(type(module).__name__)
+        return out * 2 if isinstance(module, nn.ReLU) else None  # changes the result
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        for theirs in (block, seq):
+            ours = copy.deepcopy(theirs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ct.convert(ours)
+            assert [str(w.message) for w in caught if "every module" in str(w.message)] \
+                and len(caught) == 1, [str(w.message) for w in caught]
+            assert type(ours) is type(theirs) and isinstance(ours[1] if theirs is seq
+                                                             else ours.bn2, ct.BatchNorm2d)
+            x = torch.randn(2, 4 if theirs is block else 2, 5, 5, dtype=torch.float64)
+            seen.clear()
+            want = theirs(x)
+            relus = seen.count("ReLU")
+            seen.clear()
+            torch.testing.assert_close(ours(x), want, rtol=1e-12, atol=1e-12)
+            assert relus and seen.count("ReLU") == relus
+    finally:
+        handle.remove()
+    # without it, both fuse again
+    assert type(ct.convert(copy.deepcopy(block))).__name__ == "FusedBasicBlock"
+    assert isinstance(ct.convert(copy.deepcopy(seq))[2], nn.Identity)
+
+
 @pytest.mark.parametrize("downsample", [True, False])
 def test_a_lone_block_converts_with_and_without_downsample(downsample):
     tv = import_torchvision()

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ._convert_kinds import CALL_HOOKS, activation_of
+from ._convert_kinds import activation_of, runs_hooks
 
 
 class Block(NamedTuple):
@@ -225,8 +225,9 @@ def _imported(block: Block | Inverted) -> type | None:
 
 
 def _hooked(module: nn.Module) -> bool:
-    """Hooks a call runs (a fused block keeps the module, so its state-dict hooks stay)."""
-    return any(getattr(module, attr, None) for attr, _ in CALL_HOOKS)
+    """Hooks a call runs, its own or global ones (a fused block keeps the module, so its
+    state-dict hooks stay)."""
+    return runs_hooks(module)
 
 
 def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | None:

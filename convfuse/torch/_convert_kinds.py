@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 from torch.nn.utils import parametrize
 
 from . import zoo_layers
@@ -53,6 +54,22 @@ HOOKS = (*CALL_HOOKS,
          ("_state_dict_hooks", "state-dict"), ("_state_dict_pre_hooks", "state-dict-pre"),
          ("_load_state_dict_pre_hooks", "load-state-dict-pre"),
          ("_load_state_dict_post_hooks", "load-state-dict-post"))
+
+
+#: torch.nn.modules.module's hooks that run at every module's call (register_module_*_hook).
+GLOBAL_CALL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                     "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def global_hooks() -> bool:
+    """Whether hooks registered for every module's call are in place: they would see the
+    activations that folding or a fused block stops calling."""
+    return any(getattr(_module_hooks, attr, None) for attr in GLOBAL_CALL_HOOKS)
+
+
+def runs_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs a hook: its own call hooks, or global ones."""
+    return any(getattr(module, attr, None) for attr, _ in CALL_HOOKS) or global_hooks()
 
 
 def hooks_of(module: nn.Module) -> list[str]:
@@ -184,7 +201,7 @@ def _timm_batchnorm_act(bn: Any, base: type, activation: str | None) -> nn.Modul
     drop, act = bn.drop, bn.act
     # an act with hooks stays a module of its own, its hooks running (as convert's rule for
     # an activation after a conv in a Sequential)
-    folded = activation_of(act) if type(drop) is nn.Identity and not hooks_of(act) else None
+    folded = activation_of(act) if type(drop) is nn.Identity and not runs_hooks(act) else None
     return on_buffers_of(bn, zoo_layers.BatchNormAct2d, folded, drop=drop,
                          act=nn.Identity() if folded is not None else act)
 

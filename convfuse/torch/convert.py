@@ -35,7 +35,7 @@ from torch import nn
 
 from .. import activations
 from . import _convert_blocks
-from ._convert_kinds import Kind, activation_of, classify, hooks_of, known_kinds
+from ._convert_kinds import Kind, activation_of, classify, global_hooks, known_kinds, runs_hooks
 from .batchnorm import _BatchNormNd
 from .conv import _ConvNd
 from .conv_transpose import _ConvTransposeNd
@@ -119,7 +119,7 @@ def convert(model: nn.Module) -> nn.Module:
     keeps working. Every convolution or batch norm left in torch.nn's hands gets one warning
     naming it and why: a subclass with its own forward, extra state, hooks of any kind
     (forward, backward, state-dict) or a parametrization; an activation with hooks is not
-    folded. Attributes a user set on a converted module come along. Also left: a module
+    folded, and with hooks registered for every module's call none is (one warning). Attributes a user set on a converted module come along. Also left: a module
     with its own forward (or train) set on the instance; batch norms under a module whose
     class overrides train() (it may switch them by isinstance, which the new layers fail);
     dtypes convfuse cannot run (integer or complex); the lazy modules; SyncBatchNorm. A
@@ -128,6 +128,11 @@ def convert(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects a torch.nn.Module, got {type(model).__name__}")
     kinds = known_kinds()
+    if global_hooks():
+        warnings.warn("convfuse.torch.convert: hooks for every module's call are registered "
+                      "(torch.nn.modules.module.register_module_*_hook): no activation is "
+                      "folded and no residual block fused, so each module they see still "
+                      "runs", stacklevel=2)
     guard = _train_override(model, None)
     alone = _convert_one(model, None, kinds, guard)
     if alone is not None:
@@ -213,7 +218,7 @@ def _convert_one(module: nn.Module, follower: nn.Module | None,
         follower = None
     # a hooked activation stays: nn.Identity in its place would run none of its hooks
     act = activation_of(follower) if (follower is not None and kind.folds_next
-                                       and not hooks_of(follower)) else None
+                                       and not runs_hooks(follower)) else None
     fused = kind.build(module, base, act)
     if fused is None:  # refused by convfuse's constructor, which warned
         return None
