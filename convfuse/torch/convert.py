@@ -119,7 +119,8 @@ def convert(model: nn.Module) -> nn.Module:
     keeps working. Every convolution or batch norm left in torch.nn's hands gets one warning
     naming it and why: a subclass with its own forward, extra state, hooks of any kind
     (forward, backward, state-dict) or a parametrization; an activation with hooks is not
-    folded, and with hooks registered for every module's call none is (one warning). Attributes a user set on a converted module come along. Also left: a module
+    folded, and with hooks registered for every module's call none is (one warning).
+    Attributes a user set on a converted module come along. Also left: a module
     with its own forward (or train) set on the instance; batch norms under a module whose
     class overrides train() (it may switch them by isinstance, which the new layers fail);
     dtypes convfuse cannot run (integer or complex); the lazy modules; SyncBatchNorm. A
