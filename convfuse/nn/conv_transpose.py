@@ -7,8 +7,9 @@ dtype`); convfuse's additions (`activation`, `layout`, `seed`) are keyword-only.
 `layer(x, residual=None, output_size=None)`, output_size choosing among the output sizes a
 stride allows, as in PyTorch: the spatial sizes, or a full shape in the layer's layout (a
 channels-last skip connection's `skip.shape` is (N, *spatial, C)). `stride`, `padding`,
-`output_padding`, `dilation`, `activation` and `residual_scale` may be assigned (validated, and the per-shape geometry
-cache cleared); the others fix the weight's shape or storage and are read-only.
+`output_padding`, `dilation`, `activation` and `residual_scale` may be assigned (validated,
+and the per-shape geometry cache cleared); the others fix the weight's shape or storage and
+are read-only.
 """
 
 from __future__ import annotations
