@@ -135,7 +135,7 @@ HOST = Part(
     # The section streams to bench.jsonl; its full JSON (--from-json re-renders it) is
     # host.json, in OUTDIR. About 35-65 s measured time: 50 s guaranteed, up to 120 s.
     "host", 50, 120, True,
-    '"$PY" benchmarks/fused_vs_unfused.py --quick --quiet --sections host-overhead '
+    '"$PY" benchmarks/fused_vs_unfused.py --quick --sections host-overhead '
     '--no-conv-transpose --stream "$OUT/bench.jsonl" --out "$OUT/host.json" '
     '--plot "$SCRATCH/host.png"')
 SYNCS = Part("syncs", 10, 25, True,
@@ -161,7 +161,7 @@ def tail_parts(bench_sections: str) -> list[Part]:
         # (ResNet-18 through Inductor twice) is the last section and the likeliest cut.
         # host-overhead ran in stage 2 (HOST): left out here. The full JSON is bench.json.
         Part("bench", 150, 260, True,
-             f'"$PY" benchmarks/fused_vs_unfused.py --quick --quiet --sections '
+             f'"$PY" benchmarks/fused_vs_unfused.py --quick --sections '
              f'{bench_sections} --resnet --stream "$OUT/bench.jsonl" '
              f'--out "$OUT/bench.json" --plot "$SCRATCH/bench.png"'),
         Part("sanitizer", 0, None, True, "sanitizer"),

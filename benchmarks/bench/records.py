@@ -86,8 +86,17 @@ def guarded(ctx: Context, rec: dict[str, Any], label: str, measure: Callable[[],
     finally:
         ctx.engine.release()
     ctx.finished.append(rec)  # before the log line: a cut right after it keeps this case
-    ctx.log(f"{label}: {rec['status']}")
+    ctx.log(f"{label}: {rec['status']}{_medians(rec)}")
     return rec
+
+
+def _medians(rec: dict[str, Any]) -> str:
+    """' [form median, ...]' for the log line: a run killed inside C code (SIGKILL after a
+    hang) writes no JSON, and the log is then all that keeps the measured numbers."""
+    timings = rec.get("timings") or {}
+    parts = [f"{form} {t['median_s'] * 1e6:.4g} us" for form, t in timings.items()
+             if isinstance(t, dict) and isinstance(t.get("median_s"), (int, float))]
+    return f" [{', '.join(parts)}]" if parts else ""
 
 
 def check_failed(rec: dict[str, Any], why: str) -> dict[str, Any]:
