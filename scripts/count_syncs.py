@@ -96,12 +96,14 @@ SPIN_S = 0.05
 BLOCKED_SHARE = 0.5
 SPIN_SOURCE = r"""
 extern "C" __global__ void convfuse_spin(unsigned long long ns) {
-    // bounded: a %globaltimer that never advances (a virtual device) must not hang the part
+    // bounded: a %globaltimer that never advances (a virtual device) must not hang the part;
+    // 2^26 reads (about 1 s at 10-20 ns a read) leave a 50 ms spin room and keep a frozen
+    // timer's steps well inside the part's 25 s cap
     unsigned long long start, now, spins = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     do {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns && ++spins < (1ull << 32));
+    } while (now - start < ns && ++spins < (1ull << 26));
 }
 """
 

@@ -306,6 +306,11 @@ gpu_probe() {  # after the install: sets GPU_REASON (empty: a usable GPU) and gp
     GPU_REASON="convfuse.backend did not import (exit $rc; see log.txt)"
   fi
   echo "== GPU probe: ${GPU_REASON:-a usable GPU}" >>"$LOG"
+  # the card and driver in every stage's log (stage 3 writes no smoke.json or benchmark)
+  if command -v nvidia-smi >/dev/null; then
+    timeout -k 5 10 nvidia-smi --query-gpu=name,driver_version,memory.total \
+      --format=csv,noheader >>"$LOG" 2>&1 || true
+  fi
   # no usable GPU on a machine that shows one: CuPy or the driver is broken there, and a
   # stage of skipped parts would read as a green run that spent the lease
   if [ -n "$GPU_REASON" ] && visible=$(gpu_visible); then
