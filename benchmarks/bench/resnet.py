@@ -13,8 +13,11 @@ classes and batch 256 at 32x32 with 10 classes, each in fp16 and bf16. Forms:
 - convfuse eager: the model in that dtype, channels-last (NHWC), fused SGD;
 - convfuse captured: the same step recorded once with convfuse.graph.capture and replayed;
 - PyTorch eager: the identical architecture (written out below; torchvision is not needed)
-  with cudnn.benchmark=True, channels_last, AMP autocast to that dtype (GradScaler for
-  fp16), fused SGD; only when PyTorch has CUDA.
+  with cudnn.benchmark=True, channels_last, fused SGD, on convfuse's batch, only when
+  PyTorch has CUDA: `pytorch_eager` with the model in that dtype, as convfuse's (the
+  ratios' reference), and `pytorch_amp` with AMP autocast to it (GradScaler for fp16), what
+  PyTorch users run. The first step's losses, from the same initial weights, must agree
+  within 3% (`first_loss`); the table flags a mismatch.
 CPU cases (the NumPy reference engine, labelled CPU): the same ResNet-18 scaled down to
 batch 8 at 32x32, 10 classes (--quick: batch 4), float32, NCHW, against PyTorch CPU eager
 float32 when installed. No GPU number is produced without a GPU.
@@ -182,8 +185,13 @@ def _outside_conv_fraction(step: Callable[[], Any], sync: Callable[[], None], gp
             step()
         sync()
     total = time.perf_counter() - t0
+    # the spies make the layers call the public, validated ops instead of their direct ones
+    # (convfuse.functional's _Direct.checked): the profiled steps carry more host work than
+    # the timed ones, so on the GPU the fraction is an upper bound
     return {"conv_s_per_step": conv[0] / n, "step_s_per_step": total / n,
-            "outside_conv_fraction": max(0.0, 1.0 - conv[0] / total)}
+            "outside_conv_fraction": max(0.0, 1.0 - conv[0] / total),
+            "note": "profiled through the public ops (the spies turn off the direct path): "
+                    "an upper bound on the time outside convolutions"}
 
 
 # -- PyTorch: torchvision's ResNet-18, written out ---------------------------------------------
@@ -343,8 +351,10 @@ def _gpu_case(batch: int, size: int, classes: int, dtype: str, repeats: int,
     rec: dict[str, Any] = {"device": "cuda", "dtype": dtype, "layout": "NHWC",
                            "shape": f"N{batch} 3x{size}x{size} -> {classes} classes",
                            "gpu": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
-    for _ in range(2):  # plans, algorithm choice, kernel compilation
-        cfs(cfs.x, cfs.y)
+    # plans, algorithm choice, kernel compilation; the first step's loss, from the initial
+    # weights, is checked against PyTorch's below
+    first = float(cfs(cfs.x, cfs.y))
+    cfs(cfs.x, cfs.y)
     forms: dict[str, Callable[[], Any]] = {"convfuse_eager": lambda: cfs(cfs.x, cfs.y)}
     try:  # a capture that fails is a finding; the eager and PyTorch figures still stand
         captured = cf.graph.capture(cfs, cfs.x, cfs.y)
@@ -357,15 +367,31 @@ def _gpu_case(batch: int, size: int, classes: int, dtype: str, repeats: int,
     reference = None
     if torch is not None and torch.cuda.is_available():
         torch.backends.cudnn.benchmark = True
-        amp = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        half = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
         weights = resnet18(num_classes=classes, device="cpu", seed=0).state_dict()
-        ts = TorchStep(torch, batch, size, classes, "cuda", amp, weights)
-        for _ in range(3):  # cudnn.benchmark autotuning
-            ts()
+        # convfuse's batch (NHWC -> an NCHW channels_last view) and labels for both forms;
+        # through int16 bits, which cross DLPack whatever the library's bfloat16 support
+        x = torch.from_dlpack(cfs.x.view(cupy.int16)).view(half).permute(0, 3, 1, 2)
+        y = torch.from_dlpack(cfs.y).long()
+        # like for like: the model in `dtype` (no fp32 master weights, no loss scaling), as
+        # convfuse's step; and what PyTorch users run, AMP autocast (+ GradScaler for fp16)
+        pure = TorchStep(torch, batch, size, classes, "cuda", None, weights)
+        pure.model.to(dtype=half)  # in place: the optimizer keeps the same Parameters
+        amp = TorchStep(torch, batch, size, classes, "cuda", half, weights)
+        firsts = {"convfuse": first}
+        for name, ts in (("pytorch_eager", pure), ("pytorch_amp", amp)):
+            ts.x, ts.y = x, y
+            firsts[name] = float(ts().detach())  # from the same initial weights
+            for _ in range(2):  # cudnn.benchmark autotuning
+                ts()
         torch.cuda.synchronize()
-        forms["pytorch_eager"] = ts
+        # half precision through 18 layers: a wrong step is off by far more than 3%
+        rec["first_loss"] = {**firsts, "match": all(
+            abs(v - first) <= 3e-2 * max(1.0, abs(v)) for v in firsts.values())}
+        forms["pytorch_eager"], forms["pytorch_amp"] = pure, amp
         reference = "pytorch_eager"
-        rec["pytorch"] = (f"PyTorch {torch.__version__}, cudnn.benchmark, channels_last, "
+        rec["pytorch"] = (f"PyTorch {torch.__version__}, cudnn.benchmark, channels_last: "
+                          f"pytorch_eager in {dtype} (the ratios' reference), pytorch_amp "
                           f"AMP {dtype}" + (" + GradScaler" if dtype == "float16" else ""))
 
         def sync() -> None:  # both libraries' queues
@@ -402,6 +428,11 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{name:<40} convfuse eager: {prof['outside_conv_fraction']:.0%} of the "
                      "step outside convolutions")
         lines.append(f"{'':<40} PyTorch: {case.get('pytorch')}")
+        first = case.get("first_loss")
+        if first:
+            losses = ", ".join(f"{k} {v:.4g}" for k, v in first.items() if k != "match")
+            lines.append(f"{'':<40} first losses: {losses}"
+                         + ("" if first["match"] else "  MISMATCH: the timings are suspect"))
     return "\n".join(lines)
 
 
