@@ -204,3 +204,164 @@ def test_non_finite_logits_give_torchs_values_with_warnings_as_errors(logits, la
     np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-14, atol=1e-16)
     assert np.array_equal(np.isnan(grad), np.isnan(t.grad.numpy()))
     assert int(loss_fn.correct) == int((t.detach().argmax(1) == torch.tensor(y)).sum())
+
+
+# ---- ignore_index, against torch.nn.CrossEntropyLoss(ignore_index=) ----
+
+def torch_reference(logits, labels, ignore_index, torch_dtype="float64"):
+    """torch's loss, autograd gradient (as float64) and the correct count over kept rows,
+    on the logits widened exactly to float64 (or in float32)."""
+    torch = pytest.importorskip("torch")
+    t = torch.tensor(np.asarray(logits, np.float64), dtype=getattr(torch, torch_dtype),
+                     requires_grad=True)
+    y = torch.tensor(np.asarray(labels, np.int64))
+    loss = torch.nn.CrossEntropyLoss(ignore_index=ignore_index)(t, y)
+    loss.backward()
+    hits = (t.detach().argmax(1) == y) & (y != ignore_index)  # argmax: the first maximum
+    return loss.item(), int(hits.sum()), t.grad.double().numpy()
+
+
+#: case -> (ignore_index, rows given that label; None: every row)
+IGNORE_CASES = {
+    "none": (-100, []),
+    "some": (-100, [1, 4, 5]),
+    "all": (-100, None),
+    "a class": (2, [0, 3, 7]),  # inside [0, C): class 2's rows are ignored, as in torch
+    "custom negative": (-1, [2, 6]),
+}
+
+
+def ignore_batch(rng, dtype, case, label_dtype=np.int64):
+    ignore_index, rows = IGNORE_CASES[case]
+    logits, labels = make_batch(rng, 9, 7, dtype)
+    if ignore_index == 2:
+        labels[labels == 2] = 3  # only the chosen rows carry the class
+    labels[slice(None) if rows is None else rows] = ignore_index
+    return ignore_index, logits, labels.astype(label_dtype)
+
+
+@pytest.mark.parametrize("label_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("case", list(IGNORE_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ignore_index_matches_torch(rng, dtype, case, label_dtype):
+    ignore_index, logits, labels = ignore_batch(rng, dtype, case, label_dtype)
+    ignored = labels == ignore_index
+    kept = int((~ignored).sum())
+    loss_fn = CrossEntropyLoss(ignore_index=ignore_index)
+    loss = loss_fn(logits, labels)
+    grad = loss_fn.backward()
+    want_loss, want_correct, want_grad = torch_reference(logits, labels, ignore_index)
+
+    out_dtype = np.float64 if dtype == np.float64 else np.float32
+    assert loss.shape == () and loss.dtype == out_dtype
+    if kept == 0:  # torch's 0/0
+        assert math.isnan(float(loss)) and math.isnan(want_loss)
+    else:
+        rtol = 1e-12 if dtype == np.float64 else 2e-6
+        np.testing.assert_allclose(float(loss), want_loss, rtol=rtol)
+    assert loss_fn.correct.dtype == np.int64 and int(loss_fn.correct) == want_correct
+    assert grad.dtype == np.dtype(dtype) and grad.shape == logits.shape
+    assert (grad[ignored] == 0).all() and (want_grad[ignored] == 0).all()
+    eps = grad_tolerance(dtype)
+    np.testing.assert_allclose(grad.astype(np.float64), want_grad, rtol=eps,
+                               atol=eps / max(kept, 1))
+    if dtype == np.float32:  # and against torch computing in float32 itself
+        want32_loss, _, want32_grad = torch_reference(logits, labels, ignore_index, "float32")
+        np.testing.assert_allclose(float(loss), want32_loss, rtol=2e-6)
+        np.testing.assert_allclose(grad, want32_grad, rtol=2e-6, atol=2e-6 / max(kept, 1))
+
+
+def test_ignored_rows_leave_the_denominator(rng):
+    """The mean is over kept rows only: the same as the loss of the kept rows alone."""
+    logits, labels = make_batch(rng, 8, 5, np.float64)
+    padded = labels.copy()
+    padded[[1, 6]] = -100
+    loss_fn = CrossEntropyLoss()
+    loss = float(loss_fn(logits, padded))
+    grad = loss_fn.backward()
+    keep = padded != -100
+    alone = CrossEntropyLoss()
+    np.testing.assert_allclose(loss, float(alone(logits[keep], labels[keep])), rtol=1e-14)
+    np.testing.assert_allclose(grad[keep], alone.backward(), rtol=1e-14, atol=1e-17)
+    assert (grad[~keep] == 0).all()
+    assert int(loss_fn.correct) == int(alone.correct)
+
+
+@pytest.mark.parametrize(("label_dtype", "ignore_index"),
+                         [(np.int8, -100), (np.uint8, -100), (np.uint8, 3), (np.uint64, 3),
+                          (np.uint64, -100), (np.int16, 2**40)])
+def test_ignore_index_with_any_integer_label_dtype(rng, label_dtype, ignore_index):
+    """Compared exactly: -100 or 2**40 never matches a uint8 (or int16) label, 3 does."""
+    logits, labels = make_batch(rng, 6, 5, np.float64)
+    labels[labels == 3] = 4
+    if np.can_cast(np.min_scalar_type(ignore_index), label_dtype):
+        labels[[0, 2]] = ignore_index
+    loss_fn = CrossEntropyLoss(ignore_index=ignore_index)
+    loss = float(loss_fn(logits, labels.astype(label_dtype)))
+    want_loss, want_correct, want_grad = torch_reference(logits, labels, ignore_index)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-12)
+    assert int(loss_fn.correct) == want_correct
+    np.testing.assert_allclose(loss_fn.backward(), want_grad, rtol=1e-12, atol=1e-16)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_ignored_rows_with_non_finite_logits_give_zero_gradient_rows(strict):
+    """An ignored row's inf/NaN logits touch nothing: the loss is torch's, and its gradient
+    row is zero (torch's log_softmax backward leaves NaN there), warnings as errors or not."""
+    torch = pytest.importorskip("torch")
+    x = np.array([[np.inf, 0.0, 0.0], [0.0, 1.0, 2.0], [np.nan, 1.0, -np.inf], [3.0, 1.0, 0.5]])
+    y = np.array([-100, 2, -100, 1])
+    t = torch.tensor(x, requires_grad=True)
+    want = torch.nn.functional.cross_entropy(t, torch.tensor(y))
+    want.backward()
+    loss_fn = CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error" if strict else "ignore")
+        loss = loss_fn(x, y)
+        grad = loss_fn.backward()
+    np.testing.assert_allclose(float(loss), want.item(), rtol=1e-14)
+    assert (grad[[0, 2]] == 0).all()
+    assert np.isnan(t.grad.numpy()[[0, 2]]).all()  # torch's, which convfuse does not follow
+    np.testing.assert_allclose(grad[[1, 3]], t.grad.numpy()[[1, 3]], rtol=1e-14, atol=1e-17)
+    assert int(loss_fn.correct) == 1  # row 1 (argmax 2); row 0's inf argmax is not counted
+
+
+def test_all_ignored_gives_nan_loss_and_zero_gradient_without_a_warning():
+    loss_fn = CrossEntropyLoss(ignore_index=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = loss_fn(np.ones((3, 4), np.float32), np.full(3, 7))
+    assert loss.dtype == np.float32 and math.isnan(float(loss))
+    assert (loss_fn.backward() == 0).all() and int(loss_fn.correct) == 0
+
+
+def test_other_out_of_range_labels_still_raise():
+    loss_fn = CrossEntropyLoss(ignore_index=-1)
+    with pytest.raises(ValueError, match=r"^CrossEntropyLoss: labels must be in \[0, 4\) .*"
+                                         r"ignore_index=-1\); got -100 at row 2"):
+        loss_fn(np.zeros((3, 4), np.float32), np.array([-1, 1, -100]))
+    with pytest.raises(ValueError, match="got 4 at row 1"):
+        CrossEntropyLoss()(np.zeros((3, 4), np.float32), np.array([-100, 4, 0]))
+    assert loss_fn.correct is None
+
+
+@pytest.mark.parametrize("bad", [2.0, -100.0, True, "-100", None, np.float64(-1), [-100]])
+def test_ignore_index_must_be_an_int(bad):
+    with pytest.raises(TypeError, match=r"^CrossEntropyLoss: ignore_index must be an int"):
+        CrossEntropyLoss(ignore_index=bad)
+
+
+def test_ignore_index_is_keyword_only_and_shown_in_repr():
+    with pytest.raises(TypeError):
+        CrossEntropyLoss(-100)  # torch's first positional argument is `weight`
+    assert repr(CrossEntropyLoss()) == "CrossEntropyLoss()"
+    assert repr(CrossEntropyLoss(ignore_index=-100)) == "CrossEntropyLoss()"
+    loss_fn = CrossEntropyLoss(ignore_index=np.int32(-1))  # NumPy ints are accepted
+    assert loss_fn.ignore_index == -1 and type(loss_fn.ignore_index) is int
+    assert repr(loss_fn) == "CrossEntropyLoss(ignore_index=-1)"
+    assert CrossEntropyLoss().ignore_index == -100
+    assert repr(CrossEntropyLoss(ignore_index=np.uint8(3))) == "CrossEntropyLoss(ignore_index=3)"
+    with pytest.raises(ValueError, match=r"^CrossEntropyLoss: ignore_index must fit in int64"):
+        CrossEntropyLoss(ignore_index=2**63)
+    with pytest.raises(AttributeError):
+        loss_fn.ignore_index = 5  # fixed at construction

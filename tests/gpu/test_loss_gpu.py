@@ -1,5 +1,6 @@
 """CrossEntropyLoss and metrics.Mean on a GPU: against the CPU path (itself checked against
-a float64 oracle in tests/test_loss.py), bad labels, and inside CUDA stream capture."""
+a float64 oracle and torch in tests/test_loss.py), ignore_index, bad labels, and inside
+CUDA stream capture."""
 
 from __future__ import annotations
 
@@ -42,13 +43,13 @@ def grad_tol(dtype, n):
     return eps, eps / n
 
 
-def run_both(logits, labels, label_dtype=np.int64):
-    cpu = CrossEntropyLoss()
+def run_both(logits, labels, label_dtype=np.int64, ignore_index=-100):
+    cpu = CrossEntropyLoss(ignore_index=ignore_index)
     want = cpu(logits, labels), cpu.correct, cpu.backward()
-    gpu = CrossEntropyLoss()
+    gpu = CrossEntropyLoss(ignore_index=ignore_index)
     n, c = logits.shape
     size = np.dtype(logits.dtype).itemsize
-    poison_pool(n * c * size, (n + 1) * 8, (n + 1) * 4)
+    poison_pool(n * c * size, (n + 2) * 8, (n + 1) * 4)
     loss = gpu(cp.asarray(logits), cp.asarray(labels.astype(label_dtype)))
     got = loss, gpu.correct, gpu.backward()
     return want, got
@@ -96,6 +97,87 @@ def test_out_of_range_label_gives_nan_loss_and_zero_gradient_row(rng):
     np.testing.assert_allclose(grad[ok], want[ok], rtol=1e-6, atol=1e-8)
     right = np.argmax(logits, axis=1) == labels
     assert int(loss_fn.correct) == int(right[ok].sum())
+
+
+#: case -> (ignore_index, fraction of rows given that label)
+IGNORE_CASES = {
+    "none": (-100, 0.0),
+    "some": (-100, 0.3),
+    "all": (-100, 1.0),
+    "a class": (2, 0.2),  # inside [0, C): that class's rows are ignored
+    "custom negative": (-1, 0.5),
+}
+
+
+@pytest.mark.parametrize("shape", [(9, 7), (1, 3), (3000, 1000)])
+@pytest.mark.parametrize("label_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("case", list(IGNORE_CASES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ignore_index_matches_cpu(rng, dtype, case, label_dtype, shape):
+    """xent_kept counts the kept rows on the device; the rows and mean kernels divide by
+    that count: the mean over kept rows, zero gradient rows for ignored ones, NaN and an
+    all-zero gradient when every row is ignored (torch's values; the CPU path is checked
+    against torch)."""
+    ignore_index, fraction = IGNORE_CASES[case]
+    logits, labels = make_batch(rng, *shape, dtype)
+    if ignore_index == 2:
+        labels[labels == 2] = 0
+    ignored = rng.random(shape[0]) < fraction if fraction < 1 else np.ones(shape[0], bool)
+    labels[ignored] = ignore_index
+    (want_loss, want_correct, want_grad), (loss, correct, grad) = run_both(
+        logits, labels, label_dtype, ignore_index
+    )
+    kept = int((~ignored).sum())
+    assert loss.shape == () and loss.dtype == want_loss.dtype
+    if kept == 0:
+        assert math.isnan(float(loss)) and math.isnan(float(want_loss))
+    else:
+        rtol = 1e-12 if dtype == np.float64 else 1e-5
+        np.testing.assert_allclose(float(loss), float(want_loss), rtol=rtol)
+    assert int(correct) == int(want_correct)
+    host = cp.asnumpy(grad).astype(np.float64)
+    assert np.isfinite(host).all() and (host[ignored] == 0).all()
+    rtol, atol = grad_tol(dtype, max(kept, 1))
+    np.testing.assert_allclose(host, want_grad.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def test_an_out_of_range_label_is_a_kept_row(rng):
+    """A label outside [0, C) that is not ignore_index makes the mean NaN and its gradient
+    row zero, and counts in the denominator: the other rows' gradient is divided by the
+    kept rows, that one included."""
+    logits, labels = make_batch(rng, 8, 5, np.float32)
+    bad = labels.copy()
+    bad[[1, 6]] = -100  # ignored
+    bad[3] = 5          # out of range: kept
+    loss_fn = CrossEntropyLoss()
+    poison_pool(8 * 5 * 4, 10 * 8)
+    loss = loss_fn(cp.asarray(logits), cp.asarray(bad))
+    grad = cp.asnumpy(loss_fn.backward())
+    assert math.isnan(float(loss))
+    assert (grad[[1, 3, 6]] == 0).all()
+    cpu = CrossEntropyLoss()
+    stand_in = bad.copy()
+    stand_in[3] = labels[3]  # a valid label: the same 6 kept rows
+    cpu(logits, stand_in)
+    want = cpu.backward()
+    ok = [0, 2, 4, 5, 7]
+    rtol, atol = grad_tol(np.float32, 6)
+    np.testing.assert_allclose(grad[ok], want[ok], rtol=rtol, atol=atol)
+    right = np.argmax(logits, axis=1) == labels
+    assert int(loss_fn.correct) == int(right[ok].sum())
+
+
+def test_ignored_rows_with_non_finite_logits_are_not_read():
+    logits = np.array([[np.inf, 0.0, 0.0], [0.0, 1.0, 2.0], [np.nan, 1.0, -np.inf],
+                       [3.0, 1.0, 0.5]], np.float32)
+    labels = np.array([-100, 2, -100, 1])
+    with np.errstate(all="ignore"):  # the CPU reference's inf - inf
+        (want_loss, want_correct, want_grad), (loss, correct, grad) = run_both(logits, labels)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    assert int(correct) == int(want_correct) == 1
+    host = cp.asnumpy(grad)
+    assert (host[[0, 2]] == 0).all()
+    np.testing.assert_allclose(host, want_grad, rtol=1e-6, atol=1e-8)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
@@ -179,6 +261,40 @@ def test_loss_and_metrics_inside_stream_capture(rng):
             np.testing.assert_allclose(cp.asnumpy(grad), cpu.backward(), rtol=1e-5, atol=1e-8)
     np.testing.assert_allclose(loss_mean.compute(), np.mean(losses), rtol=1e-5)
     assert acc.compute() == rights / (n * 3)
+
+
+def test_ignored_rows_counted_on_the_device_in_each_graph_replay(rng):
+    """The kept count is the device's, not a host number baked into the captured graph:
+    replays over batches with no, some and every row ignored each divide by their own."""
+    n, c = 40, 6
+    x = cp.asarray(make_batch(rng, n, c, np.float32)[0])
+    y = cp.asarray(make_batch(rng, n, c, np.float32)[1])
+    loss_fn = CrossEntropyLoss(ignore_index=-1)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        loss_fn(x, y)  # warm-up: compiles the kernels
+        loss_fn.backward()
+        stream.synchronize()
+        stream.begin_capture()
+        loss = loss_fn(x, y)
+        grad = loss_fn.backward()
+        correct = loss_fn.correct
+        graph = stream.end_capture()
+        for fraction in (0.0, 0.4, 1.0, 0.1):
+            logits, labels = make_batch(rng, n, c, np.float32)
+            labels[rng.random(n) < fraction if fraction < 1 else slice(None)] = -1
+            x[...] = cp.asarray(logits)
+            y[...] = cp.asarray(labels)
+            graph.launch(stream)
+            stream.synchronize()
+            cpu = CrossEntropyLoss(ignore_index=-1)
+            want = float(cpu(logits, labels))
+            if math.isnan(want):
+                assert fraction == 1.0 and math.isnan(float(loss))
+            else:
+                np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+            assert int(correct) == int(cpu.correct)
+            np.testing.assert_allclose(cp.asnumpy(grad), cpu.backward(), rtol=1e-5, atol=1e-8)
 
 
 def test_mean_on_the_gpu(rng):
