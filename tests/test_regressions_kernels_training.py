@@ -106,9 +106,12 @@ void launch(unsigned grid, unsigned block, K kernel, A... args) {
 """
 
 _RUNNERS = r"""
+extern "C" void run_kept(const long long* lab, long long n, long long ignore, long long* rc) {
+    launch(1, XENT_BLOCK, xent_kept_i64, lab, n, ignore, rc);
+}
 extern "C" void run_rows(unsigned g, const float* x, const long long* lab, long long n,
-                         long long c, double inv_n, float* d, float* rl, long long* rc) {
-    launch(g, XENT_BLOCK, xent_rows_f32_i64, x, lab, n, c, inv_n, d, rl, rc);
+                         long long c, long long ignore, float* d, float* rl, long long* rc) {
+    launch(g, XENT_BLOCK, xent_rows_f32_i64, x, lab, n, c, ignore, d, rl, rc);
 }
 extern "C" void set_ftz(int on) { g_ftz = on != 0; }
 extern "C" void run_mean(float* rl, long long* rc, long long n) {
@@ -140,15 +143,18 @@ def host_loss_kernels(tmp_path_factory):
     return ctypes.CDLL(str(lib))
 
 
-def _run_host(lib, x: np.ndarray, labels: np.ndarray):
+def _run_host(lib, x: np.ndarray, labels: np.ndarray, ignore_index: int = -100):
+    """loss.py's three launches, in its order, on NaN-filled buffers."""
     n, c = x.shape
     p = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731
-    d = np.empty_like(x)
-    rl = np.empty(n + 1, np.float32)
-    rc = np.empty(n + 1, np.int64)
+    d = np.full_like(x, np.nan)
+    rl = np.full(n + 1, np.nan, np.float32)
+    rc = np.full(n + 2, -7, np.int64)
     blocks = max(1, -(-n // (loss.XENT_BLOCK // 32)))
+    ignore = ctypes.c_longlong(ignore_index)
+    lib.run_kept(p(labels), ctypes.c_longlong(n), ignore, p(rc))
     lib.run_rows(ctypes.c_uint(blocks), p(x), p(labels), ctypes.c_longlong(n),
-                 ctypes.c_longlong(c), ctypes.c_double(1.0 / n), p(d), p(rl), p(rc))
+                 ctypes.c_longlong(c), ignore, p(d), p(rl), p(rc))
     lib.run_mean(p(rl), p(rc), ctypes.c_longlong(n))
     return rl, rc, d
 
@@ -207,6 +213,34 @@ def test_xent_kernel_matches_cpu_on_finite_rows(host_loss_kernels):
     cpu_loss, cpu_correct, cpu_grad = loss._forward_cpu(x, labels)
     assert rc[37] == int(cpu_correct)
     np.testing.assert_allclose(rl[37], cpu_loss, rtol=1e-5)
+    np.testing.assert_allclose(d, cpu_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("ignore_index", "ignored_rows"),
+    [(-100, []), (-100, [0, 3, 4, 36]), (-100, list(range(37))), (5, None), (-1, [1, 2])],
+)
+def test_xent_kernel_ignore_index_matches_cpu(host_loss_kernels, ignore_index, ignored_rows):
+    """xent_kept counts the rows whose label is not ignore_index, and the rows and mean
+    kernels divide by that count on the device: torch's ignore_index, as the CPU engine.
+    The first ignored row holds inf and NaN logits, which must not leak into anything."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((37, 41)).astype(np.float32)
+    labels = rng.integers(0, 41, 37).astype(np.int64)
+    if ignored_rows is None:  # ignore_index a class: its rows are ignored
+        labels[[3, 9, 20]] = ignore_index
+        ignored_rows = list(np.flatnonzero(labels == ignore_index))
+    else:
+        labels[ignored_rows] = ignore_index
+        x[ignored_rows[:1], :3] = [np.inf, np.nan, -np.inf]
+    rl, rc, d = _run_host(host_loss_kernels, x, labels, ignore_index)
+    with np.errstate(all="ignore"):
+        cpu_loss, cpu_correct, cpu_grad = loss._forward_cpu(x, labels, ignore_index)
+    assert rc[38] == 37 - len(ignored_rows)  # row_correct[N + 1]: xent_kept's count
+    assert rc[37] == int(cpu_correct)
+    np.testing.assert_allclose(rl[37], cpu_loss, rtol=1e-5, equal_nan=True)
+    assert np.isnan(rl[37]) == (len(ignored_rows) == 37)
+    assert (d[ignored_rows] == 0).all() and (rl[ignored_rows] == 0).all()
     np.testing.assert_allclose(d, cpu_grad, rtol=1e-5, atol=1e-7)
 
 
