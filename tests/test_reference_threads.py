@@ -69,6 +69,47 @@ def test_a_thread_count_that_is_not_a_positive_int_is_skipped(monkeypatch, junk)
     assert _threads.num_threads() == _threads._usable_cores()
 
 
+def test_callers_on_several_threads_while_the_pool_grows(monkeypatch):
+    """Passes of 2..8 chunks from 8 threads at once: the pool is replaced by a bigger one
+    while other callers hold the smaller (it used to be shut down under them: "cannot
+    schedule new futures after shutdown"). Every pass still covers its range once."""
+    import sys
+    import threading
+
+    monkeypatch.setattr(_threads, "MIN_ELEMENTS", 1)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    _threads.set_num_threads(8)
+    errors: list[BaseException] = []
+
+    def worker(tid: int) -> None:
+        try:
+            for i in range(60):
+                n = 2 + (i + tid) % 7
+                out = np.zeros(n)
+
+                def fn(lo: int, hi: int, out: np.ndarray = out) -> None:
+                    out[lo:hi] += 1
+
+                _threads.parallel_for(n, n, fn)
+                assert (out == 1).all(), out
+        except BaseException as exc:  # noqa: BLE001 (reported below)
+            errors.append(exc)
+
+    try:
+        for _ in range(5):
+            monkeypatch.setattr(_threads, "_pool", None)  # a fresh process's pool
+            workers = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join(60)
+            assert not errors, errors[0]
+    finally:
+        sys.setswitchinterval(interval)
+        _threads.set_num_threads(None)
+
+
 def test_an_error_in_a_worker_reaches_the_caller_after_all_chunks_finish(threads):
     threads(3)
     done = []

@@ -49,8 +49,9 @@ TINY_GEMM_FLOPS = 1 << 16
 GEMM_BLOCKS = 16  # blocks per split GEMM: enough to balance 2-8 threads
 GEMM_ALIGN = 64  # block widths are multiples of BLAS kernels' tile sizes
 
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+# (pool, its worker count), swapped whole under _pool_lock, read without it
+_pool: tuple[ThreadPoolExecutor, int] | None = None
+_pool_lock = threading.Lock()
 _override: int | None = None
 
 
@@ -92,13 +93,17 @@ def set_num_threads(n: int | None) -> None:
 
 
 def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    if _pool is None or _pool_size < workers:
-        if _pool is not None:
-            _pool.shutdown(wait=True)
-        _pool = ThreadPoolExecutor(workers, thread_name_prefix="convfuse-ref")
-        _pool_size = workers
-    return _pool
+    """A pool of at least `workers` threads. A smaller one is replaced, never shut down:
+    another thread may hold it and still submit (a shut-down pool refuses, which crashed
+    concurrent calls); once nothing holds it, it is collected and its idle threads end."""
+    global _pool
+    state = _pool
+    if state is not None and state[1] >= workers:
+        return state[0]
+    with _pool_lock:
+        if _pool is None or _pool[1] < workers:
+            _pool = (ThreadPoolExecutor(workers, thread_name_prefix="convfuse-ref"), workers)
+        return _pool[0]
 
 
 def chunks(n: int, parts: int) -> list[tuple[int, int]]:
@@ -275,7 +280,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out_tag: str | None = None) -> np.ndarr
 
 def run_chunks(n: int, threads: int, fn: Callable[[int, int], None]) -> None:
     ranges = chunks(n, threads)
-    futures = [_executor(threads - 1).submit(fn, lo, hi) for lo, hi in ranges[1:]]
+    pool = _executor(threads - 1)  # once: a later lookup may find a bigger pool
+    futures = [pool.submit(fn, lo, hi) for lo, hi in ranges[1:]]
     first_error: BaseException | None = None
     try:
         fn(*ranges[0])
