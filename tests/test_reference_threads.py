@@ -93,7 +93,7 @@ def test_callers_on_several_threads_while_the_pool_grows(monkeypatch):
 
                 _threads.parallel_for(n, n, fn)
                 assert (out == 1).all(), out
-        except BaseException as exc:  # noqa: BLE001 (reported below)
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     try:
