@@ -161,11 +161,7 @@ def _checked(name: str, value: Any) -> Any:
 def set_flags(**changes: object) -> Flags:
     """Change flags for the whole process; returns the previous flags."""
     global _current
-    known = {f.name for f in fields(Flags)}
-    unknown = set(changes) - known
-    if unknown:
-        raise TypeError(f"unknown flag(s) {sorted(unknown)}; known: {sorted(known)}")
-    checked = {k: _checked(k, v) for k, v in changes.items()}
+    checked = _checked_changes(changes)
     with _lock:
         previous = _current
         _current = replace(_current, **checked)
@@ -173,20 +169,54 @@ def set_flags(**changes: object) -> Flags:
     return previous
 
 
+def _checked_changes(changes: dict[str, object]) -> dict[str, Any]:
+    known = {f.name for f in fields(Flags)}
+    unknown = set(changes) - known
+    if unknown:
+        raise TypeError(f"unknown flag(s) {sorted(unknown)}; known: {sorted(known)}")
+    return {k: _checked(k, v) for k, v in changes.items()}
+
+
+# Note [overlapping flags blocks]
+# The flags are process-wide, and `flags()` blocks on several threads may overlap without
+# nesting: A sets allow_tf32=False, B enters and sets False, A exits, B exits. Restoring
+# what each block saw on entry would leave False for good (B saw A's value). So each flag
+# a block changes keeps a stack of the open blocks' values over the value it had before
+# the first of them: a block's exit removes its own entry and puts back the latest still
+# open block's value, or, the last one out, that first value.
+_open: dict[str, list[tuple[object, Any]]] = {}  # flag -> [(block, value)], oldest first
+_before_open: dict[str, Any] = {}  # flag -> its value before the first open block
+
+
 @contextlib.contextmanager
 def flags(**changes: object) -> Iterator[Flags]:
     """Temporarily change flags: `with convfuse.config.flags(allow_tf32=False): ...`;
     yields convfuse's own flags (config.get() is what is in force: Note [a framework's
-    switches])."""
+    switches]). The flags are process-wide; blocks on several threads may overlap (Note
+    [overlapping flags blocks])."""
     global _current
-    previous = set_flags(**changes)
+    block = object()
+    checked = _checked_changes(changes)
+    with _lock:
+        for k, v in checked.items():
+            stack = _open.setdefault(k, [])
+            if not stack:
+                _before_open[k] = getattr(_current, k)
+            stack.append((block, v))
+        _current = replace(_current, **checked)
+        _combine()
     try:
         yield _current
     finally:
         # only the flags this block changed: one assigned inside it, or by another thread
         # meanwhile, stays as it was set
         with _lock:
-            _current = replace(_current, **{k: getattr(previous, k) for k in changes})
+            restore: dict[str, Any] = {}
+            for k in checked:
+                stack = _open[k]
+                stack[:] = [e for e in stack if e[0] is not block]
+                restore[k] = stack[-1][1] if stack else _before_open.pop(k)
+            _current = replace(_current, **restore)
             _combine()
 
 

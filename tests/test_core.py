@@ -68,6 +68,39 @@ def test_config_flags_restores_only_the_flags_it_changed():
     assert config.get() == before
 
 
+def test_config_flags_blocks_overlapping_on_two_threads_restore_the_first_value():
+    """A enters, B enters, A exits, B exits (Note [overlapping flags blocks]): between the
+    exits B's value holds, and after both the value from before A; each block restored
+    what it saw on entry used to leave B's view (A's value) for good."""
+    import threading
+
+    before = config.get()
+    seen = {}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with config.flags(allow_tf32=not before.allow_tf32, max_array_bytes=1 << 20):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with config.flags(allow_tf32=not before.allow_tf32, max_array_bytes=1 << 21):
+            b_in.set()
+            a_out.wait(10)
+            seen["between"] = config.get()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen["between"].allow_tf32 == (not before.allow_tf32)
+    assert seen["between"].max_array_bytes == 1 << 21
+    assert config.get() == before
+
+
 def test_dtype_none_is_float32_as_in_torch_nn():
     import convfuse as cf
 
