@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -114,3 +116,27 @@ def test_small_layers_follow_their_input_and_refuse_non_arrays():
         with pytest.raises(TypeError, match="must be a NumPy or CuPy array, got list"):
             layer([1.0, 2.0])
     assert cf.ReLU()(np.float32([-1, 2])).tolist() == [0, 2]
+
+
+def test_dropout_refuses_to_seed_its_gpu_generator_inside_a_capture(monkeypatch):
+    """Made inside a capture, the generator's seeding would be recorded (every replay the
+    same mask) and its state would live in the capture's pool: refused, as Mean's buffer
+    is; the warm-up (outside any capture) makes it."""
+    cupy = pytest.importorskip("cupy")
+    from convfuse.errors import CaptureError
+    from convfuse.plan import capture
+
+    made = []
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.random, "default_rng", lambda seed: made.append(seed) or seed)
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda ptr=None: True)
+    drop = cf.Dropout(0.5, seed=0)
+    with pytest.raises(CaptureError, match="Dropout's first training call"):
+        drop._device_rng(cupy)
+    assert made == []
+    monkeypatch.setattr(capture, "stream_is_capturing", lambda ptr=None: False)
+    monkeypatch.setattr(cupy, "get_default_memory_pool",
+                        lambda: type("Pool", (), {"malloc": staticmethod(lambda n: None)})())
+    monkeypatch.setattr(cupy.cuda, "using_allocator", lambda malloc: contextlib.nullcontext())
+    seed = drop._device_rng(cupy)
+    assert made == [seed] and drop._device_rng(cupy) == seed  # made once, then kept

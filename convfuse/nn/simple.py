@@ -12,6 +12,7 @@ import numpy as np
 from .. import activations, dtypes, ops
 from ..backend import array_module
 from ..ops._checks import as_float
+from ..plan.capture import refuse_in_capture
 from . import _hyper
 from .module import USER_ERRORS, Layer, contiguous, renamed
 
@@ -165,8 +166,14 @@ class Dropout(_Stateless):
         device = int(cp.cuda.runtime.getDevice())
         rng = per_device.get(device)
         if rng is None:
-            rng = per_device[device] = cp.random.default_rng(
-                int(self._rng.integers(0, 2**63 - 1)))
+            # seeding inside a capture would be recorded too (every replay would draw the
+            # same mask), its state in the capture's pool, freed with it
+            refuse_in_capture("Dropout's first training call on this GPU (creating its "
+                              "random generator)")
+            # CuPy's default pool, as Mean's buffer: the generator outlives any capture
+            with cp.cuda.using_allocator(cp.get_default_memory_pool().malloc):
+                rng = per_device[device] = cp.random.default_rng(
+                    int(self._rng.integers(0, 2**63 - 1)))
         return rng
 
     def backward(self, dy: Any) -> Any:
