@@ -90,7 +90,9 @@ def test_dropout_on_the_device_draws_from_its_own_seeded_generator(monkeypatch):
     fake_cp = SimpleNamespace(
         float32=np.float32, zeros=np.zeros,
         random=SimpleNamespace(default_rng=default_rng),  # no module-level random()
-        cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: device["id"])))
+        get_default_memory_pool=lambda: SimpleNamespace(malloc=None),
+        cuda=SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: device["id"]),
+                             using_allocator=lambda malloc: contextlib.nullcontext()))
     monkeypatch.setattr(simple, "array_module", lambda a: fake_cp)
     x = np.ones((64, 32))
     masks = {}
