@@ -213,6 +213,11 @@ def test_assigning_num_batches_tracked_makes_the_host_count_stale():
     assert bn._host_count == 5
     bn.num_batches_tracked = np.asarray(0, np.int64)
     assert bn._host_count is None
+    # replays of a step captured with a float momentum count on the device alone: a later
+    # switch of momentum re-reads the count
+    bn.momentum, bn._host_count = 0.1, 5
+    bn.momentum = None
+    assert bn._host_count is None
 
 
 @pytest.mark.parametrize("train", [True, False])

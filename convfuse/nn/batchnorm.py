@@ -17,8 +17,9 @@ Note [momentum=None without a host sync]
 momentum=None is the cumulative average: factor 1/num_batches_tracked. cuDNN takes the
 factor as a host double, and num_batches_tracked lives on the device, so on the GPU the
 layer keeps a host mirror of the count. It is read from the device once (one sync) when
-stale: at the first training forward, after `.to()`, after load_state_dict and after
-another array is assigned to num_batches_tracked; between those it is kept in step by the
+stale: at the first training forward, after `.to()`, after load_state_dict, after
+another array is assigned to num_batches_tracked and after `momentum` is assigned (replays
+of a step captured with a float momentum count on the device only); between those it is kept in step by the
 layer itself (so reset the count with reset_running_stats(), not by writing into the
 array in place). A CUDA graph would replay the factor of the
 capture forever, so a momentum=None layer refuses to run inside graph.capture (CaptureError);
@@ -238,6 +239,10 @@ class _BatchNorm(Layer):
         if name == "num_batches_tracked" and value is not self.__dict__.get(name):
             # another array (not the step's own in-place `+= 1`): the host's mirror of the
             # count is stale, re-read at the next momentum=None step
+            self.__dict__["_host_count"] = None
+        elif name == "momentum" and "_host_count" in self.__dict__:
+            # captured steps replayed with a float momentum count on the device alone (the
+            # mirror is kept by eager steps): a switch to None re-reads the count
             self.__dict__["_host_count"] = None
         super().__setattr__(name, value)
 
