@@ -34,7 +34,11 @@ class PlanCache:
     building is cheap (descriptors only; algorithms are chosen later).
     """
 
-    def __init__(self, build: Callable[[Any], Any], maxsize: int = 512) -> None:
+    # 4096: a plan is descriptors and chosen algorithms (about 2 KiB of host memory, no
+    # device memory), and multi-scale training visits a few geometries per layer per size:
+    # a smaller LRU visited in turn misses every lookup, and under config.benchmark an
+    # evicted plan searches again (torch's benchmark cache is unbounded)
+    def __init__(self, build: Callable[[Any], Any], maxsize: int = 4096) -> None:
         self._build = build
         self._maxsize = maxsize
         self._plans: OrderedDict[Hashable, Any] = OrderedDict()
