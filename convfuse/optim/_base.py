@@ -344,9 +344,10 @@ class FlatOptimizer:
         self.defaults = defaults
         for i, g in enumerate(self._groups):
             if fresh is not None:
-                # the old buffers stay alive: a step captured before would replay on them
-                # (stale, but never on freed memory)
-                g.retired.append(g.state)
+                # the old buffers stay alive on the GPU: a step captured before would
+                # replay on them (stale, but never on freed memory); the CPU captures none
+                if g.on_gpu:
+                    g.retired.append(g.state)
                 g.state = fresh[i]
             with device_context(g.device_id):
                 for s in g.slots:

@@ -248,3 +248,19 @@ def test_mixed_devices_are_refused():
             other = Parameter(cp.zeros(3, np.float32))
         with pytest.raises(DeviceMismatchError, match=r"cuda:0, cuda:1"):
             SGD([dev, other], lr=0.1)
+
+
+def test_state_replaced_by_a_load_stays_alive_for_steps_captured_before():
+    """A load whose checkpoint has other state (SGD's momentum into SGD without) replaces
+    the state buffers; on the GPU the old ones are kept (a step captured before replays
+    on them), on the CPU not (tests/test_optim_state.py)."""
+    p = Parameter(cp.ones(8, dtype=cp.float32))
+    p.grad = cp.ones(8, dtype=cp.float32)
+    with_momentum = SGD([p], lr=0.1, momentum=0.9)
+    with_momentum.step()
+    plain = SGD([Parameter(cp.ones(8, dtype=cp.float32))], lr=0.1)
+    plain.load_state_dict(with_momentum.state_dict())
+    assert [list(r) for g in plain._groups for r in g.retired] == [[]]
+    with_momentum.load_state_dict(SGD([p], lr=0.1).state_dict())
+    assert [list(r) for g in with_momentum._groups for r in g.retired] == \
+        [["momentum_buffer"]]
