@@ -19,10 +19,10 @@ factor as a host double, and num_batches_tracked lives on the device, so on the 
 layer keeps a host mirror of the count. It is read from the device once (one sync) when
 stale: at the first training forward, after `.to()`, after load_state_dict, after
 another array is assigned to num_batches_tracked and after `momentum` is assigned (replays
-of a step captured with a float momentum count on the device only); between those it is kept in step by the
-layer itself (so reset the count with reset_running_stats(), not by writing into the
-array in place). A CUDA graph would replay the factor of the
-capture forever, so a momentum=None layer refuses to run inside graph.capture (CaptureError);
+of a step captured with a float momentum count on the device only); between those it is
+kept in step by the layer itself (so reset the count with reset_running_stats(), not by
+writing into the array in place). A CUDA graph would replay the factor of the capture
+forever, so a momentum=None layer refuses to run inside graph.capture (CaptureError);
 use a float momentum there. On the CPU the count is read directly (no sync to avoid).
 """
 
