@@ -23,7 +23,8 @@ class Chosen:
     but memory comes back (the caller frees arrays, CuPy's pool is flushed), so the skip is
     not for good: after `retry_in` more calls the slot goes back to the best candidate, and
     the next allocation decides again. Each failed retry doubles the wait (capped), so a
-    plan that really lacks the memory pays a failed allocation rarely. Algorithms cuDNN
+    plan that really lacks the memory pays a failed allocation rarely: on the GPU that is
+    CuPy's pool freeing its cached blocks and retrying (cudaFree, a device sync). Algorithms cuDNN
     refused to run are removed from `ranked` for good: a refusal does not change.
     """
 
