@@ -17,6 +17,7 @@ from .errors import (
     DeviceUnavailableError,
     StateDictError,
 )
+from .grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .loss import CrossEntropyLoss
 from .nn import (
     Activation,
@@ -79,11 +80,15 @@ __all__ = [
     "__version__",
     "backend",
     "config",
+    "enable_grad",
     "functional",
     "gpu_available",
     "graph",
+    "is_grad_enabled",
     "metrics",
     "models",
+    "no_grad",
     "ops",
     "optim",
+    "set_grad_enabled",
 ]

@@ -93,6 +93,7 @@ def make_step(model, loss_fn, optimizer, loss_mean, correct_mean):
     return step
 
 
+@cf.no_grad()  # no backward follows: the layers keep nothing for one
 def evaluate(model, x, y, xp, batch_size: int) -> float:
     correct = 0
     for i in range(0, len(x), batch_size):

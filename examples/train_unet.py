@@ -142,7 +142,8 @@ def train_convfuse(data: tuple[np.ndarray, ...], args: argparse.Namespace) -> np
             mse.add((diff * diff).mean())
         print(f"epoch {epoch:2d}: train mse {mse.compute():.5f}", flush=True)
     model.eval()
-    out = model(xp.asarray(x_te))
+    with cf.no_grad():  # as torch.no_grad below: nothing kept for a backward
+        out = model(xp.asarray(x_te))
     return cf.backend.to_device(out, "cpu") if device == "cuda" else out
 
 

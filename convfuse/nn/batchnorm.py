@@ -37,6 +37,7 @@ from .. import dtypes, ops
 from .._memory import check_bytes
 from ..backend import array_module, is_cupy, resolve_device, to_device
 from ..errors import ArrayTooLargeError, CaptureError, renamed
+from ..grad_mode import is_grad_enabled
 from ..ops._checks import as_float
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import LAYOUTS, BatchNormGeometry
@@ -192,9 +193,10 @@ class _BatchNorm(Layer):
                 if self._host_count is not None:
                     self._host_count += 1
         else:
+            # under convfuse.no_grad() no backward will follow: no statistics for one
             y, saved = ops.batchnorm_forward_inference(
                 x, w, b, self.running_mean, self.running_var, self.layout, self.eps,
-                self.activation, residual)
+                self.activation, residual, is_grad_enabled())
         if isinstance(saved.saved, np.ndarray):
             saved.saved.flags.writeable = False  # an in-place write would corrupt dx
         # what backward differentiates is this call's: eps, layout and activation as they

@@ -24,6 +24,7 @@ from ..errors import (
     SavedTensorModifiedError,
     renamed,
 )
+from ..grad_mode import is_grad_enabled
 from ..ops._checks import engine_ready, overlaps
 from .parameter import Parameter, check_set_to_none
 
@@ -337,7 +338,13 @@ class Layer:
         # Recording the parameters' versions with every saved context lets every layer,
         # including ones written later, detect a parameter changed between the two calls.
         d = self.__dict__
+        if value is not None and not is_grad_enabled():
+            # convfuse.no_grad(): nothing kept (the backward says why there is nothing)
+            d["_ctx_value"] = None
+            d["_ctx_no_grad"] = True
+            return
         d["_ctx_value"] = value
+        d["_ctx_no_grad"] = False
         if value is not None:
             d["_ctx_versions"] = [(n, p, p._version) for n in d.get("_param_names", ())
                                   if (p := d.get(n)) is not None]
@@ -347,6 +354,11 @@ class Layer:
         changed since it was saved."""
         ctx = self._ctx
         if ctx is None:
+            if self.__dict__.get("_ctx_no_grad"):
+                raise BackwardBeforeForwardError(
+                    f"{type(self).__name__}.backward(): the last forward ran under "
+                    "convfuse.no_grad(), which keeps nothing for a backward; run the "
+                    "forward outside it")
             raise BackwardBeforeForwardError(
                 f"{type(self).__name__}.backward() called without a preceding forward "
                 "(each forward supports one backward)"
