@@ -15,12 +15,19 @@ import contextlib
 import threading
 from typing import Any
 
-_state = threading.local()
+
+class _GradState(threading.local):
+    # a class default, not getattr(local, name, True): a thread that never set the mode
+    # reads it without the AttributeError a default costs (~0.3 us at every forward)
+    enabled = True
+
+
+_state = _GradState()
 
 
 def is_grad_enabled() -> bool:
     """Whether native layers' forwards keep a context for a backward (this thread)."""
-    return getattr(_state, "enabled", True)
+    return _state.enabled
 
 
 def _set(mode: Any, what: str) -> bool:

@@ -24,7 +24,7 @@ from ..errors import (
     SavedTensorModifiedError,
     renamed,
 )
-from ..grad_mode import is_grad_enabled
+from ..grad_mode import _state as _grad_state
 from ..ops._checks import engine_ready, overlaps
 from .parameter import Parameter, check_set_to_none
 
@@ -338,16 +338,17 @@ class Layer:
         # Recording the parameters' versions with every saved context lets every layer,
         # including ones written later, detect a parameter changed between the two calls.
         d = self.__dict__
-        if value is not None and not is_grad_enabled():
-            # convfuse.no_grad(): nothing kept (the backward says why there is nothing)
-            d["_ctx_value"] = None
-            d["_ctx_no_grad"] = True
-            return
-        d["_ctx_value"] = value
-        d["_ctx_no_grad"] = False
         if value is not None:
+            if not _grad_state.enabled:  # is_grad_enabled(), inlined
+                # convfuse.no_grad(): nothing kept (the backward says why there is none)
+                d["_ctx_value"] = None
+                d["_ctx_no_grad"] = True
+                return
             d["_ctx_versions"] = [(n, p, p._version) for n in d.get("_param_names", ())
                                   if (p := d.get(n)) is not None]
+        elif d.get("_ctx_no_grad"):  # consumed or dropped: no longer the no_grad forward's
+            d["_ctx_no_grad"] = False
+        d["_ctx_value"] = value
 
     def _peek_ctx(self) -> Any:
         """The forward's context, left in place; raises if there is none or a parameter
