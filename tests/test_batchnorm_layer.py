@@ -218,6 +218,9 @@ def test_assigning_num_batches_tracked_makes_the_host_count_stale():
     bn.momentum, bn._host_count = 0.1, 5
     bn.momentum = None
     assert bn._host_count is None
+    bn._host_count = 5
+    bn.momentum = None  # assigned again (a schedule): the mirror holds, no sync per step
+    assert bn._host_count == 5
 
 
 @pytest.mark.parametrize("train", [True, False])

@@ -99,3 +99,44 @@ def test_the_mode_is_per_thread():
         done.wait(10)
     t.join(10)
     assert seen == [True]
+
+
+def test_one_block_entered_again_restores_each_entry():
+    """A recursive decorated function enters one no_grad object again (torch makes one per
+    call): the modes are kept per thread, not on the object."""
+    @cf.no_grad()
+    def depth(n: int) -> int:
+        return 0 if n == 0 else 1 + depth(n - 1)
+
+    assert depth(3) == 3 and cf.is_grad_enabled()
+    block = cf.no_grad()
+    with block:
+        with cf.enable_grad():
+            with block:
+                assert not cf.is_grad_enabled()
+            assert cf.is_grad_enabled()
+        assert not cf.is_grad_enabled()
+    assert cf.is_grad_enabled()
+
+    @cf.no_grad  # without parentheses, as torch takes it
+    def bare() -> bool:
+        return cf.is_grad_enabled()
+
+    @cf.set_grad_enabled(False)  # a decorator: nothing changes until a call
+    def off() -> bool:
+        return cf.is_grad_enabled()
+
+    assert cf.is_grad_enabled()
+    assert bare() is False and off() is False and cf.is_grad_enabled()
+
+
+def test_a_backward_refused_under_no_grad_keeps_the_forward(rng):
+    """A rejected dy keeps the forward's context, whatever the grad mode of the backward."""
+    pool = cf.AdaptiveAvgPool2d(2)
+    x = rng.standard_normal((1, 2, 5, 5))
+    y = pool(x)
+    with cf.no_grad():
+        with pytest.raises(ValueError, match="dy has shape"):
+            pool.backward(np.ones((1, 2, 3, 3)))
+        dx = pool.backward(np.ones_like(y))
+    assert dx.shape == x.shape

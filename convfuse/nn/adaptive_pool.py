@@ -138,18 +138,14 @@ class AdaptiveAvgPool2d(Layer):
     forward = __call__
 
     def backward(self, dy: Any) -> Any:
-        ctx = self._take_ctx()
-        x_shape, x_dtype, y_shape, (h, w, oh, ow) = ctx
-        try:
-            self._check_input(dy, "dy")
-            if tuple(dy.shape) != tuple(y_shape) or dy.dtype != x_dtype:
-                raise ValueError(
-                    f"AdaptiveAvgPool2d: dy has shape {tuple(dy.shape)} and dtype {dy.dtype}, "
-                    f"but the forward's output has shape {tuple(y_shape)} and dtype {x_dtype}"
-                )
-        except Exception:
-            self._ctx = ctx  # a rejected dy keeps the forward
-            raise
+        x_shape, x_dtype, y_shape, (h, w, oh, ow) = self._peek_ctx()
+        self._check_input(dy, "dy")
+        if tuple(dy.shape) != tuple(y_shape) or dy.dtype != x_dtype:
+            raise ValueError(  # a rejected dy keeps the forward's context
+                f"AdaptiveAvgPool2d: dy has shape {tuple(dy.shape)} and dtype {dy.dtype}, "
+                f"but the forward's output has shape {tuple(y_shape)} and dtype {x_dtype}"
+            )
+        self._ctx = None
         if not self.needs_input_grad:
             return None
         ah, aw = self._axes()

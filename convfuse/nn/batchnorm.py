@@ -242,9 +242,11 @@ class _BatchNorm(Layer):
             # another array (not the step's own in-place `+= 1`): the host's mirror of the
             # count is stale, re-read at the next momentum=None step
             self.__dict__["_host_count"] = None
-        elif name == "momentum" and "_host_count" in self.__dict__:
+        elif (name == "momentum" and value is None
+              and self.__dict__.get("momentum") is not None and "_host_count" in self.__dict__):
             # captured steps replayed with a float momentum count on the device alone (the
-            # mirror is kept by eager steps): a switch to None re-reads the count
+            # mirror is kept by eager steps): a switch to None re-reads the count (None
+            # assigned again, by a schedule at every step, keeps it: no sync per step)
             self.__dict__["_host_count"] = None
         super().__setattr__(name, value)
 

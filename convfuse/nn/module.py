@@ -486,28 +486,30 @@ def _subtree(root: Layer) -> Iterator[dict[str, Any]]:
         stack.extend(c for n in d.get("_module_names", ()) if (c := d.get(n)) is not None)
 
 
-def _restore(root: Layer, saved: dict[int, tuple[Any, Any]]) -> None:
+def _restore(root: Layer, saved: dict[int, tuple[Any, Any, Any]]) -> None:
     for d in _subtree(root):
         entry = saved.get(id(d))
         if entry is None:
             continue
-        value, versions = entry
+        value, versions, no_grad = entry
         d["_ctx_value"] = value
+        d["_ctx_no_grad"] = no_grad
         if versions is None:
             d.pop("_ctx_versions", None)
         else:
             d["_ctx_versions"] = versions
 
 
-def _contexts(root: Layer) -> dict[int, tuple[Any, Any]]:
-    return {id(d): (d.get("_ctx_value"), d.get("_ctx_versions")) for d in _subtree(root)}
+def _contexts(root: Layer) -> dict[int, tuple[Any, Any, Any]]:
+    return {id(d): (d.get("_ctx_value"), d.get("_ctx_versions"), d.get("_ctx_no_grad"))
+            for d in _subtree(root)}
 
 
 def forward_keeping_contexts(root: Layer, forward: Callable[..., Any], *args: Any,
                              **kwargs: Any) -> Any:
     """forward(*args, **kwargs), leaving every context under `root` as it was if it
     raises (Note [a failed forward keeps the contexts])."""
-    saved: dict[int, tuple[Any, Any]] | None = getattr(_snapshot, "saved", None)
+    saved: dict[int, tuple[Any, Any, Any]] | None = getattr(_snapshot, "saved", None)
     if saved is not None and id(root.__dict__) in saved:  # inside a covering call
         entered: set[int] = _snapshot.entered
         table = saved  # its first call in this one: the snapshot is its state
