@@ -78,7 +78,9 @@ CHUNKS: list[tuple[str, list[str]]] = [
     ("gpu-core", ["test_binding_gpu_handle.py", "test_fused_path_gpu.py", "test_layers_gpu.py",
                   "test_graph_gpu.py", "test_optim_gpu.py", "test_torch_gpu.py",
                   "test_torch_bound_calls_gpu.py", "test_torch_batchnorm_gpu.py",
-                  "test_models_gpu.py", "test_loss_gpu.py"]),
+                  "test_models_gpu.py", "test_loss_gpu.py",
+                  # the README's main job (two short runs), last: an overrun cuts only it
+                  "test_examples_gpu.py"]),
     ("gpu-ops", ["test_cudnn_ops.py"]),
     ("gpu-bn", ["test_batchnorm_gpu.py", "test_elementwise_gpu.py", "test_edge_values_gpu.py",
                 "test_robust_gpu.py"]),
