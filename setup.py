@@ -57,7 +57,7 @@ def _find_cudnn_include() -> tuple[Path, str]:
         found = find_nvidia_header_directory("cudnn")
         if found:
             return Path(found), "cuda.pathfinder"
-    except ImportError:
+    except (ImportError, RuntimeError):  # (a cuda-pathfinder before 1.7 knows no "cudnn")
         pass
     raise SystemExit(
         "convfuse: cudnn.h not found. Install the cuDNN wheel first, e.g.\n"

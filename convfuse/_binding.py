@@ -52,10 +52,15 @@ def load_library() -> str:
     try:
         loaded = load_nvidia_dynamic_lib("cudnn")
     except Exception as exc:
+        if "unknown" in f"{type(exc).__name__} {exc}".lower():  # pathfinder < 1.7
+            raise CudnnLoadError(
+                f"cuda-pathfinder does not know cuDNN by name ({type(exc).__name__}: {exc}): "
+                "pip install -U 'cuda-pathfinder>=1.7'") from exc
         raise CudnnLoadError(
             "libcudnn.so.9 could not be found or loaded "
             f"({type(exc).__name__}: {exc}). Install the wheel matching your CUDA: "
-            "pip install 'convfuse[cu12]' or 'convfuse[cu13]'"
+            "pip install nvidia-cudnn-cu12 (with cupy-cuda12x) or nvidia-cudnn-cu13 (with "
+            "cupy-cuda13x)"
         ) from exc
     return str(loaded.abs_path)
 

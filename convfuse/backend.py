@@ -30,7 +30,8 @@ def gpu_unavailable_reason() -> str | None:
     """None when a CUDA device is usable, else a sentence saying why not."""
     cp = cupy_module()
     if cp is None:
-        return "CuPy is not installed (pip install 'convfuse[cu12]' or 'convfuse[cu13]')"
+        return ("CuPy is not installed (pip install cupy-cuda12x nvidia-cudnn-cu12, or the "
+                "cu13 pair; from the convfuse checkout, its cu12 or cu13 extra)")
     try:
         if not cp.cuda.is_available():
             return "no usable CUDA device or driver was found (cupy.cuda.is_available() is False)"

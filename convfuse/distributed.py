@@ -94,8 +94,8 @@ def _torch() -> Any:
         import torch.distributed as dist
     except ImportError as exc:
         raise ImportError(
-            "convfuse.distributed needs PyTorch's torch.distributed: pip install "
-            "'convfuse[torch]'"
+            "convfuse.distributed needs PyTorch's torch.distributed: pip install torch "
+            "(convfuse's `torch` extra)"
         ) from exc
     if not dist.is_available():
         raise RuntimeError("convfuse.distributed: this PyTorch build has no torch.distributed")

@@ -103,7 +103,7 @@ def test_driver_too_old_for_the_wheels(monkeypatch):
     problems = install.static_problems(driver_version=12040)
     text = " ".join(p.what + " " + p.fix for p in problems)
     assert "supports CUDA up to 12.4, but cupy-cuda13x==14.2.0 needs a CUDA 13 driver" in text
-    assert "convfuse[cu12]" in text
+    assert "-e '.[cu12]' in the convfuse checkout" in text
     assert install.static_problems(driver_version=13000) == []
 
 
@@ -124,6 +124,39 @@ def test_no_cudnn_wheel_and_no_library(monkeypatch, quick, fresh_loaders, capsys
     assert skipped and "need convfuse._cudnn" in skipped[0].detail
 
 
+def test_a_cuda_pathfinder_that_knows_no_cudnn(monkeypatch, quick, fresh_loaders, capsys):
+    """cuda-pathfinder before 1.7 has no "cudnn" (DynamicLibUnknownError), which CuPy 14
+    accepts: the fix is pathfinder, not reinstalling the cuDNN wheel."""
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "1.6.1" if name == "cuda-pathfinder" else real(name))
+
+    def unknown():
+        raise CudnnLoadError("cuda-pathfinder does not know cuDNN by name "
+                             "(DynamicLibUnknownError: Unknown library name: 'cudnn')")
+
+    monkeypatch.setattr(_binding, "load_library", unknown)
+    rep, _ = broken_run(capsys)
+    text = problems_text(rep)
+    assert "cuda-pathfinder 1.6.1 does not know cuDNN by name" in text
+    assert "pip install -U 'cuda-pathfinder>=1.7'" in text
+    assert "--force-reinstall" not in text
+
+
+def test_the_binding_names_an_old_cuda_pathfinder(monkeypatch, fresh_loaders):
+    import cuda.pathfinder
+
+    class DynamicLibUnknownError(Exception):
+        pass
+
+    def load(name):
+        raise DynamicLibUnknownError(f"Unknown library name: {name!r}")
+
+    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", load)
+    with pytest.raises(CudnnLoadError, match=r"pip install -U 'cuda-pathfinder>=1\.7'"):
+        _binding.load_library()
+
+
 def test_wheel_present_but_library_broken(monkeypatch, quick, fresh_loaders, capsys):
     def broken():
         raise CudnnLoadError("libcudnn.so.9: invalid ELF header")
@@ -139,7 +172,7 @@ def test_missing_cuda_pathfinder(monkeypatch, quick, fresh_loaders, capsys):
     rep, _ = broken_run(capsys)
     text = problems_text(rep)
     assert "cuda-pathfinder is not installed" in text
-    assert "pip install 'cuda-pathfinder>=1.2'" in text
+    assert "pip install 'cuda-pathfinder>=1.7'" in text
     assert len(rep.problems) == 1  # the load failure is not reported a second time
     assert rep.environment["cuda-pathfinder"]  # still names the version metadata reports
 

@@ -32,13 +32,13 @@ SCRIPT = textwrap.dedent("""
     try:
         d.allreduce_gradients(opt)
     except ImportError as exc:
-        assert "convfuse[torch]" in str(exc), exc
+        assert "pip install torch (convfuse's `torch` extra" in str(exc), exc
     else:
         raise AssertionError("allreduce_gradients ran without torch")
     try:
         import convfuse.torch  # noqa: F401
     except ImportError as exc:
-        assert "convfuse[torch]" in str(exc), exc
+        assert "pip install torch (convfuse's `torch` extra" in str(exc), exc
     else:
         raise AssertionError("convfuse.torch imported without torch")
     print("ok")
@@ -51,3 +51,22 @@ def test_convfuse_works_without_torch():
                                                        "OMP_NUM_THREADS": "1", "PATH": ""})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_an_old_torch_is_refused_by_name():
+    """A PyTorch older than the oldest convfuse.torch has run on is an ImportError naming
+    both versions, raised before the bridge imports anything of it."""
+    code = textwrap.dedent("""
+        import torch
+        torch.__version__ = "2.4.1+cpu"
+        try:
+            import convfuse.torch
+        except ImportError as exc:
+            print(exc)
+        else:
+            print("imported")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "needs PyTorch 2.11 or later, found 2.4.1+cpu" in proc.stdout, proc.stdout

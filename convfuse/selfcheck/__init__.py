@@ -42,8 +42,9 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
         path, lib, problems = None, None, []
         load_error = f"{type(exc).__name__}: {exc}"
         report.problems.append(Problem(f"loading cuDNN failed unexpectedly ({load_error})",
-                                       "reinstall: pip install --force-reinstall "
-                                       "'convfuse[cu12]' (or cu13), then rerun selfcheck"))
+                                       "reinstall the GPU wheels (pip install "
+                                       "--force-reinstall cupy-cuda12x nvidia-cudnn-cu12, or "
+                                       "the cu13 pair), then rerun selfcheck"))
     report.problems.extend(problems)
     report.environment = environment.collect(path, lib, load_error)
 

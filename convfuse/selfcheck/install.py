@@ -18,6 +18,12 @@ from ..errors import CudnnLoadError
 from .report import Problem
 
 _CUPY_WHEELS = ("cupy-cuda11x", "cupy-cuda12x", "cupy-cuda13x", "cupy")
+#: The first cuda-pathfinder that loads cuDNN by name (pyproject.toml's floor).
+PATHFINDER = "cuda-pathfinder>=1.7"
+#: Where the GPU wheels come from: convfuse is not on PyPI, so its extras are named by the
+#: checkout's command (README, "Set up on a fresh machine").
+GPU_EXTRA = ("pip install --no-build-isolation -e '.[cu{line}]' in the convfuse checkout "
+             "(after requirements/build-cu{line}.txt)")
 _BUILD_FIX = (
     "build it in the source checkout: pip install -r requirements/build-cu12.txt (or "
     "build-cu13.txt), then pip install --no-build-isolation -e ."
@@ -30,6 +36,12 @@ def dist_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _too_old(version: str | None) -> bool:
+    """Whether a cuda-pathfinder version predates PATHFINDER's floor (1.7)."""
+    parts = re.match(r"(\d+)\.(\d+)", version or "")
+    return parts is not None and (int(parts[1]), int(parts[2])) < (1, 7)
 
 
 def module_available(name: str) -> bool:
@@ -68,7 +80,7 @@ def static_problems(driver_version: int = 0) -> list[Problem]:
     if not module_available("cuda.pathfinder"):
         problems.append(Problem(
             "cuda-pathfinder is not installed; convfuse uses it to find and load libcudnn",
-            "pip install 'cuda-pathfinder>=1.2'",
+            f"pip install '{PATHFINDER}'",
         ))
     cudnn = _binding.installed_cudnn_wheels()
     if len(cudnn) > 1:
@@ -92,8 +104,8 @@ def static_problems(driver_version: int = 0) -> list[Problem]:
                 f"CuPy and cuDNN are for different CUDA lines: {cupys[0]} is CUDA "
                 f"{cupy_line}, {cudnn[0]} is CUDA {cudnn_line}",
                 f"pip uninstall -y {cudnn[0].split('==')[0]} && "
-                f"pip install nvidia-cudnn-cu{cupy_line} (or install convfuse[cu{cudnn_line}] "
-                "with the matching CuPy instead)",
+                f"pip install nvidia-cudnn-cu{cupy_line} (or install cupy-cuda{cudnn_line}x "
+                "in place of your CuPy instead)",
             ))
     if driver_version > 0:
         driver_major = driver_version // 1000
@@ -104,7 +116,7 @@ def static_problems(driver_version: int = 0) -> list[Problem]:
                     f"the NVIDIA driver supports CUDA up to {format_cuda(driver_version)}, "
                     f"but {wheel} needs a CUDA {needed} driver",
                     f"update the NVIDIA driver, or switch to the CUDA {driver_major} wheels: "
-                    f"pip install 'convfuse[cu{driver_major}]' after uninstalling the "
+                    f"{GPU_EXTRA.format(line=driver_major)}, after uninstalling the "
                     f"cu{needed} ones",
                 ))
     return problems
@@ -123,7 +135,13 @@ def load_binding() -> tuple[str | None, ModuleType | None, list[Problem]]:
                 "no cuDNN wheel is installed and libcudnn.so.9 was not found elsewhere "
                 f"({exc})",
                 "pip install nvidia-cudnn-cu12 (with cupy-cuda12x) or nvidia-cudnn-cu13 "
-                "(with cupy-cuda13x); or pip install 'convfuse[cu12]'",
+                f"(with cupy-cuda13x); or {GPU_EXTRA.format(line=12)}",
+            ))
+        elif _too_old(dist_version("cuda-pathfinder")):
+            problems.append(Problem(
+                f"cuda-pathfinder {dist_version('cuda-pathfinder')} does not know cuDNN by "
+                "name (1.7 is the first release that loads it)",
+                f"pip install -U '{PATHFINDER}'",
             ))
         else:
             problems.append(Problem(

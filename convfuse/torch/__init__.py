@@ -1,7 +1,7 @@
 """convfuse inside PyTorch: fused convolution and batch-normalization layers as
 torch.nn.Modules.
 
-    pip install ".[cu12,torch]"
+    pip install --no-build-isolation -e ".[cu12,torch]"   (after requirements/build-cu12.txt)
 
 `Conv1d/2d/3d` take torch.nn.Conv*d's arguments plus `activation=` and compute
 act(conv(x) + bias + residual) in one convfuse op, forward and backward; `BatchNorm1d/2d/3d`
@@ -17,14 +17,9 @@ model's forward writes them (a ResNet block's `bn2 -> += identity -> relu`), and
 
 from __future__ import annotations
 
-try:
-    import torch as _torch  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
-    raise ImportError(
-        "convfuse.torch needs PyTorch: pip install 'convfuse[torch]' (convfuse itself works "
-        "without it)"
-    ) from exc
+from . import _requires  # noqa: F401 (first: PyTorch present and recent enough)
 
+# isort: split
 from . import _flops, _vmap
 from ._errors import InputDeviceError, InputShapeError, InputTypeError, TransformError
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
