@@ -327,3 +327,19 @@ def test_a_batchnorm_pickled_with_a_plain_activation_attribute_still_loads():
     d = bn.__dict__
     d["activation"] = d.pop("_activation")  # as an older convfuse pickled it
     assert pickle.loads(pickle.dumps(bn)).activation == "relu"
+
+
+@pytest.mark.parametrize("conv_cls,name,shape", [(cf.Conv1d, "NWC", (2, 5, 3)),
+                                                 (cf.Conv3d, "NDHWC", (2, 2, 3, 2, 3)),
+                                                 (cf.Conv1d, "NCW", (2, 3, 5))])
+def test_a_convolutions_layout_name_hands_on_to_the_batch_norm(conv_cls, name, shape, rng):
+    """Conv1d(layout="NWC") -> BatchNorm1d(layout=conv.layout): the rank-specific names read
+    as NHWC/NCHW, with the same numbers as the two-name spelling."""
+    conv = conv_cls(3, 3, 1, layout=name, dtype="float64", device="cpu", seed=0)
+    bn_cls = cf.BatchNorm1d if conv_cls is cf.Conv1d else cf.BatchNorm3d
+    bn = bn_cls(3, layout=conv.layout, dtype="float64", device="cpu")
+    two = bn_cls(3, layout="NCHW" if name.startswith("NC") else "NHWC", dtype="float64",
+                 device="cpu")
+    assert bn.layout == two.layout
+    y = conv(rng.standard_normal(shape))
+    np.testing.assert_array_equal(bn(y), two(y))

@@ -46,6 +46,11 @@ from ._hyper import dtype_hint
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
 from .parameter import Parameter
 
+# A convolution's rank-specific names read as the two a batch norm knows, so one layer's
+# `layout` can be handed to the next (Conv1d(layout="NWC") -> BatchNorm1d).
+_LAYOUT_NAMES = {**{n: n for n in LAYOUTS}, "NCW": "NCHW", "NCDHW": "NCHW",
+                 "NWC": "NHWC", "NDHWC": "NHWC"}
+
 
 class _BatchNorm(Layer):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
@@ -73,9 +78,11 @@ class _BatchNorm(Layer):
         self.momentum = None if momentum is None else _real(name, "momentum", momentum, 0.0, 1.0)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         self.activation = activation
-        if not isinstance(layout, str) or layout.upper() not in LAYOUTS:
-            raise ValueError(f"{name}: layout must be 'NCHW' or 'NHWC', got {layout!r}")
-        self.layout = layout.upper()
+        canonical = _LAYOUT_NAMES.get(layout.upper()) if isinstance(layout, str) else None
+        if canonical is None:
+            raise ValueError(f"{name}: layout must be 'NCHW' or 'NHWC' (or a convolution's "
+                             f"NCW/NWC/NCDHW/NDHWC), got {layout!r}")
+        self.layout = canonical
         self.dtype = dtypes.canonical(dtype)
         self.device = resolve_device(device)
         pdt = dtypes.compute_dtype(self.dtype)
