@@ -46,14 +46,13 @@ from ._hyper import dtype_hint
 from .module import USER_ERRORS, Layer, contiguous, init_parameter
 from .parameter import Parameter
 
-# A convolution's rank-specific names read as the two a batch norm knows, so one layer's
-# `layout` can be handed to the next (Conv1d(layout="NWC") -> BatchNorm1d).
-_LAYOUT_NAMES = {**{n: n for n in LAYOUTS}, "NCW": "NCHW", "NCDHW": "NCHW",
-                 "NWC": "NHWC", "NDHWC": "NHWC"}
-
 
 class _BatchNorm(Layer):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
+
+    # A convolution of the same rank names its layouts so (Conv1d(layout="NWC")): they read
+    # as the two a batch norm knows, so one layer's `layout` can be handed to the next.
+    _rank_layouts: tuple[tuple[str, str], ...] = ()
 
     _ndims: tuple[int, ...] = ()
     weight: Parameter | None
@@ -78,10 +77,10 @@ class _BatchNorm(Layer):
         self.momentum = None if momentum is None else _real(name, "momentum", momentum, 0.0, 1.0)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
         self.activation = activation
-        canonical = _LAYOUT_NAMES.get(layout.upper()) if isinstance(layout, str) else None
+        names = {**{n: n for n in LAYOUTS}, **dict(type(self)._rank_layouts)}
+        canonical = names.get(layout.upper()) if isinstance(layout, str) else None
         if canonical is None:
-            raise ValueError(f"{name}: layout must be 'NCHW' or 'NHWC' (or a convolution's "
-                             f"NCW/NWC/NCDHW/NDHWC), got {layout!r}")
+            raise ValueError(f"{name}: layout must be one of {sorted(names)}, got {layout!r}")
         self.layout = canonical
         self.dtype = dtypes.canonical(dtype)
         self.device = resolve_device(device)
@@ -289,9 +288,10 @@ def _real(layer: str, what: str, value: Any, lo: float, hi: float | None) -> flo
 
 
 class BatchNorm1d(_BatchNorm):
-    """Over (N, C) or (N, C, L) (NCHW) / (N, L, C) (NHWC)."""
+    """Over (N, C) or (N, C, L) (NCHW, also "NCW") / (N, L, C) (NHWC, also "NWC")."""
 
     _ndims = (2, 3)
+    _rank_layouts = (("NCW", "NCHW"), ("NWC", "NHWC"))
 
 
 class BatchNorm2d(_BatchNorm):
@@ -301,6 +301,7 @@ class BatchNorm2d(_BatchNorm):
 
 
 class BatchNorm3d(_BatchNorm):
-    """Over (N, C, D, H, W) (NCHW) or (N, D, H, W, C) (NHWC)."""
+    """Over (N, C, D, H, W) (NCHW, also "NCDHW") or (N, D, H, W, C) (NHWC, also "NDHWC")."""
 
     _ndims = (5,)
+    _rank_layouts = (("NCDHW", "NCHW"), ("NDHWC", "NHWC"))
