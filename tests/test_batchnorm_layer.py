@@ -343,3 +343,28 @@ def test_a_convolutions_layout_name_hands_on_to_the_batch_norm(conv_cls, name, s
     assert bn.layout == two.layout
     y = conv(rng.standard_normal(shape))
     np.testing.assert_array_equal(bn(y), two(y))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_bias_false_is_a_scale_without_a_shift_as_torch_nn(training, rng):
+    """torch.nn's BatchNorm (2.13) takes a keyword-only bias=False: a weight, no bias. The
+    state dicts load into each other, and outputs, dx and the weight's gradient match."""
+    ours = cf.BatchNorm2d(3, dtype="float64", device="cpu", activation="relu", bias=False)
+    ref = torch.nn.BatchNorm2d(3, bias=False).double()
+    assert list(ours.state_dict()) == list(ref.state_dict()) and ours.bias is None
+    ref.weight.data = torch.tensor([0.5, 2.0, -1.0], dtype=torch.float64)
+    ref.running_mean.data += 0.3
+    ours.load_state_dict({k: v.numpy() for k, v in ref.state_dict().items()})
+    ours.train(training)
+    ref.train(training)
+    x, dy = rng.standard_normal((4, 3, 5, 5)), rng.standard_normal((4, 3, 5, 5))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = torch.relu(ref(xt))
+    yt.backward(torch.tensor(dy))
+    np.testing.assert_allclose(ours(x), yt.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ours.backward(dy), xt.grad.numpy(), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(ours.weight.grad, ref.weight.grad.numpy(), rtol=1e-11,
+                               atol=1e-12)
+    np.testing.assert_allclose(ours.running_mean, ref.running_mean.numpy(), rtol=1e-12)
+    with pytest.raises(TypeError, match="BatchNorm2d: bias must be a bool"):
+        cf.BatchNorm2d(3, bias="no")

@@ -67,8 +67,10 @@ class _BatchNorm(Layer):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
                  activation: str | None = None, layout: str = "NCHW", dtype: Any = "float32",
-                 device: str | None = None) -> None:
+                 device: str | None = None, *, bias: bool = True) -> None:
         name = type(self).__name__
+        if not isinstance(bias, (bool, np.bool_)):
+            raise TypeError(f"{name}: bias must be a bool, got {type(bias).__name__} {bias!r}")
         if not isinstance(num_features, int) or isinstance(num_features, bool) \
                 or num_features < 1:
             raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
@@ -92,9 +94,10 @@ class _BatchNorm(Layer):
             check_bytes((num_features,), pdt, self.device, "weight")
         except ArrayTooLargeError as exc:
             raise renamed(exc, name) from None
-        if self.affine:
+        if self.affine:  # bias=False: a scale without a shift, as torch.nn's (2.13) keyword
             self.weight = init_parameter(np.ones(num_features), pdt, self.device, "weight")
-            self.bias = init_parameter(np.zeros(num_features), pdt, self.device, "bias")
+            self.bias = init_parameter(np.zeros(num_features), pdt, self.device, "bias") \
+                if bias else None
         else:
             self.weight = None
             self.bias = None
