@@ -1,12 +1,17 @@
 """Activation names and what each needs saved for its backward pass.
 
 Note [what backward saves]
-Every activation's derivative is a function of its output y, except silu and gelu,
-whose derivatives need the pre-activation z = conv(x) + bias + scale * residual:
+relu, relu6, leaky_relu, sigmoid and tanh have derivatives that are functions of their
+output y; elu, silu and gelu save the pre-activation z = conv(x) + bias + scale * residual:
 - identity: nothing (dz = dy);
 - relu: y (y > 0);  relu6: y (0 < y < 6);  leaky_relu: y (y > 0, since the slope is positive);
 - sigmoid: y (y * (1 - y));  tanh: y (1 - y^2);
-- elu (alpha 1): y (1 where y > 0, else y + 1, since y = exp(z) - 1 there);
+- elu (alpha 1): z (1 where z > 0, else exp(z), as torch.nn.ELU computes it from its input).
+  exp(z) = y + 1 could come from y, but near y = -1 that sum cancels: in float16 the
+  gradient would be exactly 0 below z ~ -8.3 (bfloat16 ~ -6.2, float32 ~ -16.6) and 13-16%
+  off at z = -5 in bfloat16, where torch is within a few ulps. Either way backward keeps
+  one activation-sized tensor (z is a buffer of its own, where y is the output that the
+  next layer often keeps anyway, as for silu and gelu);
 - silu, gelu: z (their derivatives cannot be recovered from y).
 So a layer saves exactly one activation-sized tensor, y or z, never both.
 """
@@ -20,8 +25,9 @@ ACTIVATIONS = (
 # Activations that cudnnConvolutionBiasActivationForward applies itself (FACTS: RELU, IDENTITY).
 FUSED_IN_CUDNN = frozenset({"identity", "relu"})
 
-# Activations whose backward needs the pre-activation rather than the output.
-NEEDS_PREACTIVATION = frozenset({"silu", "gelu"})
+# Activations whose backward needs the pre-activation rather than the output (elu: for
+# accuracy, Note [what backward saves]).
+NEEDS_PREACTIVATION = frozenset({"elu", "silu", "gelu"})
 
 LEAKY_RELU_SLOPE = 0.01
 ELU_ALPHA = 1.0

@@ -32,7 +32,8 @@ def test_activation_names_and_saves():
     assert activations.saves("identity") == "none"
     assert activations.saves("gelu") == "preactivation"
     assert activations.saves("silu") == "preactivation"
-    for act in ("relu", "sigmoid", "tanh", "elu", "relu6", "leaky_relu"):
+    assert activations.saves("elu") == "preactivation"  # exp(z), not y + 1: accuracy
+    for act in ("relu", "sigmoid", "tanh", "relu6", "leaky_relu"):
         assert activations.saves(act) == "output"
 
 

@@ -501,8 +501,24 @@ def test_kernel_activation_rules_match_the_reference_on_the_host(act, dtype, tmp
         if act in ("relu6", "elu", "identity"):  # -0.0 stays -0.0, as in torch
             np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
         np.testing.assert_allclose(got, want, rtol=tol, atol=0, equal_nan=True)
-    if act in ("relu", "relu6", "elu"):  # Note [edge values]: a NaN y passes dy on
+    if act in ("relu", "relu6", "elu"):  # Note [edge values]: a NaN y (elu: z) passes dy on
         assert dz[-1] == dy[-1]
+
+
+@pytest.mark.parametrize("ftz", [False, True], ids=["plain", "ftz"])
+def test_elu_backward_rule_is_exp_of_the_saved_z(ftz, tmp_path_factory):
+    """elu's kernel rule takes the saved z and computes dy * exp(z) (Note [what backward
+    saves]): relative accuracy all the way down, where y + 1 from a saved y would cancel
+    (0 below z ~ -16.6 in float32). Half-precision z (float16, bfloat16 values) included;
+    under -ftz=true only a result below float32's smallest normal may be lost."""
+    lib = _ftz_lib(tmp_path_factory) if ftz else _host_lib(tmp_path_factory)
+    z = np.concatenate([np.linspace(-87.0, -0.5, 301), np.linspace(-12.0, -0.5, 200)
+                        .astype(np.float16)]).astype(np.float32)
+    dy = np.linspace(0.5, 2.0, z.size).astype(np.float32)
+    dz = _run_host(lib, "elu", True, dy, z, ftz=ftz).astype(np.float64)
+    want = dy.astype(np.float64) * np.exp(z.astype(np.float64))
+    np.testing.assert_allclose(dz, want, rtol=4 * np.finfo(np.float32).eps, atol=2 * TINY)
+    assert np.all(dz[want > 2 * TINY] > 0)
 
 
 # ---- Note [CuPy compiles with -ftz=true] ----

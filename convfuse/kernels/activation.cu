@@ -8,7 +8,7 @@
 // Math is done in float for float/__half/__nv_bfloat16 and in double for double; results
 // are rounded once when stored. Meanings follow PyTorch (elu alpha 1, leaky_relu slope
 // 0.01, exact-erf gelu). Backward derives from the saved tensor per convfuse/activations.py
-// Note [what backward saves]: the output y, or the pre-activation z for silu and gelu.
+// Note [what backward saves]: the output y, or the pre-activation z for elu, silu and gelu.
 //
 // Nothing here allocates, synchronises with the host or uses atomics, so every kernel can
 // be captured in a CUDA graph and gives bit-identical results for identical launches.
@@ -135,7 +135,7 @@ __device__ __forceinline__ C act_forward(C z) {
     }
 }
 
-// dz from dy and the saved tensor s (y, or z for silu/gelu); every branch on s reads its
+// dz from dy and the saved tensor s (y, or z for elu/silu/gelu); every branch on s reads its
 // bits (Note [branches on saved values read their bits]).
 template <int ACT, typename C>
 __device__ __forceinline__ C act_backward(C dy, C s) {
@@ -148,7 +148,8 @@ __device__ __forceinline__ C act_backward(C dy, C s) {
     } else if (ACT == ACT_TANH) {
         return dy * (C(1) - s * s);
     } else if (ACT == ACT_ELU) {
-        return le_zero(s) ? dy * (s + C(1)) : dy;  // y = exp(z) - 1 where z <= 0; NaN y: dy
+        // torch's elu_backward from the input: exp(z), not y + 1, which cancels near y = -1
+        return le_zero(s) ? dy * m_exp(s) : dy;  // NaN z: dy; -inf: 0
     } else if (ACT == ACT_RELU6) {
         return (le_zero(s) || s >= C(6)) ? C(0) : dy;  // y in (0, 6) iff z is; NaN y: dy
     } else if (ACT == ACT_LEAKY_RELU) {

@@ -1,7 +1,7 @@
 """Activation ops: validate, then run on the engine of the arrays (DESIGN.md "Ops").
 
 `saved` is what the forward kept for backward (Note [what backward saves] in
-convfuse.activations): y for most activations, the pre-activation z for silu and gelu,
+convfuse.activations): y for most activations, the pre-activation z for elu, silu and gelu,
 nothing for identity.
 """
 

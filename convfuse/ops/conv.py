@@ -28,7 +28,7 @@ def conv_bias_act(x: Any, w: Any, b: Any, geom: Any, activation: str | None = "i
     """y = act(conv(x, w) + b + residual_scale * residual); returns (y, z).
 
     z is the pre-activation, returned only when the activation's backward needs it
-    (activations.saves(act) == "preactivation": silu, gelu), else None. b and residual
+    (activations.saves(act) == "preactivation": elu, silu, gelu), else None. b and residual
     may be None.
     """
     op = "conv_bias_act"

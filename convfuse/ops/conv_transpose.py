@@ -39,7 +39,7 @@ def conv_transpose_bias_act(x: Any, w: Any, b: Any, tgeom: Any,
                             activation: str | None = "identity", residual: Any = None,
                             residual_scale: float = 1.0) -> tuple[Any, Any]:
     """y = act(conv_transpose(x, w) + b + residual_scale * residual); returns (y, z), z the
-    pre-activation when the activation's backward needs it (silu, gelu), else None."""
+    pre-activation when the activation's backward needs it (elu, silu, gelu), else None."""
     op = "conv_transpose_bias_act"
     g = check_transpose_geometry(op, tgeom)
     xp, act, scale = check_fused_args(op, g, x, w, b, residual, activation, residual_scale)

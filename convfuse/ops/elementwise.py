@@ -176,7 +176,7 @@ def activation_forward(z: Any, activation: str, out: Any) -> Any:
 
 
 def activation_backward(dy: Any, saved: Any, activation: str, out: Any) -> Any:
-    """out = dz from dy and the saved output (or pre-activation for silu/gelu). Returns out."""
+    """out = dz from dy and the saved output (or pre-activation for elu/silu/gelu). Returns out."""
     act = normalize(activation)
     _check_array("dy", dy)
     _check_saved(saved, act, dy)

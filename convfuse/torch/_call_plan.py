@@ -45,7 +45,7 @@ active and no argument is a functorch wrapper (_eager.takes_eager_path), so ther
 nothing to unwrap, and the plan binds the C++ apply itself (`super(Function, cls).apply`,
 what the wrapper calls): a few microseconds per call, the same node.
 
-The forward returns y alone unless the activation saves its pre-activation z (silu,
+The forward returns y alone unless the activation saves its pre-activation z (elu, silu,
 gelu): z is then the node's second output, differentiable for a recorded backward (Note
 [two backward paths] in _double.py), and otherwise there is nothing to hand back.
 """

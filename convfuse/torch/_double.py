@@ -10,15 +10,15 @@ same gradients are composed from ops that have autograd formulas of their own:
 activation_grad, then conv_data_grad / conv_filter_grad (Conv) or the batch-norm formulas
 below (BatchNorm), so torch.autograd.grad(..., create_graph=True) returns gradients that
 can be differentiated again, to any order. The fused path is also left when the forward's
-pre-activation output z (silu and gelu keep it) received a gradient of its own: then the
-gradient at the pre-activation is act'(z) dy + dz, which the fused op does not take.
+pre-activation output z (elu, silu and gelu keep it) received a gradient of its own: then
+the gradient at the pre-activation is act'(z) dy + dz, which the fused op does not take.
 
-The layers save y (or z, for silu and gelu) as their forward returned it, not a detached
-copy: in a recorded backward, a gradient reaching `saved` flows on through the forward's
-autograd node, which is how act'' meets the chain rule (Note [second derivatives of the
-activations] in _grad_ops.py). For the same reason z is a differentiable output for silu
-and gelu (the layers discard it; nothing reaches it in a first-order backward) and the
-forward's autograd node does not materialise zero gradients for unused outputs.
+The layers save y (or z, for elu, silu and gelu) as their forward returned it, not a
+detached copy: in a recorded backward, a gradient reaching `saved` flows on through the
+forward's autograd node, which is how act'' meets the chain rule (Note [second derivatives
+of the activations] in _grad_ops.py). For the same reason z is a differentiable output for
+elu, silu and gelu (the layers discard it; nothing reaches it in a first-order backward)
+and the forward's autograd node does not materialise zero gradients for unused outputs.
 
 Note [transposed convolution double backward]
 A transposed convolution is the data gradient of the convolution G it is built on (Note

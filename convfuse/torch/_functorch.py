@@ -15,7 +15,7 @@ goes through `function(...)`'s torch.autograd.Function instead:
 - its jvp is the convolution's: with t_pre = conv(tx, w) + conv(x, tw) + tb + tr, the
   output's tangent is act'(pre) * t_pre, computed by the custom ops (the forward with
   identity, and the backward op's dz, which is act'(pre) * dy for dy = t_pre); the
-  pre-activation output (silu, gelu) has tangent t_pre.
+  pre-activation output (elu, silu, gelu) has tangent t_pre.
 Second-order transforms (hessian, jacrev(jacrev(f)), jacfwd(jacrev(f)), grad(grad(f))) would
 differentiate the backward or the jvp, whose custom ops have no torch.func rule (and would
 give zero): they are refused with TransformError when the backward or the jvp finds a Grad

@@ -38,15 +38,17 @@ activation, used only with create_graph=True:
   hardtanh_backward and leaky_relu_backward have zero derivative in `self` too, and the
   kinks take act's first-derivative rule at exactly 0 and 6, which the op applies);
 - sigmoid (saved y): dy * (1 - 2y);  tanh (saved y): -2 dy y;
-- elu (saved y, dz = dy (y + 1) for y <= 0): dy where y < 0, else 0; strictly below 0 as
-  torch's elu_double_backward, so at z = 0 the second derivative is 0 as in torch;
+- elu (saved z, dz = dy exp(z) for z <= 0): dy exp(z) where z < 0, else 0; strictly below
+  0 as torch's elu_double_backward (is_result=False: elu_backward times (z < 0)), so at
+  z = 0 and at a NaN z the second derivative is 0 as in torch;
 - silu (saved z): dy s (1 - s) (2 + z (1 - 2s)), s = sigmoid(z);
 - gelu (saved z, exact erf form): dy phi(z) (2 - z^2), phi the normal density.
 These are written with torch's elementwise ops rather than new convfuse kernels: each is a
 memory-bound product that a kernel would not speed up noticeably next to the convolutions
 of a double backward, and torch's ops are differentiable again, so third and higher
 derivatives come for free. Through `saved` = y the chain rule continues into the layer's
-forward (y = act(z)), which is why y itself, not a copy, is what the layers save.
+forward (y = act(z)), which is why y itself, not a copy, is what the layers save (and z,
+where they save z: Note [two backward paths] in _double.py).
 """
 
 from __future__ import annotations
@@ -216,7 +218,7 @@ conv_filter_grad.register_autograd(_conv_filter_grad_backward, setup_context=_sa
 @torch.library.custom_op("convfuse::activation_grad", mutates_args=())
 def activation_grad(dy: torch.Tensor, saved: torch.Tensor | None,
                     activation: str) -> torch.Tensor:
-    """dz = dy * act'(.) from the forward's saved tensor (y, or z for silu and gelu)."""
+    """dz = dy * act'(.) from the forward's saved tensor (y, or z for elu, silu and gelu)."""
     act = activations.normalize(activation)
     cl = _layout(dy)
     out = empty_in_layout(dy, dy.shape, cl)
@@ -244,8 +246,8 @@ def second_derivative_term(dy: torch.Tensor, saved: torch.Tensor, act: str
         return dy * (1 - 2 * saved)
     if act == "tanh":
         return -2 * dy * saved
-    if act == "elu":
-        return dy * (saved < 0).to(dy.dtype)
+    if act == "elu":  # exp of min(z, 0): no inf whose masked gradient would be 0 * inf
+        return dy * torch.where(saved < 0, torch.exp(saved.clamp(max=0)), 0)
     if act == "silu":
         s = torch.sigmoid(saved)
         return dy * s * (1 - s) * (2 + saved * (1 - 2 * s))

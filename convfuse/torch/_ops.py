@@ -134,7 +134,7 @@ def _conv_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                    dilation: Sequence[int], groups: int,
                    activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv(x, weight) + bias + residual); z is the pre-activation when the
-    activation's backward needs it (silu, gelu), else an empty tensor. Both are in the
+    activation's backward needs it (elu, silu, gelu), else an empty tensor. Both are in the
     memory format torch.nn's convolution returns (Note [layouts across the bridge])."""
     prep = prepare(ConvGeometry, x, weight, (stride, padding, dilation, groups),
                    (tensor_key(bias), tensor_key(residual)))

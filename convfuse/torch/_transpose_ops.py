@@ -55,7 +55,7 @@ def _conv_transpose_bias_act(
     output_padding: Sequence[int], dilation: Sequence[int], groups: int, activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, z): y = act(conv_transpose(x, weight) + bias + residual); z is the
-    pre-activation when the activation's backward needs it (silu, gelu), else empty."""
+    pre-activation when the activation's backward needs it (elu, silu, gelu), else empty."""
     prep = prepare(ConvTransposeGeometry, x, weight, (stride, padding, dilation, groups),
                    (tensor_key(bias), tensor_key(residual)), output_padding)
     return fused_forward("conv_transpose_bias_act", prep, x, weight, bias, residual,

@@ -15,7 +15,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from convfuse import ops
+from convfuse import activations, ops
 from convfuse.geometry import ConvGeometry
 from convfuse.ops import reference as ref
 from convfuse.ops.cudnn import activation as cudnn_act
@@ -35,14 +35,14 @@ def _spy(module, name):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "sigmoid", "tanh"])
+@pytest.mark.parametrize("act", ["relu", "silu", "gelu", "sigmoid", "tanh", "elu"])
 def test_activation_kernels_at_edge_values_match_the_reference(act, dtype):
     z = EDGE.astype(dtype)
     dy = np.linspace(1.0, 2.0, z.size).astype(dtype)
     with _spy(cudnn_act, "activation_forward") as fwd, \
             _spy(cudnn_act, "activation_backward") as bwd:
         y = ops.activation_forward(cp.asarray(z), act).get()
-        saved = z if act in ("silu", "gelu") else ref.activation_forward(z, act)
+        saved = z if activations.saves(act) == "preactivation" else ref.activation_forward(z, act)
         dz = ops.activation_backward(cp.asarray(dy), cp.asarray(saved), act).get()
     assert fwd.called and bwd.called
     want_y = ref.activation_forward(z.astype(np.float64), act)
@@ -58,11 +58,9 @@ def test_activation_kernels_at_edge_values_match_the_reference(act, dtype):
 @pytest.mark.parametrize("act", ["relu", "leaky_relu", "relu6", "elu"])
 def test_a_subnormal_saved_output_takes_its_signs_branch(act):
     """CuPy compiles with -ftz=true, which flushes float32 subnormals in comparisons: a
-    positive subnormal saved y compared with 0 would read as 0 and drop dy (the CUDA
-    emulator's one finding in these kernels, fixed by testing the bits). Its backward must
-    take the branch of its sign, as the reference does."""
-    from convfuse import activations
-
+    positive subnormal saved y (z for elu) compared with 0 would read as 0 and drop dy (the
+    CUDA emulator's one finding in these kernels, fixed by testing the bits). Its backward
+    must take the branch of its sign, as the reference does."""
     z = np.array([1e-40, -1e-40, 1.0, -1.0], np.float32)  # 1e-40 is a float32 subnormal
     assert 0 < abs(float(z[0])) < np.finfo(np.float32).tiny
     saved = z if activations.saves(act) == "preactivation" else ref.activation_forward(z, act)

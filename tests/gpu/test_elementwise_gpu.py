@@ -51,7 +51,7 @@ def forward64(z, act):
 
 
 def backward64(dy, s, act):
-    """dz from dy and the saved tensor s (y, or z for silu/gelu), in float64."""
+    """dz from dy and the saved tensor s (y, or z for elu/silu/gelu), in float64."""
     dy = np.asarray(dy, np.float64)
     s = None if s is None else np.asarray(s, np.float64)
     if act == "identity":
@@ -66,7 +66,7 @@ def backward64(dy, s, act):
         "relu": lambda: (s > 0).astype(np.float64),
         "sigmoid": lambda: s * (1.0 - s),
         "tanh": lambda: 1.0 - s * s,
-        "elu": lambda: np.where(s > 0, 1.0, s + 1.0),
+        "elu": lambda: np.where(s <= 0, np.exp(np.minimum(s, 0.0)), 1.0),  # torch's, from z
         "relu6": lambda: ((s > 0) & (s < 6)).astype(np.float64),
         "leaky_relu": lambda: np.where(s > 0, 1.0, 0.01),
     }[act]()

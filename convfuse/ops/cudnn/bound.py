@@ -335,7 +335,7 @@ def bind_transpose(eng: ModuleType, name: str, tgeom: Any, dtype: Any, ctx: Exec
                    act: str = "identity") -> Any:
     """bind's answer for a transposed convolution's op (ops/cudnn/conv_transpose.py's):
     NEVER where the engine slices G's output (windowed), runs channels-first, or keeps a
-    pre-activation (silu, gelu: two outputs)."""
+    pre-activation (elu, silu, gelu: two outputs)."""
     slot = _TRANSPOSED.get(name)
     if (slot is None or tgeom.windowed or layout.runs_channels_first(tgeom, dtype)
             or name not in eng.AS_IMPORTED or parts(tgeom) is not None):

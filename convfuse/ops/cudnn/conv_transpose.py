@@ -5,8 +5,8 @@ refusal or out-of-memory, and the capture rules are the convolution's (ranked.py
 
 Forward: convolutionBackwardData writes y, then one pass of convfuse's bias + activation
 (+ scaled residual) kernel over y (Note [bias + activation pass] in kernels/activation.cu),
-none when there is no bias, no residual and the activation is identity. silu and gelu save
-their pre-activation, so they write it with that pass and apply the activation in a second.
+none when there is no bias, no residual and the activation is identity. elu, silu and gelu
+save their pre-activation, so they write it with that pass and apply the activation in a second.
 
 float64 channels-last runs channels-first, as Conv does (Note [float64 runs channels-first]
 in layout.py): the three cuDNN-calling ops go through layout.run_channels_first. The bias +

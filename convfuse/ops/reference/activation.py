@@ -3,7 +3,7 @@
 relu, sigmoid, tanh, elu (alpha 1), relu6, leaky_relu (slope 0.01), silu and the exact
 (erf) gelu; identity passes through. NaN propagates through every activation. Backward
 takes what `convfuse.activations.saves` names (Note [what backward saves] there): the
-output y for relu, relu6, leaky_relu, elu, sigmoid and tanh; the pre-activation z for
+output y for relu, relu6, leaky_relu, sigmoid and tanh; the pre-activation z for elu,
 silu and gelu; nothing for identity. At the kinks the gradient is PyTorch's: relu and
 relu6 give 0 at 0 (and relu6 at 6), leaky_relu gives the slope at 0.
 
@@ -28,12 +28,14 @@ Where PyTorch's CPU engine gives a NaN, an inf or a 0, so does this engine, sile
 - relu's gradient is 0 where the saved output y <= 0 and dy elsewhere, so a NaN
   pre-activation (which relu passes on as y = NaN) passes dy on, as torch's
   threshold_backward does (the GPU kernel in kernels/activation.cu does the same);
-- relu6 and elu do the same at a NaN y: relu6's gradient is 0 where y <= 0 or y >= 6 (so
-  exactly 0 at z = 0, z = 6 and z = +-inf) and dy elsewhere; elu's is dy * (y + 1) where
-  y <= 0 and dy elsewhere. That is the rule PyTorch writes in its scalar CPU loop and its
-  CUDA kernels (hardtanh_backward, elu_backward). Its CPU SIMD loop gives 0 (relu6) and NaN
-  (elu) at a NaN instead, so torch's CPU answer there depends on whether the element falls
-  in a whole vector or the scalar tail; convfuse does not copy that position dependence.
+- relu6 and elu do the same at a NaN y or z: relu6's gradient is 0 where y <= 0 or y >= 6
+  (so exactly 0 at z = 0, z = 6 and z = +-inf) and dy elsewhere; elu's, from the saved z
+  as torch.nn.ELU's (elu_backward with is_result=False), is dy * exp(z) where z <= 0 and
+  dy elsewhere (dy at +-0 and +inf, 0 at -inf). That is the rule PyTorch writes in its
+  scalar CPU loop and its CUDA kernels (hardtanh_backward, elu_backward). Its CPU SIMD
+  loop gives 0 (relu6) and NaN (elu) at a NaN instead, so torch's CPU answer there
+  depends on whether the element falls in a whole vector or the scalar tail; convfuse
+  does not copy that position dependence.
   Forward keeps -0.0, as torch does, but for relu (+0.0 there: `relu`'s docstring);
 - silu and gelu at -inf are NaN (-inf * 0), at +inf +inf, and their gradients at +-inf
   NaN, as in PyTorch; huge |z| overflows intermediate squares harmlessly. NumPy would warn
@@ -264,13 +266,20 @@ def _relu_grad(dy: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> 
     return out
 
 
-# dz from (dy, saved), saved per Note [what backward saves]; elu: y + 1 = exp(z) for y <= 0.
+@_quiet
+def _elu_grad(dy: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """dy * exp(z) where z <= 0, else dy (a NaN z passes dy on: Note [edge values]); from z,
+    not from y + 1, which cancels near y = -1 (Note [what backward saves])."""
+    return np.where(z <= 0, dy * np.exp(z), dy)
+
+
+# dz from (dy, saved), saved per Note [what backward saves].
 _BACKWARD: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "relu": _relu_grad,
     "sigmoid": lambda dy, y: dy * (1 - y) * y,
     "tanh": lambda dy, y: dy * (1 - y * y),
-    # Both test for the zero-gradient side, so a NaN y passes dy on (Note [edge values]).
-    "elu": lambda dy, y: np.where(y <= 0, dy * (y + acts.ELU_ALPHA), dy),
+    # Both test for the zero-gradient side, so a NaN y or z passes dy on (Note [edge values]).
+    "elu": _elu_grad,
     "relu6": lambda dy, y: np.where((y <= 0) | (y >= acts.RELU6_CAP), 0, dy),
     "leaky_relu": lambda dy, y: np.where(y > 0, dy, dy * acts.LEAKY_RELU_SLOPE),
     "silu": _silu_grad,
