@@ -85,7 +85,7 @@ def forward_vs_loops() -> Outcome:
         if activations.saves(act) == "preactivation":
             worst.compare(z, z_ref, f"{act} z, {geom.describe()}")
         elif z is not None:
-            raise CheckFailed(f"{act}: z returned although only silu/gelu save it")
+            raise CheckFailed(f"{act}: z returned although only silu, gelu and elu save it")
     return worst.outcome(f"{worst.count} outputs of conv_bias_act equal plain loops "
                          f"(ranks 1-3, both layouts, groups/depthwise, 9 activations)")
 
