@@ -368,3 +368,9 @@ def test_bias_false_is_a_scale_without_a_shift_as_torch_nn(training, rng):
     np.testing.assert_allclose(ours.running_mean, ref.running_mean.numpy(), rtol=1e-12)
     with pytest.raises(TypeError, match="BatchNorm2d: bias must be a bool"):
         cf.BatchNorm2d(3, bias="no")
+    assert "affine=True, bias=False," in repr(ours)
+    # reset_parameters resets the weight alone, as torch.nn's
+    ours.weight.data[...] = 5
+    ours.reset_parameters()
+    ref.reset_parameters()
+    np.testing.assert_array_equal(ours.weight.data, ref.weight.detach().numpy())

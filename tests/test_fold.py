@@ -105,6 +105,25 @@ def test_folding_formula_with_conv_bias_and_affine_off(rng):
     np.testing.assert_allclose(folded(x), seq(x), rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("which", ["bias=False", "weight=None"])
+def test_a_batch_norm_with_one_affine_parameter_folds_it(rng, which):
+    """A weight without a bias (bias=False, torch 2.13's) or a bias without a weight (one
+    assigned None): the one there is folds in (the weight was dropped when the bias was
+    missing, 2.0 off)."""
+    conv = cf.Conv2d(2, 3, 3, padding=1, **F64, seed=2)
+    norm = cf.BatchNorm2d(3, bias=which != "bias=False", **F64)
+    if which == "weight=None":
+        norm.bias.data[...] = [0.3, -0.2, 1.0]
+        norm.weight = None
+    else:
+        norm.weight.data[...] = [0.5, 2.0, -1.0]
+    norm.running_mean[...] = [0.5, -1.0, 2.0]
+    norm.running_var[...] = [4.0, 0.25, 1.0]
+    seq = cf.Sequential(conv, norm).eval()
+    x = rng.standard_normal((2, 2, 5, 5))
+    np.testing.assert_allclose(fold_batchnorm(seq)(x), seq(x), rtol=1e-12, atol=1e-13)
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_sequential_chains_fold_and_absorb_a_following_activation(rng, layout):
     kw = {"layout": layout, **F64}

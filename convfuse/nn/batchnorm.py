@@ -122,8 +122,9 @@ class _BatchNorm(Layer):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.weight is not None and self.bias is not None:  # affine
+        if self.weight is not None:  # each on its own, as torch.nn's (bias=False)
             self.weight.data[...] = 1
+        if self.bias is not None:
             self.bias.data[...] = 0
 
     def _geometry(self, x: Any) -> BatchNormGeometry:
@@ -274,8 +275,10 @@ class _BatchNorm(Layer):
         return value
 
     def extra_repr(self) -> str:
+        bias = self.bias is not None or not self.affine  # (torch.nn's repr shows it too)
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+                f"affine={self.affine}, bias={bias}, "
+                f"track_running_stats={self.track_running_stats}, "
                 f"activation={self.activation!r}, layout={self.layout!r}, dtype={self.dtype}, "
                 f"device={self.device!r}")
 

@@ -115,8 +115,10 @@ def fold_conv_bn(conv: _ConvNd, bn: _BatchNorm) -> _ConvNd:
     mean = bn.running_mean.astype(acc)
     scale = 1.0 / xp.sqrt(var + bn.eps)
     shift = xp.zeros_like(mean)
-    if bn.weight is not None and bn.bias is not None:  # affine
+    # each on its own: a weight without a bias (bias=False, torch 2.13's) scales all the same
+    if bn.weight is not None:
         scale = scale * bn.weight.data.astype(acc)
+    if bn.bias is not None:
         shift = bn.bias.data.astype(acc)
     w = conv.weight.data.astype(acc)
     # The output channel is axis 0 of the weight in both layouts ((K, C/g, *k), (K, *k, C/g)).
