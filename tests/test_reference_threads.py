@@ -110,6 +110,37 @@ def test_callers_on_several_threads_while_the_pool_grows(monkeypatch):
         _threads.set_num_threads(None)
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_passes_on_a_pool_of_its_own(threads):
+    """multiprocessing's fork (a DataLoader worker): the parent's pool threads do not exist
+    in the child, which used to wait forever on its first threaded pass."""
+    import os
+    import warnings
+
+    threads(2)
+    out = np.zeros(4)
+
+    def fn(lo: int, hi: int) -> None:
+        out[lo:hi] += 1
+
+    _threads.parallel_for(4, 4, fn)  # the parent's pool exists now
+    assert _threads._pool is not None and (out == 1).all()
+    with warnings.catch_warnings():  # (3.12 warns about forking a threaded process)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the pass ran; SIGALRM ends a hang
+        import signal
+
+        signal.alarm(30)
+        try:
+            _threads.parallel_for(4, 4, fn)
+            os._exit(0 if (out == 2).all() else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_an_error_in_a_worker_reaches_the_caller_after_all_chunks_finish(threads):
     threads(3)
     done = []

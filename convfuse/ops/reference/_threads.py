@@ -92,6 +92,19 @@ def set_num_threads(n: int | None) -> None:
     _override = n
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (multiprocessing's fork, a DataLoader worker) has only the forking
+    thread: the parent's pool threads do not exist there, and a pass submitted to that
+    pool would wait forever. The child makes a pool of its own at its first pass."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()  # (another thread may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):  # (not on Windows, which cannot fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _executor(workers: int) -> ThreadPoolExecutor:
     """A pool of at least `workers` threads. A smaller one is replaced, never shut down:
     another thread may hold it and still submit (a shut-down pool refuses, which crashed
