@@ -224,12 +224,6 @@ def _imported(block: Block | Inverted) -> type | None:
     return None if lib is None else getattr(lib, block.name, None)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Hooks a call runs, its own or global ones (a fused block keeps the module, so its
-    state-dict hooks stay)."""
-    return runs_hooks(module)
-
-
 def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | None:
     """(the fused class's name, [(batch norm, its activation)]) where `module` is a block
     this rule takes (Note [residual blocks]), else None."""
@@ -249,7 +243,7 @@ def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | Non
     found = []
     for (_, bn), name in zip(block.pairs, block.acts):
         act = mods.get(name)
-        if act is None or _hooked(act):
+        if act is None or runs_hooks(act):
             return None
         kind = ("relu" if type(act) is nn.ReLU else None) if block.relu_only \
             else activation_of(act)
@@ -261,7 +255,7 @@ def residual_block(module: nn.Module) -> tuple[str, list[tuple[str, str]]] | Non
 
 def _plain(module: nn.Module) -> bool:
     """No forward on the instance and no hooks: calling it is calling its class's forward."""
-    return "forward" not in module.__dict__ and not _hooked(module)
+    return "forward" not in module.__dict__ and not runs_hooks(module)
 
 
 def _plain_sequential(module: Any) -> bool:
