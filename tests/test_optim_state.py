@@ -9,6 +9,7 @@ import pytest
 import convfuse as cf
 from convfuse import Parameter
 from convfuse.optim import SGD, Adam, AdamW
+from convfuse.optim._flat import slots_in_order
 from tests._optim_helpers import grad_sequence, make_params, run
 
 
@@ -63,7 +64,13 @@ def test_load_state_dict_rejects_mismatches(rng):
     with pytest.raises(ValueError, match="exactly one dict"):
         opt.load_state_dict({**good, "param_groups": [good["param_groups"][0]] * 2})
     with pytest.raises(ValueError, match=r"\['state'\]\[1\] must hold \['exp_avg', 'exp_avg_sq'"):
-        opt.load_state_dict({**good, "state": {0: good["state"][0]}})
+        opt.load_state_dict({**good, "state": {**good["state"], 1: {"step": 0}}})
+    with pytest.raises(ValueError, match=r"must share one step count >= 0, got \[0, 3\] \(a "
+                                         r"missing or empty entry"):
+        opt.load_state_dict({**good, "state": {0: {**good["state"][0], "step": 3}}})
+    with pytest.raises(ValueError, match=r"\['params'\] must be the ids 0..1 in order"):
+        opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0],
+                                                       "params": [1, 0]}]})
     with pytest.raises(ValueError, match="unknown Adam hyperparameter"):
         opt.load_state_dict({**good, "param_groups": [{**good["param_groups"][0], "nope": 1}]})
     with pytest.raises(ValueError, match=r"^Adam: amsgrad=True is not supported"):
@@ -303,19 +310,122 @@ def test_torch_optims_own_adam_state_dict_loads(rng, name):
         np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
 
 
-def test_torch_optims_sgd_group_loads_but_its_stepless_state_is_refused(rng):
-    """torch.optim.SGD's group (dampening 0, maximize, foreach, ...) is accepted; its state
-    has no step count (convfuse's SGD needs one: the first step sets the buffer), so the
-    state is refused, naming what an entry must hold."""
+@pytest.mark.parametrize("before", [0, 3])
+def test_torch_optims_sgd_state_dict_loads_and_continues(rng, before):
+    """torch.optim.SGD's state counts no steps (an entry is its momentum buffer, none before
+    the first step): it loads as stepped, all the rule reads, and the two continue in step."""
     torch = pytest.importorskip("torch")
-    t = torch.zeros(3, dtype=torch.float64, requires_grad=True)
-    ref = torch.optim.SGD([t], lr=0.2, momentum=0.5)
-    opt = SGD([Parameter(np.zeros(3))], lr=0.1, momentum=0.5)
-    group = ref.state_dict()["param_groups"][0]
-    opt.load_state_dict({"state": opt.state_dict()["state"], "param_groups": [group]})
-    assert opt.lr == 0.2
-    t.grad = torch.ones(3, dtype=torch.float64)
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, before + 3)
+    ours, theirs, opt, ref = _torch_pair(
+        torch, rng, shapes, lambda ps: SGD(ps, lr=0.5),
+        lambda ps: torch.optim.SGD(ps, lr=0.02, momentum=0.9, nesterov=True, weight_decay=0.1))
+    for g in grads[:before]:
+        for t, gi in zip(theirs, g):
+            t.grad = torch.tensor(gi)
+        ref.step()
+    for p, t in zip(ours, theirs):
+        p.data[...] = t.detach().numpy()
+    opt.load_state_dict(ref.state_dict())
+    assert opt.lr == 0.02 and opt.defaults["nesterov"] is True
+    assert opt.state_dict()["state"][0]["step"] == min(before, 1)
+    _torch_steps(torch, ours, theirs, opt, ref, grads[before:])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, ps: m.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1),
+    lambda m, ps: m.SGD(ps, lr=0.05),
+    lambda m, ps: m.Adam(ps, lr=0.05, betas=(0.8, 0.99), weight_decay=0.1),
+    lambda m, ps: m.AdamW(ps, lr=0.05),
+], ids=["sgd-momentum", "sgd", "adam", "adamw"])
+def test_a_convfuse_checkpoint_loads_into_torch_optim_and_continues(rng, make):
+    """The other direction: torch.optim loads what state_dict() saves (the group carries
+    torch's flags at their defaults: without `dampening`, torch.optim.SGD's first step
+    raised KeyError) and continues the same trajectory."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 6)
+    ours = make_params(rng, np.float64, shapes)
+    opt = make(cf.optim, ours)
+    run(opt, ours, grads[:3])
+    theirs = [torch.tensor(p.data, requires_grad=True) for p in ours]
+    ref = make(torch.optim, theirs)
+    sd = opt.state_dict()
+    ref.load_state_dict({"state": {i: {k: torch.as_tensor(v) for k, v in e.items()}
+                                   for i, e in sd["state"].items()},
+                         "param_groups": sd["param_groups"]})
+    _torch_steps(torch, ours, theirs, opt, ref, grads[3:])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+def test_torch_optim_state_dicts_as_torch_writes_them_load(rng):
+    """What torch.optim adds to a group (an lr_scheduler's initial_lr, named_parameters()'
+    param_names) is not a hyperparameter and is ignored; a torch optimizer that has not
+    stepped has an empty state, which is step 0."""
+    torch = pytest.importorskip("torch")
+    shapes = [(3, 2), (4,)]
+    grads = grad_sequence(rng, shapes, 5)
+    ours, theirs, opt, ref = _torch_pair(
+        torch, rng, shapes, lambda ps: Adam(ps, lr=0.5),
+        lambda ps: torch.optim.Adam([(f"p{i}", p) for i, p in enumerate(ps)], lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    sd = ref.state_dict()
+    assert sd["state"] == {} and {"initial_lr", "param_names"} <= set(sd["param_groups"][0])
+    opt.load_state_dict(sd)
+    assert opt.lr == 0.1 and opt.state_dict()["state"][0]["step"] == 0
+    for g in grads[:2]:
+        for t, gi in zip(theirs, g):
+            t.grad = torch.tensor(gi)
+        ref.step()
+        sched.step()
+    for p, t in zip(ours, theirs):
+        p.data[...] = t.detach().numpy()
+    opt.load_state_dict(ref.state_dict())
+    assert opt.lr == 0.025
+    _torch_steps(torch, ours, theirs, opt, ref, grads[2:3])
+    for p, t in zip(ours, theirs):
+        np.testing.assert_allclose(p.data, t.detach().numpy(), rtol=1e-13, atol=1e-15)
+
+
+def test_a_torch_bfloat16_state_loads(rng):
+    """torch keeps a bfloat16 parameter's Adam moments in bfloat16, which NumPy cannot read
+    over __array__: they load (as the model loader reads a bfloat16 tensor), exactly."""
+    torch = pytest.importorskip("torch")
+    t = torch.linspace(-1, 1, 6, dtype=torch.bfloat16).requires_grad_()
+    ref = torch.optim.Adam([t], lr=0.1)
+    t.grad = torch.linspace(0.5, -0.25, 6, dtype=torch.bfloat16)
     ref.step()
-    with pytest.raises(ValueError, match=r"^SGD: state_dict\['state'\]\[0\] must hold "
-                                         r"\['momentum_buffer', 'step'\]"):
-        opt.load_state_dict(ref.state_dict())
+    opt = Adam([Parameter(np.zeros(6, dtype=cf.dtypes.bfloat16))])
+    opt.load_state_dict(ref.state_dict())
+    got = opt.state_dict()["state"][0]
+    for k in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_array_equal(got[k], ref.state[t][k].float().numpy())
+    bad = ref.state_dict()
+    bad["state"][0]["exp_avg"] = "zeros"
+    with pytest.raises(TypeError, match=r"^Adam: state_dict\['state'\]\[0\]\['exp_avg'\] must "
+                                         "be a floating array"):
+        opt.load_state_dict(bad)
+
+
+def test_defaults_are_read_only(rng):
+    """Every step reads the hyperparameters: a write to `defaults` would skip the
+    constructor's checks (a momentum set there had no buffer: KeyError at the step)."""
+    opt = SGD(make_params(rng, np.float32, [(3,)]), lr=0.1)
+    with pytest.raises(TypeError):
+        opt.defaults["momentum"] = 0.9  # type: ignore[index]
+    assert opt.defaults == {"momentum": 0.0, "weight_decay": 0.0, "nesterov": False}
+
+
+def test_named_parameters_are_taken_as_torch_optim_takes_them(rng):
+    """torch.optim (2.6+) takes model.named_parameters(): the same optimizer as from the
+    parameters; a mix of pairs and parameters is refused, naming the entry."""
+    model = cf.Linear(3, 2, dtype="float64", seed=0)
+    a, b = SGD(model.named_parameters(), lr=0.1), SGD(model.parameters(), lr=0.1)
+    for opt in (a, b):
+        assert [s.param for _, s in slots_in_order(opt._groups)] == list(model.parameters())
+    with pytest.raises(TypeError, match=r"^SGD: params\[1\] is a tuple, expected a convfuse "
+                                        r"Parameter \(named parameters must all be"):
+        SGD([model.weight, ("bias", model.bias)], lr=0.1)

@@ -60,6 +60,19 @@ def state_dict(model: Layer) -> OrderedDict[str, np.ndarray]:
     return out
 
 
+def is_torch_bfloat16(value: Any) -> bool:
+    return str(getattr(value, "dtype", "")) == "torch.bfloat16"
+
+
+def torch_bfloat16_numpy(value: Any) -> np.ndarray:
+    """A CPU torch.bfloat16 tensor as a NumPy bfloat16 array, without a copy: NumPy has no
+    bfloat16 to take it over DLPack or __array__, so its bytes as int16, read as bfloat16
+    (Note [bfloat16 on the CPU] in convfuse/torch/_arrays.py)."""
+    import torch
+
+    return value.detach().view(torch.int16).numpy().view(dtypes.bfloat16)
+
+
 def _as_array(value: Any, key: str) -> Any:
     """NumPy or CuPy view of a user value: arrays, __array__ objects, __dlpack__ objects."""
     if isinstance(value, np.ndarray) or is_cupy(value):
@@ -74,12 +87,8 @@ def _as_array(value: Any, key: str) -> Any:
 
             cp = require_gpu(f"loading {key!r} from a device tensor")
             return cp.from_dlpack(value)  # pragma: gpu
-    if str(getattr(value, "dtype", "")) == "torch.bfloat16":
-        # NumPy has no bfloat16 to take a CPU tensor's over DLPack or __array__: its bytes
-        # as int16, read as bfloat16 (Note [bfloat16 on the CPU] in convfuse/torch/_arrays.py)
-        import torch
-
-        return value.detach().view(torch.int16).numpy().view(dtypes.bfloat16)
+    if is_torch_bfloat16(value):
+        return torch_bfloat16_numpy(value)
     if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
         try:
             return np.asarray(value)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,9 +31,11 @@ from ..backend import array_module, to_device
 from ..errors import CaptureError, ConvfuseError
 from ..nn.module import renamed
 from ..nn.parameter import Parameter, check_set_to_none
+from ..nn.state import is_torch_bfloat16, torch_bfloat16_numpy
 from ..ops._checks import as_float
 from ._flat import (
     FlatGroup,
+    Params,
     aligned_zeros,
     build_groups,
     check_homes,
@@ -67,6 +70,15 @@ def check_lr(lr: Any) -> float:
 _HOW = {"foreach": True, "fused": True, "capturable": False}  # name: whether None is allowed
 # torch.optim's arguments that change the update: only their default, False, is implemented
 _OFF = ("amsgrad", "maximize", "differentiable")
+# what torch.optim's defaults are for the flags above, saved in state_dict()'s group so that
+# torch.optim loads a convfuse checkpoint and steps it (torch.optim.SGD.__setstate__ fills
+# in no default for `dampening`: without it, torch's first step raised KeyError)
+_TORCH_DEFAULTS = {"dampening": 0.0, "amsgrad": False, "maximize": False, "foreach": None,
+                   "capturable": False, "differentiable": False, "fused": None}
+# keys torch.optim's groups may hold that say nothing about the update: an lr_scheduler's
+# `initial_lr` (its own bookkeeping) and the `param_names` of an optimizer built from
+# named_parameters()
+_IGNORED = ("initial_lr", "param_names")
 
 
 def take_torch_flags(hyper: dict[str, Any], names: tuple[str, ...]) -> None:
@@ -112,11 +124,15 @@ class FlatOptimizer:
     scalar arguments, in its order)."""
 
     _kernel = ""
+    # torch.optim's own flags this optimizer's group holds (state_dict() saves them)
+    _torch_flags: tuple[str, ...] = ()
+    # whether torch.optim's state for this rule counts steps (SGD's holds only its buffer)
+    _torch_counts_steps = True
 
-    def __init__(self, params: Iterable[Parameter], lr: Any, **hyper: Any) -> None:
+    def __init__(self, params: Params, lr: Any, **hyper: Any) -> None:
         try:
             self._lr = check_lr(lr)
-            self.defaults: dict[str, Any] = self._validated(**hyper)
+            self._defaults = self._validated(**hyper)
             plist = check_params(params)
         except (TypeError, ValueError, ConvfuseError) as exc:
             raise renamed(exc, type(self).__name__) from None
@@ -135,14 +151,14 @@ class FlatOptimizer:
     # -- copies ---------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         params = [s.param for _, s in slots_in_order(self._groups)]
-        return {"params": params, "lr": self._lr, "defaults": dict(self.defaults),
+        return {"params": params, "lr": self._lr, "defaults": dict(self._defaults),
                 "state": self.state_dict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # The parameters arrive already copied (deepcopy's memo, pickle's references), so
         # re-homing them links this optimizer to the copied model, not the original.
         self._lr = check_lr(state["lr"])
-        self.defaults = self._validated(**state["defaults"])
+        self._defaults = self._validated(**state["defaults"])
         self._build(check_params(state["params"]))
         self.load_state_dict(state["state"])
 
@@ -154,7 +170,7 @@ class FlatOptimizer:
         raise NotImplementedError
 
     def _state_names(self) -> tuple[str, ...]:
-        return self._state_names_of(self.defaults)
+        return self._state_names_of(self._defaults)
 
     def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
         raise NotImplementedError
@@ -229,6 +245,14 @@ class FlatOptimizer:
             g.kernel((g.grid,), (BLOCK,), self._kernel_args(g))
 
     # -- public API -----------------------------------------------------------------------
+    @property
+    def defaults(self) -> Mapping[str, Any]:
+        """The hyperparameters (but lr), read-only: every step reads them, and a value
+        written here would skip the constructor's checks (torch.optim's `defaults` only
+        seed new groups; convfuse has one group, fixed at construction or by
+        load_state_dict)."""
+        return MappingProxyType(self._defaults)
+
     @property
     def lr(self) -> float:
         """The learning rate (a host-side mirror: reading it never touches the device)."""
@@ -305,7 +329,8 @@ class FlatOptimizer:
                 entry[name] = np.array(host, copy=True, order="C")
             state[s.index] = entry
         n = sum(len(g.slots) for g in self._groups)
-        group = {"lr": self._lr, **self.defaults, "params": list(range(n))}
+        flags = {k: _TORCH_DEFAULTS[k] for k in self._torch_flags}
+        group = {"lr": self._lr, **self._defaults, **flags, "params": list(range(n))}
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -325,10 +350,14 @@ class FlatOptimizer:
             raise ValueError("state_dict['param_groups'] must be a list of exactly one dict")
         group = groups[0]
         n = sum(len(g.slots) for g in self._groups)
-        if list(group.get("params", ())) != list(range(n)):
-            raise ValueError(f"state_dict is for {len(group.get('params', ()))} parameters, "
-                             f"this optimizer has {n}")
-        hyper = {k: v for k, v in group.items() if k not in ("lr", "params")}
+        ids = list(group.get("params", ()))
+        if len(ids) != n:
+            raise ValueError(f"state_dict is for {len(ids)} parameters, this optimizer has {n}")
+        if ids != list(range(n)):
+            raise ValueError(f"state_dict['param_groups'][0]['params'] must be the ids "
+                             f"0..{n - 1} in order (one group, as state_dict() saves it), got "
+                             f"{ids}")
+        hyper = {k: v for k, v in group.items() if k not in ("lr", "params", *_IGNORED)}
         defaults = self._validated(**hyper)
         names = self._state_names_of(defaults)
         lr = check_lr(group.get("lr"))
@@ -341,7 +370,7 @@ class FlatOptimizer:
             # buffers than the captured ones: a captured step is captured again after it.)
             fresh = [self._new_state(g, names) for g in self._groups]
         self.lr = lr  # first: on the GPU it refuses a capture in progress (CaptureError)
-        self.defaults = defaults
+        self._defaults = defaults
         for i, g in enumerate(self._groups):
             if fresh is not None:
                 # the old buffers stay alive on the GPU: a step captured before would
@@ -366,18 +395,36 @@ class FlatOptimizer:
             return {name: aligned_zeros(xp, int(g.data.size), g.compute_dtype)
                     for name in names}
 
+    def _entry_step(self, entry: dict[str, Any], index: int, names: tuple[str, ...]) -> int:
+        """The step an entry of `state_dict['state']` has taken, or ValueError unless it
+        holds `names` and its step (or is one torch.optim writes, see _checked_entries)."""
+        if not entry:  # torch.optim's for a parameter that has not stepped yet
+            return 0
+        if set(entry) == {"step", *names}:
+            return step_count(entry["step"], f"state_dict['state'][{index}]['step']")
+        if not self._torch_counts_steps and names and set(entry) == set(names):
+            return 1  # torch.optim.SGD's buffer: the rule reads only that it was stepped
+        raise ValueError(f"state_dict['state'][{index}] must hold {sorted({'step', *names})}")
+
     def _checked_entries(self, state: Any, names: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+        """The state's entries by parameter index, checked and in storage order. torch.optim
+        creates a parameter's state at its first step with a gradient: a missing or empty
+        entry is one that has not stepped (step 0, zero buffers), and torch.optim.SGD's
+        entries, which count no steps, have stepped once (all its rule reads)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
         plan: dict[int, dict[str, Any]] = {}
         for g in self._groups:
             steps = set()
             for s in g.slots:
-                entry = state.get(s.index) if isinstance(state, dict) else None
-                if not isinstance(entry, dict) or set(entry) != {"step", *names}:
-                    raise ValueError(f"state_dict['state'][{s.index}] must hold "
-                                     f"{sorted({'step', *names})}")
-                step = step_count(entry["step"], f"state_dict['state'][{s.index}]['step']")
+                entry = state.get(s.index, {})
+                if not isinstance(entry, dict):
+                    raise ValueError(f"state_dict['state'][{s.index}] must be a dict, got "
+                                     f"{type(entry).__name__}")
+                step = self._entry_step(entry, s.index, names)
                 steps.add(step)
-                arrays = {k: np.asarray(to_device(entry[k], "cpu")) for k in names}
+                arrays = {k: _host_array(entry[k], f"state_dict['state'][{s.index}][{k!r}]")
+                          if entry else np.zeros(s.param.state_shape) for k in names}
                 for k, a in arrays.items():
                     if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
                         raise TypeError(f"state_dict['state'][{s.index}][{k!r}] must be a "
@@ -392,7 +439,9 @@ class FlatOptimizer:
                 plan[s.index] = {"step": step, **arrays}
             if len(steps) != 1 or min(steps) < 0:
                 raise ValueError(f"parameters of dtype {g.dtype} must share one step count >= 0, "
-                                 f"got {sorted(steps)}")
+                                 f"got {sorted(steps)} (a missing or empty entry, torch.optim's "
+                                 "for a parameter that never had a gradient, counts 0: "
+                                 "convfuse steps every parameter of a dtype together)")
         return plan
 
     def _set_steps(self, g: FlatGroup, t: int) -> None:
@@ -402,9 +451,21 @@ class FlatOptimizer:
             g.step = t
 
     def __repr__(self) -> str:
-        hyper = ", ".join(f"{k}={v}" for k, v in self.defaults.items())
+        hyper = ", ".join(f"{k}={v}" for k, v in self._defaults.items())
         sizes = ", ".join(f"{g.dtype}: {len(g.slots)} params" for g in self._groups)
         return f"{type(self).__name__}(lr={self._lr}, {hyper}; {self.device}; {sizes})"
+
+
+def _host_array(value: Any, where: str) -> np.ndarray:
+    """A state buffer as a host array: NumPy, CuPy, or a CPU torch tensor (bfloat16
+    included, which NumPy cannot take over __array__)."""
+    try:
+        if is_torch_bfloat16(value):
+            return torch_bfloat16_numpy(value)
+        return np.asarray(to_device(value, "cpu"))
+    except Exception as exc:
+        raise TypeError(f"{where}: cannot read a {type(value).__name__} as an array "
+                        f"({exc})") from None
 
 
 def _refuse_lr_in_capture(name: str) -> None:  # pragma: gpu

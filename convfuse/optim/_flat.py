@@ -141,20 +141,31 @@ def _sharing(plist: list[Parameter]) -> tuple[int, int] | None:
     return None
 
 
-def check_params(params: Iterable[Parameter]) -> list[Parameter]:
+# what an optimizer takes: parameters, or named_parameters()' (name, parameter) pairs
+Params = Iterable[Parameter] | Iterable[tuple[str, Parameter]]
+
+
+def _is_named(p: Any) -> bool:
+    return isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) \
+        and isinstance(p[1], Parameter)
+
+
+def check_params(params: Params) -> list[Parameter]:
     """The parameters as a list, or a typed error naming what is wrong with them."""
     if isinstance(params, Parameter):
         raise TypeError(
             "params must be an iterable of Parameter, got a single Parameter; wrap it in a list"
         )
     try:
-        plist = list(params)
+        plist: list[Any] = list(params)
     except TypeError:
         raise TypeError(
             f"params must be an iterable of Parameter, got {type(params).__name__}"
         ) from None
     if not plist:
         raise ValueError("optimizer got an empty parameter list")
+    if all(_is_named(p) for p in plist):  # model.named_parameters(), as torch.optim takes
+        plist = [p for _, p in plist]
     seen: dict[int, int] = {}
     for i, p in enumerate(plist):
         if isinstance(p, dict):
@@ -164,7 +175,10 @@ def check_params(params: Iterable[Parameter]) -> list[Parameter]:
                 "(one flat buffer per dtype, one set of hyperparameters): build one optimizer "
                 "per group")
         if not isinstance(p, Parameter):
-            raise TypeError(f"params[{i}] is a {type(p).__name__}, expected a convfuse Parameter")
+            named = " (named parameters must all be (name, Parameter) pairs)" if _is_named(p) \
+                else ""
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, expected a convfuse "
+                            f"Parameter{named}")
         if id(p) in seen:
             raise ValueError(f"params[{i}] is the same Parameter as params[{seen[id(p)]}]: {p!r}")
         seen[id(p)] = i

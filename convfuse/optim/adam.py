@@ -19,15 +19,13 @@ float16/bfloat16 parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ..nn.parameter import Parameter
 from . import _cpu
 from ._base import FlatOptimizer, real, take_torch_flags
-from ._flat import FlatGroup
+from ._flat import FlatGroup, Params
 
 _HYPER = ("betas", "eps", "weight_decay", "decoupled_weight_decay")
 # torch.optim.Adam's flags beside them (take_torch_flags says which values are accepted)
@@ -48,11 +46,12 @@ class Adam(FlatOptimizer):
     """
 
     _kernel = "adam"
+    _torch_flags = _TORCH_FLAGS
     _decoupled = False  # the rule when neither the arguments nor a checkpoint name one
 
     def __init__(
         self,
-        params: Iterable[Parameter],
+        params: Params,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
@@ -106,14 +105,14 @@ class Adam(FlatOptimizer):
         return ("exp_avg", "exp_avg_sq")
 
     def _hyper_args(self) -> tuple[Any, ...]:
-        (b1, b2), h = self.defaults["betas"], self.defaults
+        (b1, b2), h = self._defaults["betas"], self._defaults
         return (np.float64(b1), np.float64(b2), np.float64(h["eps"]),
                 np.float64(h["weight_decay"]), np.int32(h["decoupled_weight_decay"]))
 
     def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
         # blocked, in place and threaded, in this docstring's order (Note [blocked CPU
         # update] in optim/_cpu.py)
-        h = self.defaults
+        h = self._defaults
         _cpu.adam(g.data, g.grad, g.state["exp_avg"], g.state["exp_avg_sq"], g.compute_dtype,
                   t, lr, h["betas"], h["eps"], h["weight_decay"], h["decoupled_weight_decay"])
 
@@ -128,7 +127,7 @@ class AdamW(Adam):
 
     def __init__(
         self,
-        params: Iterable[Parameter],
+        params: Params,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,

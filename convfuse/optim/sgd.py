@@ -11,15 +11,13 @@ expressions in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from ..nn.parameter import Parameter
 from . import _cpu
 from ._base import FlatOptimizer, real, take_torch_flags
-from ._flat import FlatGroup
+from ._flat import FlatGroup, Params
 
 # torch.optim.SGD's keyword-only flags (take_torch_flags says which values are accepted)
 _TORCH_FLAGS = ("maximize", "foreach", "differentiable", "fused")
@@ -33,17 +31,20 @@ class SGD(FlatOptimizer):
     arguments, order and defaults, so calls written for it mean the same here. `dampening`,
     `maximize` and `differentiable` are supported at their defaults only (others are
     refused, naming the argument); `foreach` and `fused` choose torch's implementation and
-    any value is accepted (convfuse's step is always one fused launch). A torch.optim.SGD
-    state dict's group holds all of these and passes their check, but its state does not
-    load: it keeps no step count, which convfuse's does. The momentum buffer is float32 for
-    float16/bfloat16 parameters.
+    any value is accepted (convfuse's step is always one fused launch). State dicts move
+    both ways: `state_dict()` saves these flags at their defaults (torch.optim.SGD needs
+    `dampening` to step), and torch.optim.SGD's state, which counts no steps, loads as
+    stepped (the rule reads only that). The momentum buffer is float32 for float16/bfloat16
+    parameters.
     """
 
     _kernel = "sgd"
+    _torch_flags = ("dampening", *_TORCH_FLAGS)
+    _torch_counts_steps = False
 
     def __init__(
         self,
-        params: Iterable[Parameter],
+        params: Params,
         lr: float = 1e-3,
         momentum: float = 0.0,
         dampening: float = 0.0,
@@ -88,18 +89,18 @@ class SGD(FlatOptimizer):
         return ("momentum_buffer",) if defaults["momentum"] != 0 else ()
 
     def _state_args(self, g: FlatGroup) -> tuple[Any, ...]:
-        if self.defaults["momentum"] != 0:
+        if self._defaults["momentum"] != 0:
             return (g.state["momentum_buffer"],)
         return (np.uint64(0),)  # NULL: the kernel never touches buf when momentum == 0
 
     def _hyper_args(self) -> tuple[Any, ...]:
-        h = self.defaults
+        h = self._defaults
         return (np.float64(h["momentum"]), np.float64(h["weight_decay"]), np.int32(h["nesterov"]))
 
     def _update_cpu(self, g: FlatGroup, t: int, lr: float) -> None:
         # blocked, in place and threaded, in this docstring's order (Note [blocked CPU
         # update] in optim/_cpu.py)
-        h = self.defaults
+        h = self._defaults
         buf = g.state["momentum_buffer"] if h["momentum"] != 0 else None
         _cpu.sgd(g.data, g.grad, buf, g.compute_dtype, t, lr, h["momentum"],
                  h["weight_decay"], h["nesterov"])
