@@ -327,8 +327,10 @@ def test_sequential_setitem_refusals():
     seq = cf.Sequential(cf.ReLU(), cf.ReLU())
     with pytest.raises(IndexError, match="Sequential: index 2 is out of range for 2 layers"):
         seq[2] = cf.ReLU()
-    with pytest.raises(TypeError, match="Sequential: item 0 must be a convfuse layer, got int"):
+    with pytest.raises(TypeError, match=r"Sequential.__setitem__: int is not a convfuse layer"):
         seq[0] = 3
+    with pytest.raises(TypeError, match="Sequential: index must be an int, got str"):
+        seq["0"] = cf.ReLU()
     assert [type(m) for m in seq] == [cf.ReLU, cf.ReLU]
 
 

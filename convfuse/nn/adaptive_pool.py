@@ -26,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
-from ..backend import array_module
-from .module import Layer
+from .._memory import check_bytes
+from ..backend import array_module, device_of
+from ..errors import ArrayTooLargeError
+from .module import Layer, renamed
 
 
 def _as_output_size(output_size: Any) -> tuple[int | None, int | None]:
@@ -131,6 +133,12 @@ class AdaptiveAvgPool2d(Layer):
             raise ValueError(f"AdaptiveAvgPool2d: input has an empty spatial dim, "
                              f"shape {tuple(x.shape)}")
         oh, ow = self._out_hw(h, w)
+        out = list(x.shape)
+        out[ah], out[aw] = oh, ow
+        try:  # it may be far larger than x
+            check_bytes(out, x.dtype, device_of(x), "output")
+        except ArrayTooLargeError as exc:
+            raise renamed(exc, "AdaptiveAvgPool2d") from None
         y = _pool(x, h, w, oh, ow, ah, aw, dtypes.compute_dtype(dt))
         self._ctx = (tuple(x.shape), x.dtype, y.shape, (h, w, oh, ow))
         return y

@@ -164,14 +164,84 @@ class Sequential(Layer):
             layers[0].needs_input_grad = bool(value)
 
     def append(self, layer: Layer) -> Sequential:
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential.append: {type(layer).__name__} is not a convfuse layer")
+        self._check_new(layer, "append")
         if not len(self) and "_needs_input_grad" in self.__dict__:  # set while it was empty
             layer.needs_input_grad = self.__dict__["_needs_input_grad"]
         elif len(self):  # it passes gradients on to the layers before it
             layer.needs_input_grad = True
         self.add_module(str(len(self)), layer)
+        self._take_device(layer)
         return self
+
+    def extend(self, layers: Any) -> Sequential:
+        """Append each of `layers` (torch.nn.Sequential's); all are checked first."""
+        new = list(layers)
+        for layer in new:
+            self._check_new(layer, "extend")
+        for layer in new:
+            self.append(layer)
+        return self
+
+    def insert(self, index: int, layer: Layer) -> Sequential:
+        """Insert `layer` before position `index` (torch.nn.Sequential's: -len..len, the
+        layers renumbered "0", "1", ...)."""
+        self._check_new(layer, "insert")
+        n = len(self)
+        if not is_int(index):
+            raise TypeError(f"Sequential.insert: index must be an int, got "
+                            f"{type(index).__name__} {index!r}")
+        if not -n <= index <= n:
+            raise IndexError(f"Sequential.insert: index {index} is out of range for {n} layers")
+        layers = self.layers
+        layers.insert(int(index) % (n + 1) if index >= 0 else int(index) + n, layer)
+        self._renumber(layers)
+        return self
+
+    def pop(self, i: int | slice) -> Any:
+        """Remove and return the layer(s) at `i` (torch.nn.Sequential's)."""
+        out = self[i]
+        del self[i]
+        return out
+
+    def __delitem__(self, i: int | slice) -> None:
+        """Remove the layer(s) at `i`; the others are renumbered "0", "1", ..., as
+        torch.nn.Sequential renumbers them."""
+        layers = self.layers
+        if isinstance(i, slice):
+            del layers[i]
+        elif is_int(i):
+            if not -len(layers) <= i < len(layers):
+                raise IndexError(f"Sequential: index {i!r} is out of range for {len(layers)} "
+                                 "layers")
+            del layers[int(i)]
+        else:
+            raise TypeError(f"Sequential: index must be an int or a slice, got "
+                            f"{type(i).__name__} {i!r}")
+        self._renumber(layers)
+
+    def _renumber(self, layers: list[Layer]) -> None:
+        """Hold exactly `layers`, named "0", "1", ...; the first layer takes the
+        Sequential's needs_input_grad, the others pass gradients on."""
+        flag = self.needs_input_grad
+        for name in list(self.__dict__.get("_module_names", ())):
+            delattr(self, name)
+        for j, layer in enumerate(layers):
+            self.add_module(str(j), layer)
+            layer.needs_input_grad = flag if j == 0 else True
+        self.__dict__["_needs_input_grad"] = flag
+
+    def _check_new(self, layer: Any, fn: str) -> None:
+        if not isinstance(layer, Layer):
+            raise TypeError(f"Sequential.{fn}: {type(layer).__name__} is not a convfuse layer")
+        device = getattr(layer, "device", None)
+        if device and self.device and device != self.device:  # the constructor's rule
+            raise ValueError(f"Sequential.{fn}: the layer is on {device!r}, the other layers "
+                             f"on {self.device!r}")
+
+    def _take_device(self, layer: Layer) -> None:
+        device = getattr(layer, "device", None)
+        if self.device is None and device:
+            self.device = device
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
         """The layers in order; `residual=` goes to the last. If a layer raises, every
@@ -231,28 +301,28 @@ class Sequential(Layer):
 
     def __setitem__(self, i: int, layer: Layer) -> None:
         """Replace the layer at index `i` in its place (torch.nn.Sequential's)."""
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential: item {i} must be a convfuse layer, got "
-                            f"{type(layer).__name__}")
+        self._check_new(layer, "__setitem__")
         names = list(self.__dict__.get("_module_names", ()))
-        if not isinstance(i, int) or isinstance(i, bool) or not -len(names) <= i < len(names):
+        if not is_int(i):
+            raise TypeError(f"Sequential: index must be an int, got {type(i).__name__} {i!r}")
+        if not -len(names) <= i < len(names):
             raise IndexError(f"Sequential: index {i!r} is out of range for {len(names)} "
                              "layers")
-        device = getattr(layer, "device", None)
-        if device and self.device and device != self.device:  # the constructor's rule
-            raise ValueError(f"Sequential: item {i} is on {device!r}, the other layers on "
-                             f"{self.device!r}")
-        index = i % len(names)
+        index = int(i) % len(names)
         # needs_input_grad flows to the first layer; the others need their input gradient
         flag = self.needs_input_grad if index == 0 else True  # the replaced layer's
         setattr(self, names[index], layer)
         layer.needs_input_grad = flag
-        if self.device is None and device:
-            self.device = device
+        self._take_device(layer)
 
     def __getitem__(self, i: int | slice) -> Layer:
         if isinstance(i, slice):  # the layers keep their names, as torch.nn's slice does
-            return Sequential(dict(list(self.named_children())[i]))
+            named = list(self.named_children())[i]
+            flags = [layer.needs_input_grad for _, layer in named]
+            part = Sequential(dict(named))
+            for (_, layer), flag in zip(named, flags):  # reading a slice changes nothing
+                layer.needs_input_grad = flag
+            return part
         return self.layers[i]
 
     def __iter__(self) -> Iterator[Layer]:

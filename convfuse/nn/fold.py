@@ -58,7 +58,9 @@ def fold_layer(layer: Layer) -> Layer:
     if own is not None:
         return own()
     if isinstance(layer, Sequential):
-        seq = Sequential(*fold_chain(layer.layers))
+        # named as before (a forward or a checkpoint may reach a child by name): a fused
+        # Conv -> BatchNorm (-> activation) takes the conv's
+        seq = Sequential(dict(fold_named_chain(list(layer.named_children()))))
         seq.needs_input_grad = layer.needs_input_grad
         return seq
     new = clone(layer)
@@ -71,10 +73,16 @@ def fold_chain(layers: list[Layer]) -> list[Layer]:
     """Fold a chain run in order (a Sequential's layers or a block's body). When the chain
     takes a residual its last layer gets it: a folded Conv -> BatchNorm at the end is a conv,
     which takes it too."""
-    out: list[Layer] = []
+    return [layer for _, layer in fold_named_chain([(str(i), x) for i, x in enumerate(layers)])]
+
+
+def fold_named_chain(named: list[tuple[str, Layer]]) -> list[tuple[str, Layer]]:
+    """fold_chain over (name, layer) pairs: a fused layer takes its first layer's name."""
+    layers = [layer for _, layer in named]
+    out: list[tuple[str, Layer]] = []
     i = 0
     while i < len(layers):
-        layer = layers[i]
+        layer, name = layers[i], named[i][0]
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         if foldable(layer, nxt):
             conv = fold_conv_bn(layer, nxt)  # type: ignore[arg-type]
@@ -83,9 +91,9 @@ def fold_chain(layers: list[Layer]) -> list[Layer]:
             if conv.activation == "identity" and type(follower) in _PLAIN_ACTIVATIONS:
                 conv.activation = follower.activation  # type: ignore[union-attr]
                 i += 1
-            out.append(conv)
+            out.append((name, conv))
         else:
-            out.append(fold_layer(layer))
+            out.append((name, fold_layer(layer)))
             i += 1
     return out
 

@@ -25,7 +25,8 @@ from .module import USER_ERRORS, Layer, contiguous, init_parameter, renamed
 
 
 class Linear(Layer):
-    """y = act(x @ weight.T + bias), with x of shape (N, in_features)."""
+    """y = act(x @ weight.T + bias), with x of shape (*, in_features), as torch.nn.Linear:
+    the leading dims are one batch of rows for the fused call (N-d input costs a reshape)."""
 
     _in: int
     _out: int
@@ -89,15 +90,18 @@ class Linear(Layer):
         """A non-C-contiguous x is copied once (the caller's array is never modified)."""
         try:
             self._check_input(x)
-            if x.ndim != 2 or x.shape[1] != self._in:
+            if x.ndim < 1 or x.shape[-1] != self._in:
                 raise ValueError(
-                    f"expects input of shape (N, {self._in}), got {tuple(x.shape)}"
+                    f"expects input of shape (*, {self._in}), got {tuple(x.shape)}"
                 )
             if x.dtype != self._dtype:
                 raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
                                  + _hyper.dtype_hint(self._dtype, x.dtype))
+            lead = tuple(x.shape[:-1])
             x = contiguous(x)
-            n = int(x.shape[0])
+            n = math.prod(lead)
+            if x.ndim != 2:
+                x = x.reshape(n, self._in)
             geom = checked_geometry(self, n, lambda: self._checked_geometry(n))
             bias = None if self.bias is None else self.bias.data
             w = self.weight.data
@@ -123,8 +127,8 @@ class Linear(Layer):
                 calls[key] = flags
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
-        self._ctx = ctx
-        return y.reshape(n, self._out)
+        self._ctx = (ctx, lead)
+        return y.reshape(*lead, self._out)
 
     forward = __call__
 
@@ -132,8 +136,11 @@ class Linear(Layer):
         """dx; accumulates into .grad. Atomic and repeatable: see Layer's backward rule."""
         return self._backward_with(dy, self._backward)
 
-    def _backward(self, ctx: Any, dy: Any) -> Any:
-        dy = self._check_dy(dy, (ctx.geom.batch, self._out), ctx.x.dtype)
+    def _backward(self, saved: Any, dy: Any) -> Any:
+        ctx, lead = saved
+        dy = self._check_dy(dy, (*lead, self._out), ctx.x.dtype)
+        if dy.ndim != 2:
+            dy = dy.reshape(ctx.geom.batch, self._out)
         grads = conv_bias_act_backward(
             self._as_conv(dy), ctx, need_dx=self.needs_input_grad,
             dweight=self._as_conv(self.weight.grad),
@@ -141,7 +148,7 @@ class Linear(Layer):
         )
         if grads.dx is None:
             return None
-        return grads.dx.reshape(ctx.geom.batch, self._in)
+        return grads.dx.reshape(*lead, self._in)
 
     def extra_repr(self) -> str:
         return (

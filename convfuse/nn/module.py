@@ -241,11 +241,14 @@ class Layer:
 
     # -- modes and devices -------------------------------------------------------------------
     def train(self: _L, mode: bool = True) -> _L:
-        """Set training mode on self and every descendant; returns self."""
+        """Set training mode on self, then call each child's `train(mode)`, as torch.nn: a
+        child that overrides train (a block keeping its BatchNorm frozen in eval) is
+        obeyed. Returns self."""
         if not isinstance(mode, (bool, np.bool_)):
             raise TypeError(f"{type(self).__name__}.train: mode must be a bool, got {mode!r}")
-        for mod in self.modules():
-            mod.training = bool(mode)
+        self.training = bool(mode)
+        for child in self.children():
+            child.train(mode)
         return self
 
     def eval(self: _L) -> _L:

@@ -44,7 +44,8 @@ class Parameter:
         device_of(data)  # TypeError unless a NumPy or CuPy array
         self._version = 0
         self._data = data
-        self.grad: Any = array_module(data).zeros_like(data)
+        # C order whatever the data's: backward accumulates into a contiguous gradient
+        self.grad: Any = array_module(data).zeros_like(data, order="C")
         self.name = name
         self._state_axes: tuple[int, ...] | None = None
 
@@ -130,7 +131,7 @@ class Parameter:
     def zero_grad(self) -> None:
         """Zero the gradient in place; a gradient set to None is allocated again."""
         if self.grad is None:
-            self.grad = array_module(self._data).zeros_like(self._data)
+            self.grad = array_module(self._data).zeros_like(self._data, order="C")
         else:
             self.grad.fill(0)
 

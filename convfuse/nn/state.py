@@ -153,6 +153,11 @@ def load_state_dict(model: Layer, sd: Any, strict: bool = True) -> IncompatibleK
         if issue:
             problems.append(f"dtype mismatch for {key}: {issue}")
             continue
+        if not getattr(getattr(current, "flags", None), "writeable", True):
+            # loaded in place (below): found now, not after earlier keys were written
+            problems.append(f"{key}: the model's array is read-only (a broadcast or "
+                            "memory-mapped array?); assign a writable copy first")
+            continue
         local = mod._param_from_state(attr, arr)
         staged.append((current, to_device(local, device_of(current)),
                        getattr(mod, attr) if is_param else None))
