@@ -4,8 +4,9 @@ activation, PyTorch's semantics and state_dict keys.
 `y = bn(x, residual=None)` computes act(batchnorm(x) + residual), so a ResNet block's add
 and ReLU cost no extra pass (one cuDNN call where cuDNN fuses them, Note [BatchNorm in
 cuDNN]). Training normalises with the batch's biased variance and folds the unbiased one
-into running_var; evaluation uses the running statistics, unless track_running_stats is
-False (batch statistics in both modes, as PyTorch). `bn.backward(dy)` returns dx (and
+into running_var (when it tracks them); evaluation uses the running statistics, or the
+batch's when the layer has none (track_running_stats=False at construction), as PyTorch
+decides: by the buffers, not the flag. `bn.backward(dy)` returns dx (and
 dresidual when the forward took a residual) and accumulates into weight.grad / bias.grad,
 reusing the forward's saved mean and inverse std.
 
@@ -71,10 +72,10 @@ class _BatchNorm(Layer):
         name = type(self).__name__
         if not isinstance(bias, (bool, np.bool_)):
             raise TypeError(f"{name}: bias must be a bool, got {type(bias).__name__} {bias!r}")
-        if not isinstance(num_features, int) or isinstance(num_features, bool) \
-                or num_features < 1:
-            raise ValueError(f"{name}: num_features must be a positive int, got {num_features!r}")
-        self.num_features = num_features
+        try:
+            self.num_features = _hyper.positive_int(num_features, "num_features")
+        except (TypeError, ValueError) as exc:
+            raise renamed(exc, name) from None
         self.eps = _real(name, "eps", eps, 0.0, None)
         self.momentum = None if momentum is None else _real(name, "momentum", momentum, 0.0, 1.0)
         self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
@@ -122,10 +123,10 @@ class _BatchNorm(Layer):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.weight is not None:  # each on its own, as torch.nn's (bias=False)
-            self.weight.data[...] = 1
-        if self.bias is not None:
-            self.bias.data[...] = 0
+        for p, value in ((self.weight, 1), (self.bias, 0)):  # each on its own (bias=False)
+            if p is not None:
+                p.data[...] = value
+                p.bump_version()  # a forward saved before it is now stale
 
     def _geometry(self, x: Any) -> BatchNormGeometry:
         # checked once per signature (Note [layer call cache] in _conv_base.py); layout and
@@ -157,6 +158,8 @@ class _BatchNorm(Layer):
         if self.momentum is not None:
             return self.momentum
         nbt = self.num_batches_tracked
+        if nbt is None:  # torch.nn: no count, no cumulative average (factor 0.0)
+            return 0.0
         if not is_cupy(nbt):
             return as_factor(None, int(nbt) + 1)
         import cupy  # pragma: gpu
@@ -169,6 +172,19 @@ class _BatchNorm(Layer):
         if self._host_count is None:  # pragma: gpu
             self._host_count = int(nbt.get())  # the one sync, only when stale
         return as_factor(None, self._host_count + 1)  # pragma: gpu
+
+    def _checked_count(self) -> Any:
+        """num_batches_tracked, checked before the statistics are written (it is counted
+        after): a writable 0-d integer array, or None (torch.nn then counts nothing)."""
+        nbt = self.num_batches_tracked
+        if nbt is None:
+            return None
+        kind = getattr(getattr(nbt, "dtype", None), "kind", None)
+        if getattr(nbt, "shape", None) != () or kind not in ("i", "u") \
+                or not getattr(getattr(nbt, "flags", None), "writeable", True):
+            raise TypeError(f"num_batches_tracked must be a writable 0-d integer array or "
+                            f"None, got {type(nbt).__name__} {nbt!r}")
+        return nbt
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
         """act(batchnorm(x) + residual); a non-C-contiguous x or residual is copied once."""
@@ -192,14 +208,20 @@ class _BatchNorm(Layer):
         g = self._geometry(x)
         w = self.weight.data if self.weight is not None else None
         b = self.bias.data if self.bias is not None else None
-        if self.training or not self.track_running_stats:
-            update = self.training and self.track_running_stats
-            rm, rv = (self.running_mean, self.running_var) if update else (None, None)
+        stats = (self.running_mean, self.running_var)
+        if (stats[0] is None) != (stats[1] is None):
+            raise ValueError(f"{name}: running_mean and running_var must both be arrays or "
+                             "both None")
+        # torch.nn's rule: batch statistics in training, or when there are no running ones
+        if self.training or stats[0] is None:
+            update = self.training and self.track_running_stats and stats[0] is not None
+            nbt = self._checked_count() if update else None
+            rm, rv = stats if update else (None, None)
             factor = self._factor() if update else 0.0
             y, saved = ops.batchnorm_forward_training(
                 x, w, b, rm, rv, self.layout, self.eps, factor, self.activation, residual)
-            if update:
-                self.num_batches_tracked += 1  # in place, on the device: capturable
+            if nbt is not None:
+                nbt += 1  # in place, on the device: capturable
                 if self._host_count is not None:
                     self._host_count += 1
         else:

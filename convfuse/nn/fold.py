@@ -108,7 +108,7 @@ def foldable(conv: Any, bn: Any) -> bool:
     return (
         isinstance(conv, _ConvNd) and isinstance(bn, _BatchNorm)
         and conv.activation == "identity" and conv.residual_scale == 1.0
-        and bn.track_running_stats and bn.running_mean is not None
+        and bn.running_mean is not None and bn.running_var is not None
         and bn.num_features == conv.out_channels
         and (bn.layout == "NHWC") == conv.channels_last  # a Conv1d may say "NCW"
     )
