@@ -18,6 +18,9 @@ So a layer saves exactly one activation-sized tensor, y or z, never both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 ACTIVATIONS = (
     "identity", "relu", "sigmoid", "tanh", "elu", "relu6", "leaky_relu", "silu", "gelu",
 )
@@ -37,7 +40,11 @@ _ALIASES = {None: "identity", "none": "identity", "linear": "identity", "swish":
 
 
 def normalize(activation: str | None) -> str:
-    """Canonical activation name; ValueError listing the valid names for anything else."""
+    """Canonical activation name; TypeError unless a str or None, ValueError listing the
+    valid names for any other str."""
+    if activation is not None and not isinstance(activation, str):
+        raise TypeError(f"activation must be a str or None, got {type(activation).__name__} "
+                        f"{activation!r}")
     key = activation.lower() if isinstance(activation, str) else activation
     if key in _ALIASES:
         return _ALIASES[key]
@@ -54,3 +61,26 @@ def saves(activation: str) -> str:
     if act == "identity":
         return "none"
     return "preactivation" if act in NEEDS_PREACTIVATION else "output"
+
+
+def attribute(check: Callable[[Any], str] = normalize) -> property:
+    """A layer's assignable `activation`: `check`ed on assignment (so a bad name is refused
+    there, not by the op at the next call after state may have changed), errors named by
+    the layer's class; the canonical name is kept in `_activation`."""
+
+    def get(self: Any) -> str:
+        d = self.__dict__
+        try:
+            return d["_activation"]
+        except KeyError:  # pickled when the layer kept a plain attribute
+            return d["activation"]
+
+    def set_(self: Any, value: Any) -> None:
+        try:
+            name = check(value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{type(self).__name__}: {exc}") from None
+        self.__dict__["_activation"] = name
+        self.__dict__.pop("activation", None)
+
+    return property(get, set_, doc="The activation's canonical name; assignable (validated).")

@@ -273,3 +273,26 @@ def test_a_weight_gradient_has_the_weights_strides(transposed: bool, kernel: int
     x = torch.randn(2, 4, 5, 5, dtype=D).contiguous(memory_format=torch.channels_last)
     _same(_grads(conv, x), _grads(ref, x))
     assert conv[0].weight.grad.stride() == ref[0].weight.grad.stride() == conv[0].weight.stride()
+
+
+@pytest.mark.parametrize("make", [lambda: ct.Conv2d(3, 4, 3), lambda: ct.BatchNorm2d(3),
+                                  lambda: ct.ConvTranspose2d(3, 4, 3)],
+                         ids=["Conv2d", "BatchNorm2d", "ConvTranspose2d"])
+def test_an_assigned_activation_is_checked_at_the_assignment(make):
+    """A bad name assigned after construction is refused there, naming the layer (it was
+    refused by the op at the next call, after a batch norm had counted that call; a list
+    raised a bare unhashable TypeError); a good one takes effect at the next call."""
+    m = make()
+    name = type(m).__name__
+    with pytest.raises(ValueError, match=rf"^{name}: unknown activation 'foo'"):
+        m.activation = "foo"
+    with pytest.raises(TypeError, match=rf"^{name}: activation must be a str or None, got "
+                                        r"list \['relu'\]"):
+        m.activation = ["relu"]
+    assert m.activation == "identity"
+    m.activation = "ReLU"
+    assert m.activation == "relu"
+    x = torch.linspace(-2, 2, 2 * 3 * 5 * 5).reshape(2, 3, 5, 5)
+    assert (m(x) >= 0).all()
+    if name == "BatchNorm2d":
+        assert int(m.num_batches_tracked) == 1

@@ -112,23 +112,7 @@ def read_only(layer: str, name: str, why: str) -> AttributeError:
                           "layer (and load its state_dict) to change it")
 
 
-def activation_property(doc: str = "The activation's canonical name; assignable (validated).",
-                        ) -> property:
-    """A layer's `activation` attribute: validated on assignment, errors named by the layer."""
-    from ..errors import renamed
-    from .module import USER_ERRORS
-
-    def get(self: Any) -> str:
-        d = self.__dict__
-        try:
-            return d["_activation"]
-        except KeyError:  # pickled when the layer kept a plain attribute
-            return d["activation"]
-
-    def set_(self: Any, value: Any) -> None:
-        try:
-            self.__dict__["_activation"] = activation(value)
-        except USER_ERRORS as exc:
-            raise renamed(exc, type(self).__name__) from None
-
-    return property(get, set_, doc=doc)
+def activation_property() -> property:
+    """A layer's `activation` attribute: validated on assignment (with the hints above),
+    errors named by the layer."""
+    return activations.attribute(activation)

@@ -71,6 +71,10 @@ _PLAIN = PlainClasses("weight", "bias", "running_mean", "running_var", "num_batc
 class _BatchNormNd(_host_arrays.HoldsViews):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
 
+    # validated on assignment, as the native layers' (a bad name assigned later was refused
+    # only by the op, after a batch norm had counted the call)
+    activation = activations.attribute()
+
     _version = 2  # torch.nn's: version 2 added num_batches_tracked
     _ndims: tuple[int, ...] = ()
     # Buffers (None without running stats); nn.Module's __getattr__ would type them Tensor | Module.
@@ -110,10 +114,7 @@ class _BatchNormNd(_host_arrays.HoldsViews):
         if pdtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: dtype {pdtype} is not supported; convfuse computes in "
                             "float32, float64, float16 or bfloat16")
-        try:
-            self.activation = activations.normalize(activation)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        self.activation = activation
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         if affine:

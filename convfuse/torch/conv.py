@@ -72,6 +72,10 @@ class _ConvLayer(_host_arrays.HoldsViews):
     """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
     the dtype, their parameters and initialisation, and the checks of an input."""
 
+    # validated on assignment, as the native layers' (a bad name assigned later was refused
+    # only by the op, after a batch norm had counted the call)
+    activation = activations.attribute()
+
     _rank = 0
 
     def _hyper(self) -> tuple[Any, ...]:
@@ -265,9 +269,9 @@ class _ConvNd(_ConvLayer):
         try:
             self._set_window(kernel_size, stride, dilation)
             self.padding, pads = self._resolve_padding(padding)
-            self.activation = activations.normalize(activation)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        self.activation = activation
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
         self.output_padding = (0,) * rank

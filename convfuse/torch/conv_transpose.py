@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import activations
 from ..geometry import IntOrTuple, as_tuple, is_int
 from ..transpose_geometry import ConvTransposeGeometry, output_padding_for
 from . import (
@@ -80,9 +79,9 @@ class _ConvTransposeNd(_ConvLayer):
             if any(v < 0 for v in (*self.padding, *self.output_padding)):
                 raise ValueError(f"padding and output_padding must be >= 0, got "
                                  f"{self.padding}, {self.output_padding}")
-            self.activation = activations.normalize(activation)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        self.activation = activation
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.padding_mode = padding_mode
         self.transposed = True
