@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from .backend import array_module, is_cupy
+from .nn.module import Layer
 from .nn.parameter import Parameter
 
 
@@ -194,33 +195,66 @@ def _check_bool(fn: str, name: str, value: Any) -> None:
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def _buffers(model: Any) -> list[Any]:
-    return [b for _, b in model.named_buffers()] if hasattr(model, "named_buffers") else []
+def _buffers(model: Any) -> list[tuple[str, Any]]:
+    return list(model.named_buffers()) if hasattr(model, "named_buffers") else []
 
 
-def _check_same_model(torch: Any, fn: str, params: Sequence[Any], buffers: Sequence[Any],
-                      group: Any) -> None:
-    """ValueError on every rank unless every rank of `group` holds arrays of the same shapes
-    and dtypes, in the same order: one all-reduce of two int64s (Note [matching models])."""
+# dtypes NumPy arrays may have that torch.distributed's backends cannot carry (gloo: "Invalid
+# scalar type"); checked on every rank before anything is broadcast
+_UNCARRIED = frozenset({"uint16", "uint32", "uint64"})
+
+
+def _receive_problem(named: Sequence[tuple[str, Any]]) -> str | None:
+    """Why this rank could not receive a broadcast into one of `named`'s arrays, or None:
+    a read-only array (a broadcast into it would write memory NumPy was told not to, or
+    hang the collective when the write fails) or a dtype the backend cannot carry."""
+    for name, a in named:
+        if not getattr(getattr(a, "flags", None), "writeable", True):
+            return (f"{name} is a read-only array (a broadcast or memory-mapped array?); "
+                    "assign a writable copy")
+        if str(a.dtype) in _UNCARRIED:
+            return (f"{name} has dtype {a.dtype}, which torch.distributed cannot carry; "
+                    "store it as a signed integer")
+    return None
+
+
+def _check_same_model(torch: Any, fn: str, params: Sequence[Parameter],
+                      buffers: Sequence[tuple[str, Any]], group: Any) -> None:
+    """ValueError on every rank unless every rank of `group` holds arrays of the same shapes,
+    dtypes and checkpoint layouts, in the same order, and TypeError on every rank if any
+    rank cannot receive the broadcast: one all-reduce of three int64s (Note [matching
+    models])."""
     dist = torch.distributed
+    named = [(f"parameter {i} ({p.name or 'unnamed'})", p.data) for i, p in enumerate(params)]
+    named += [(f"buffer {name!r}", b) for name, b in buffers]
+    problem = _receive_problem(named)
     if dist.get_world_size(group) <= 1:
+        if problem:  # the same verdict as in a larger world
+            raise TypeError(f"{fn}: {problem}. Nothing was broadcast.")
         return
-    kinds = [[(tuple(a.shape), str(a.dtype), is_cupy(a)) for a in arrays]
-             for arrays in (params, buffers)]
+    # a channels-last conv's weight is stored (K, kh, kw, C): with C == kh == kw its shape
+    # is an NCHW one's, and only the checkpoint layout tells them apart
+    kinds: list[list[tuple[Any, ...]]] = [
+        [(tuple(p.data.shape), str(p.data.dtype), is_cupy(p.data), p.state_axes)
+              for p in params],
+             [(tuple(b.shape), str(b.dtype), is_cupy(b)) for _, b in buffers]]
     digest = hashlib.blake2b(repr(kinds).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little") >> 1  # -h fits an int64 too
-    arrays = [*params, *buffers]
+    arrays = [a for _, a in named]
     like = arrays[0] if arrays else np.empty(0)
     with _on_cupy_stream(torch, like):  # the device of the arrays, for CuPy ones
-        pair = array_module(like).asarray([h, -h], dtype=np.int64)
-        dist.all_reduce(_as_tensor(pair), op=dist.ReduceOp.MAX, group=group)
-        same = [int(v) for v in pair.tolist()] == [h, -h]
-    if not same:
-        shown = ", ".join(f"{shape} {dtype}" for shape, dtype, _ in (kinds[0] + kinds[1])[:6])
+        got = array_module(like).asarray([h, -h, int(problem is not None)], dtype=np.int64)
+        dist.all_reduce(_as_tensor(got), op=dist.ReduceOp.MAX, group=group)
+        values = [int(v) for v in got.tolist()]
+    if values[2]:
+        where = problem or "another rank reported an array it cannot receive into"
+        raise TypeError(f"{fn}: rank {dist.get_rank()}: {where}. Nothing was broadcast.")
+    if values[:2] != [h, -h]:
+        shown = ", ".join(f"{k[0]} {k[1]}" for k in (kinds[0] + kinds[1])[:6])
         more = ", ..." if len(arrays) > 6 else ""
         raise ValueError(
-            f"{fn}: the ranks hold different models: the shapes or dtypes of their "
-            f"parameters and buffers differ (rank {dist.get_rank()} has {len(params)} "
+            f"{fn}: the ranks hold different models: the shapes, dtypes or layouts of "
+            f"their parameters and buffers differ (rank {dist.get_rank()} has {len(params)} "
             f"parameter(s) and {len(buffers)} buffer(s): {shown}{more}); every rank must "
             "build the same model, as DistributedDataParallel requires. Nothing was "
             "broadcast.")
@@ -244,8 +278,7 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     if checked is None:
         return
     torch, src = checked
-    _check_same_model(torch, "broadcast_parameters", [p.data for p in params],
-                      _buffers(model), group)
+    _check_same_model(torch, "broadcast_parameters", params, _buffers(model), group)
     for p in params:
         _broadcast_in_place(torch, p.data, src, group)
     if hasattr(model, "named_buffers"):
@@ -266,9 +299,13 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
 
     It does not check that the ranks' models match (that check reads a result on the host:
     Note [matching models]); broadcast_parameters, run once first, does."""
-    if not hasattr(model, "named_buffers"):  # before anything else, a process group included
-        raise TypeError("broadcast_buffers expects a convfuse layer or model (with "
-                        f".named_buffers()), got {type(model).__name__}")
+    if not isinstance(model, Layer):  # before anything else, a process group included
+        raise TypeError("broadcast_buffers expects a convfuse layer or model, got "
+                        f"{type(model).__name__} (for torch.nn modules use "
+                        "DistributedDataParallel, which broadcasts buffers)")
+    problem = _receive_problem([(f"buffer {name!r}", b) for name, b in model.named_buffers()])
+    if problem:  # on every rank alike: each checks its own model, which must match
+        raise TypeError(f"broadcast_buffers: {problem}. Nothing was broadcast.")
     checked = _checked_call("broadcast_buffers", src, group)
     if checked is not None:
         torch, src = checked

@@ -332,6 +332,10 @@ def test_broadcast_buffers_refuses_what_has_no_buffers_before_anything():
     """A typed error naming what it expects, before any process group is asked for."""
     from convfuse.distributed import broadcast_buffers
 
-    with pytest.raises(TypeError, match=r"broadcast_buffers expects a convfuse layer or model "
-                                        r"\(with \.named_buffers\(\)\), got list"):
+    with pytest.raises(TypeError, match=r"broadcast_buffers expects a convfuse layer or model, "
+                                        r"got list \(for torch.nn modules use "
+                                        r"DistributedDataParallel"):
         broadcast_buffers([cf.Linear(2, 2).weight])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"expects a convfuse layer or model, got BatchNorm1d"):
+        broadcast_buffers(torch.nn.BatchNorm1d(3))  # it has named_buffers, of tensors

@@ -33,7 +33,7 @@ TIMEOUT_S = 180
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
              "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
-MODEL_MISMATCH = "{fn}: the ranks hold different models: the shapes or dtypes"
+MODEL_MISMATCH = "{fn}: the ranks hold different models: the shapes, dtypes or layouts"
 
 
 def _grads(dtype: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +137,26 @@ def scenario_mismatch(rank: int) -> dict[str, Any]:
     bn = cf.BatchNorm1d(3 if rank == 0 else 4, dtype="float64", device="cpu")
     model = cf.Sequential(_lin(rank, 3, 3, dtype="float64"), bn)
     out["buffers_via_parameters"] = _error(lambda: broadcast_parameters(model))
+    # the same stored shape, (4, 3, 3, 3), in two layouts: a 3x3 conv on 3 channels, NCHW
+    # on rank 0, NHWC on rank 1 (a raw broadcast scrambled the weight)
+    conv = cf.Conv2d(3, 4, 3, layout="NCHW" if rank == 0 else "NHWC", dtype="float64",
+                     seed=rank)
+    out["layout"] = _error(lambda: broadcast_parameters(conv))
+    # arrays one rank cannot receive into: every rank raises (no hang, no write into
+    # read-only memory), before anything is broadcast
+    lin = _lin(rank, 2, 2, dtype="float64")
+    if rank == 1:
+        lin.weight.data = np.broadcast_to(np.float64(2.0), (2, 2))
+    out["read_only"] = _error(lambda: broadcast_parameters(lin))
+
+    class Holder(cf.nn.Module):
+        def __init__(self) -> None:
+            self.register_buffer("ids", np.full(3, rank + 1, np.uint32))
+
+    first = _lin(rank, 2, 2, dtype="float64")
+    before = first.weight.data.copy()
+    out["uint32"] = _error(lambda: broadcast_parameters(cf.Sequential(first, Holder())))
+    out["uint32_kept"] = np.array_equal(first.weight.data, before)
     # and the group is still in step: a matching model is broadcast as before
     lin = _lin(rank, 3, 4, dtype="float64")
     broadcast_parameters(lin)
@@ -307,7 +327,7 @@ def mismatch_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["shape", "count", "dtype", "extra_layer",
-                                  "buffers_via_parameters"])
+                                  "buffers_via_parameters", "layout"])
 def test_ranks_holding_different_models_all_raise(mismatch_ranks, case):
     fn = "broadcast_parameters"  # broadcast_buffers, per step, does not check (no host sync)
     for rank, r in enumerate(mismatch_ranks):
@@ -316,6 +336,24 @@ def test_ranks_holding_different_models_all_raise(mismatch_ranks, case):
         assert err[0] == "ValueError", err
         assert err[1].startswith(MODEL_MISMATCH.format(fn=fn)), err
         assert f"(rank {rank} has" in err[1]
+
+
+def test_an_array_a_rank_cannot_receive_into_is_refused_on_every_rank(mismatch_ranks):
+    """A read-only parameter on rank 1 hung both ranks until the group's timeout (or, for a
+    bytes-backed array, was written into); a uint32 buffer failed inside gloo after the
+    parameters were broadcast. Now every rank raises first."""
+    assert mismatch_ranks[1]["read_only"] == (
+        "TypeError", "broadcast_parameters: rank 1: parameter 0 (weight) is a read-only "
+        "array (a broadcast or memory-mapped array?); assign a writable copy. Nothing was "
+        "broadcast.")
+    assert mismatch_ranks[0]["read_only"] == (
+        "TypeError", "broadcast_parameters: rank 0: another rank reported an array it "
+        "cannot receive into. Nothing was broadcast.")
+    for rank, r in enumerate(mismatch_ranks):
+        assert r["uint32"] == ("TypeError", f"broadcast_parameters: rank {rank}: buffer "
+                               "'1.ids' has dtype uint32, which torch.distributed cannot "
+                               "carry; store it as a signed integer. Nothing was broadcast.")
+        assert r["uint32_kept"]
 
 
 def test_a_refused_broadcast_changes_nothing_and_the_group_goes_on(mismatch_ranks):
