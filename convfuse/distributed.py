@@ -54,11 +54,12 @@ Note [matching models]
 A broadcast between ranks whose models differ is not detected by the backend: an array of
 another shape with as many elements silently receives rank src's values in its own shape,
 and one with another element count aborts the process (gloo) or hangs. DDP refuses such
-models when it wraps them; broadcast_parameters first runs one all-reduce (MAX) of an int64
-pair [h, -h], h a hash of this
-rank's list of (shape, dtype): the result is [h, -h] on every rank exactly when every rank's
-h is the same, so either every rank raises or none does, and no rank is left waiting in a
-broadcast the others skipped. The pair is made like the arrays (a NumPy or a CuPy array,
+models when it wraps them; broadcast_parameters first runs one all-reduce (MAX) of three
+int64s [h, -h, bad], h a hash of this rank's list of (shape, dtype, checkpoint layout), bad 1
+when this rank holds an array it cannot receive into (read-only, or a dtype the backend
+cannot carry): the result is [h, -h, 0] on every rank exactly when every rank's h is the
+same and none is bad, so either every rank raises or none does, and no rank is left
+waiting in a broadcast the others skipped. The pair is made like the arrays (a NumPy or a CuPy array,
 crossing as the arrays do), so it goes to the backend that will broadcast them. In a world
 of one there is nothing to compare and no collective. Reading the pair back is a host
 sync on the GPU, so broadcast_buffers, called before every forward, does not check: as DDP,
@@ -268,9 +269,9 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     `model` is a convfuse layer or Sequential, or an iterable of convfuse Parameters. One
     broadcast per parameter (this runs once, before training); the arrays stay where they
     are, so an optimizer's flat buffers (whose views they may be) see the new values.
-    First, every rank checks that all ranks hold parameters and buffers of the same shapes
-    and dtypes (one small all-reduce: Note [matching models]), and raises ValueError if
-    not. `src` is a global rank; on a rank outside `group` this does nothing, as torch's
+    First, every rank checks that all ranks hold parameters and buffers of the same shapes,
+    dtypes and layouts (one small all-reduce: Note [matching models]), and raises ValueError
+    if not (TypeError if any rank holds an array it cannot receive into). `src` is a global rank; on a rank outside `group` this does nothing, as torch's
     collectives do there.
     """
     params = _parameters(model)
