@@ -1,7 +1,8 @@
 """Fused convolution for users who keep their own parameters.
 
-`conv_bias_act` is the forward, `conv_bias_act_backward` the matching backward. The forward
-returns (or records) a `ConvContext` holding exactly what the backward needs:
+`conv_bias_act_forward` is the forward, `conv_bias_act_backward` the matching backward
+(`conv_bias_act` is the forward alone, for inference). The forward returns `(y, ctx)`, ctx a
+`ConvContext` holding exactly what the backward needs:
 - x, for the filter gradient (padded, when the forward padded it explicitly);
 - the weight, for the data gradient;
 - one activation-sized tensor, the output or the pre-activation, per
@@ -13,9 +14,11 @@ Contracts of both functions:
 - Arrays that are not C-contiguous are copied once into contiguous ones (one extra read
   and write of that array; the caller's array is never modified). The ops below stay
   strict and refuse them.
-- Wrong Python types raise TypeError naming the argument (`conv_bias_act: x must be ...`).
+- Wrong Python types raise TypeError naming the argument (`conv_bias_act: x must be ...`),
+  wrong values ValueError; both name the arguments as the signature does (weight, bias).
 - Saved tensors: on the CPU the saved activation tensor (the output y, which the caller
-  also holds, or the pre-activation z) is made read-only, so an in-place write to it
+  also holds, or the pre-activation z) is made read-only (not by the forward alone, which
+  keeps nothing: its y is the caller's to write), so an in-place write to it
   between forward and backward raises at the write instead of corrupting the gradients.
   The input x and the weight are the caller's arrays and are not protected here (the
   layers detect a changed weight through Parameter versions); CuPy arrays have no
@@ -27,6 +30,10 @@ Contracts of both functions:
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -36,7 +43,7 @@ import numpy as np
 from . import activations, dtypes, ops
 from .backend import array_module, device_of, is_cupy
 from .errors import ConvfuseError, DeviceMismatchError, renamed
-from .geometry import ConvGeometry, ConvShapes, IntOrTuple
+from .geometry import ConvGeometry, ConvShapes, IntOrTuple, is_int
 from .ops import _checks as ops_checks
 from .ops._checks import check_scalar, engine_ready, overlaps
 from .ops.reference import conv as reference_conv
@@ -103,6 +110,59 @@ def _activation(op: str, activation: Any) -> str:
     return activations.normalize(activation)
 
 
+def check_geometry_types(op: str, **args: Any) -> None:
+    """TypeError naming the argument for a geometry argument of a wrong Python type (the
+    geometry's own checks then give ValueError for wrong values): ints or int sequences,
+    padding also a str, groups an int, layout and padding_mode str."""
+    for name, value in args.items():
+        if name in ("layout", "padding_mode"):
+            ok = isinstance(value, str)
+            want = "a str"
+        elif name == "groups":
+            ok = is_int(value) or _is_index(value)
+            want = "an int"
+        elif name == "output_size":
+            ok = value is None or isinstance(value, (tuple, list)) or hasattr(value, "__len__")
+            want = "None or a sequence of ints"
+        else:
+            ok = is_int(value) or isinstance(value, (tuple, list)) or _is_index(value) \
+                or (name == "padding" and isinstance(value, str))
+            want = "an int, a tuple of ints" + (" or a str" if name == "padding" else "")
+        if not ok:
+            raise TypeError(f"{op}: {name} must be {want}, got {type(value).__name__} "
+                            f"{value!r}")
+
+
+def _is_index(value: Any) -> bool:
+    """An integer by operator.index (a torch SymInt, an integer tensor), never a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+# the ops name the weight and bias w and b; the functional API's signature says weight, bias
+_OP_ARG_NAMES = re.compile(r"\b(w|b)\b(?= (?:has|is|must) )|(?<=')(w|b)(?=')")
+
+
+def with_signature_names(exc: BaseException, op: str) -> BaseException:
+    """`renamed(exc, op)` with the ops' argument names w and b as the signature's."""
+    exc = renamed(exc, op)
+    msg = str(exc)
+    new = _OP_ARG_NAMES.sub(lambda m: "weight" if m.group(0) == "w" else "bias", msg)
+    if new == msg:
+        return exc
+    try:
+        out = copy.copy(exc)
+        out.args = (new,)
+    except Exception:  # an exception type that cannot be copied keeps its own words
+        return exc
+    return out.with_traceback(exc.__traceback__)
+
+
 def _fused_args(op: str, x: Any, weight: Any, bias: Any, residual: Any, activation: Any,
                 residual_scale: Any) -> tuple[Any, Any, Any, Any, str, float]:
     """A fused forward's arrays (checked, contiguous, on one engine), its activation's
@@ -157,7 +217,7 @@ def conv_bias_act_forward(
         return _forward(x, weight, bias, stride, padding, dilation, groups, activation,
                         residual, residual_scale, layout, geom, padding_mode, pad)
     except (TypeError, ValueError, ConvfuseError) as exc:
-        raise renamed(exc, "conv_bias_act") from None
+        raise with_signature_names(exc, "conv_bias_act") from None
 
 
 def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any,
@@ -172,6 +232,8 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation
         if pad is not None:
             raise ValueError(f"{op}: pad was given without its geom (both come from "
                              "convfuse.pad_geometry.padded_conv)")
+        check_geometry_types(op, stride=stride, padding=padding, dilation=dilation,
+                             groups=groups, layout=layout, padding_mode=padding_mode)
         pad, geom = padded_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout,
                                 padding_mode)
         check_conv(geom, x.dtype, device_of(x))
@@ -252,11 +314,21 @@ def conv_bias_act(
     *,
     padding_mode: str = "zeros",
 ) -> Any:
-    """The forward alone: act(conv(x, weight) + bias + residual_scale * residual)."""
+    """The forward alone: act(conv(x, weight) + bias + residual_scale * residual). Nothing
+    is kept for a backward, so y is writable, as torch.nn.functional's outputs."""
     y, _ = conv_bias_act_forward(
         x, weight, bias, stride, padding, dilation, groups, activation, residual,
         residual_scale, layout, padding_mode=padding_mode,
     )
+    return released(y)
+
+
+def released(y: Any) -> Any:
+    """`y` writable again where the forward made it read-only as a saved tensor (the
+    forward alone discards the context that saved it)."""
+    if isinstance(y, np.ndarray) and not y.flags.writeable:
+        with contextlib.suppress(ValueError):  # a view of memory that is not writable
+            y.flags.writeable = True
     return y
 
 
@@ -283,7 +355,7 @@ def conv_bias_act_backward(
     try:
         return _backward(dy, ctx, need_dx, dweight, dbias, accumulate)
     except (TypeError, ValueError, ConvfuseError) as exc:
-        raise renamed(exc, "conv_bias_act_backward") from None
+        raise with_signature_names(exc, "conv_bias_act_backward") from None
 
 
 def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumulate: Any
@@ -295,7 +367,7 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any, accumul
     given, dy = dy, _array(op, "dy", dy)
     geom = ctx.geom
     _check_dy(dy, ctx)
-    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given, need_dx)
     beta = 1.0 if accumulate else 0.0
     o: Any = ops
     if not isinstance(dy, np.ndarray):  # pragma: gpu
@@ -412,12 +484,15 @@ def _residual_grad(dy: Any, dz: Any, ctx: Any) -> Any:
 
 
 def _check_outputs(op: str, dy: Any, ctx: _ForwardContext, dweight: Any, dbias: Any,
-                   accumulate: Any, given: Any = None) -> None:
+                   accumulate: Any, given: Any = None, need_dx: Any = True) -> None:
     """The output buffers, checked as the ops would check them, before any op writes
     (`given`: the caller's dy, where `dy` is a contiguous copy of it)."""
     geom = ctx.geom
     if not isinstance(accumulate, (bool, np.bool_)):
         raise TypeError(f"{op}: accumulate must be a bool, got {type(accumulate).__name__}")
+    if not isinstance(need_dx, (bool, np.bool_)):  # "no" would count as true
+        raise TypeError(f"{op}: need_dx must be a bool, got {type(need_dx).__name__} "
+                        f"{need_dx!r}")
     if accumulate and (dweight is None or (ctx.has_bias and dbias is None)):
         missing = "dweight" if dweight is None else "dbias"
         raise ValueError(f"{op}: accumulate=True adds into {missing}, but {missing} is None")

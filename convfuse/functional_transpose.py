@@ -17,7 +17,7 @@ import numpy as np
 
 from . import ops
 from .backend import device_of
-from .errors import ConvfuseError, renamed
+from .errors import ConvfuseError
 from .functional import (
     ConvGrads,
     _array,
@@ -28,6 +28,9 @@ from .functional import (
     _residual_grad,
     _saved,
     check_device_outputs,
+    check_geometry_types,
+    released,
+    with_signature_names,
 )
 from .geometry import IntOrTuple
 from .transpose_geometry import ConvTransposeGeometry
@@ -73,7 +76,7 @@ def conv_transpose_bias_act_forward(
         return _forward(x, weight, bias, stride, padding, output_padding, groups, dilation,
                         activation, residual, residual_scale, layout, output_size, geom)
     except (TypeError, ValueError, ConvfuseError) as exc:
-        raise renamed(exc, "conv_transpose_bias_act") from None
+        raise with_signature_names(exc, "conv_transpose_bias_act") from None
 
 
 def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_padding: Any,
@@ -85,6 +88,9 @@ def _forward(x: Any, weight: Any, bias: Any, stride: Any, padding: Any, output_p
     if geom is None:
         from ._memory import check_bytes, check_conv
 
+        check_geometry_types(op, stride=stride, padding=padding, output_padding=output_padding,
+                             dilation=dilation, groups=groups, layout=layout,
+                             output_size=output_size)
         geom = ConvTransposeGeometry.create(x.shape, weight.shape, stride, padding,
                                             output_padding, dilation, groups, layout,
                                             output_size)
@@ -119,11 +125,11 @@ def conv_transpose_bias_act(x: Any, weight: Any, bias: Any = None, stride: IntOr
                             activation: str | None = None, residual: Any = None,
                             residual_scale: float = 1.0, layout: str = "NCHW",
                             output_size: Sequence[int] | None = None) -> Any:
-    """The forward alone."""
+    """The forward alone (its y writable: nothing is kept for a backward)."""
     y, _ = conv_transpose_bias_act_forward(x, weight, bias, stride, padding, output_padding,
                                            groups, dilation, activation, residual,
                                            residual_scale, layout, output_size)
-    return y
+    return released(y)
 
 
 def conv_transpose_bias_act_backward(dy: Any, ctx: ConvTransposeContext, *,
@@ -138,7 +144,7 @@ def conv_transpose_bias_act_backward(dy: Any, ctx: ConvTransposeContext, *,
     try:
         return _backward(dy, ctx, need_dx, dweight, dbias, accumulate)
     except (TypeError, ValueError, ConvfuseError) as exc:
-        raise renamed(exc, "conv_transpose_bias_act_backward") from None
+        raise with_signature_names(exc, "conv_transpose_bias_act_backward") from None
 
 
 def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
@@ -150,7 +156,7 @@ def _backward(dy: Any, ctx: Any, need_dx: Any, dweight: Any, dbias: Any,
     given, dy = dy, _array(op, "dy", dy)
     geom = ctx.geom
     _check_dy(dy, ctx)
-    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given)
+    _check_outputs(op, dy, ctx, dweight, dbias, accumulate, given, need_dx)
     if not isinstance(dy, np.ndarray):  # pragma: gpu
         check_device_outputs(op, dweight, dbias)
     beta = 1.0 if accumulate else 0.0
