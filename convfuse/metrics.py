@@ -48,7 +48,10 @@ class Mean:
             raise TypeError(f"count must be an int, got {type(count).__name__}")
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
+        # the float64 total and count take them: checked before either changes
+        _fits_float64(count, "count")
         if _is_host_number(value):
+            _fits_float64(value, "value")
             value = float(value)  # a kernel argument on the GPU: no transfer, no sync
             if self._buffer is None:
                 self._init_buffer(np, None)
@@ -138,3 +141,11 @@ def _add_on_gpu(acc: Mean, value: Any, count: int) -> None:  # pragma: gpu
 
 def _to_host(buffer: Any) -> Any:
     return buffer.get() if is_cupy(buffer) else buffer
+
+
+def _fits_float64(value: Any, name: str) -> None:
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is too large for a float64 (an int of "
+                         f"{len(str(abs(int(value))))} digits)") from None

@@ -104,3 +104,15 @@ def test_mixing_devices_raises(monkeypatch):
     with pytest.raises(DeviceMismatchError):
         acc.add(FakeDeviceArray())
     assert acc.compute() == 1.0
+
+
+def test_a_count_or_value_too_large_for_float64_adds_nothing():
+    """The total went up before the count's conversion failed (an unlabelled
+    OverflowError): both are checked first now."""
+    m = metrics.Mean()
+    m.add(1.0, 1)
+    with pytest.raises(ValueError, match=r"^Mean.add: count is too large for a float64"):
+        m.add(5.0, 10**400)
+    with pytest.raises(ValueError, match=r"^Mean.add: value is too large for a float64"):
+        m.add(10**400)
+    assert m.compute() == 1.0
