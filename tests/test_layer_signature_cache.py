@@ -282,3 +282,29 @@ def test_moving_a_layer_drops_what_it_checked_for_the_old_device():
     assert "_geoms_flags" not in layer.__dict__
     y = layer(np.ones((1, 3, 5, 5), np.float32))  # checked again, and runs
     assert y.shape == (1, 4, 5, 5)
+
+
+def test_a_float_output_size_is_refused_after_the_int_one_was_cached():
+    """10.0 == 10 and hashes alike: the call caches must not let a float output_size hit
+    the int one's entry and skip the check that refuses it (native and bridge layers)."""
+    layer = cf.ConvTranspose2d(4, 3, 3, stride=2, padding=1, dtype="float64", device="cpu")
+    x = np.zeros((2, 4, 5, 5))
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"^ConvTranspose2d: output_size must be a "
+                                            r"sequence of ints"):
+            layer(x, output_size=(10.0, 10.0))
+        assert layer(x, output_size=(10, 10)).shape == (2, 3, 10, 10)
+    assert layer(x, output_size=(np.int64(10), 10)).shape == (2, 3, 10, 10)
+    with pytest.raises(TypeError, match=r"^ConvTranspose2d.output_shape: input_shape must be a "
+                                        r"sequence of ints"):
+        layer.output_shape((2, 4, 5.0, 5))
+    with pytest.raises(ValueError, match=r"input_shape must not be negative"):
+        layer.output_shape((2, 4, -1, 5))
+    torch = pytest.importorskip("torch")
+    ct = pytest.importorskip("convfuse.torch")
+    m = ct.ConvTranspose2d(4, 3, 3, stride=2, padding=1)
+    t = torch.zeros(2, 4, 5, 5)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="output_size"):
+            m(t, output_size=(10.0, 10.0))
+        assert m(t, output_size=(10, 10)).shape == (2, 3, 10, 10)

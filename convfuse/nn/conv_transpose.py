@@ -162,6 +162,14 @@ class _ConvTransposeNd(_FusedConvLayer):
     def output_shape(self, input_shape: Sequence[int],
                      output_size: Sequence[int] | None = None) -> tuple[int, ...]:
         """The output's shape (in the layer's layout) for an input of `input_shape`."""
+        name = type(self).__name__
+        if isinstance(input_shape, (str, bytes)) or not isinstance(input_shape, Sequence) \
+                or not all(is_int(v) for v in input_shape):
+            raise TypeError(f"{name}.output_shape: input_shape must be a sequence of ints, "
+                            f"got {input_shape!r}")
+        if any(v < 0 for v in input_shape):
+            raise ValueError(f"{name}.output_shape: input_shape must not be negative, got "
+                             f"{tuple(input_shape)}")
         probe = np.lib.stride_tricks.as_strided(np.zeros(1, np.int8), tuple(input_shape),
                                                 (0,) * len(input_shape))
         try:
@@ -178,6 +186,13 @@ class _ConvTransposeNd(_FusedConvLayer):
         or residual is copied once into a contiguous array (the caller's is never modified)."""
         if isinstance(output_size, list):  # torch.nn's common spelling; a key needs a tuple
             output_size = tuple(output_size)
+        if isinstance(output_size, tuple) and any(type(v) is not int for v in output_size):
+            # 10.0 == 10 (and hashes alike): a float would hit an int's call key and skip
+            # the check that refuses it; NumPy ints become ints
+            if not all(is_int(v) for v in output_size):
+                raise TypeError(f"{type(self).__name__}: output_size must be a sequence of "
+                                f"ints or None, got {output_size!r}")
+            output_size = tuple(int(v) for v in output_size)
         return self._apply(x, residual, output_size)
 
     forward = __call__

@@ -281,8 +281,12 @@ class ConvTranspose3d(_ConvTransposeNd):
 def _size_key(v: Any) -> Any:
     """An output_size entry as a call key holds it: a 0-d integer tensor by its value (a
     tensor hashes by identity, and one filled in place would hit the key of its old value),
-    anything else as it is (the checks refuse what is not an int)."""
+    anything else with its type (the checks refuse what is not an int)."""
+    if type(v) is int:
+        return v
     if (isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point()
             and not v.is_complex()):
         return int(v)
-    return v
+    # with its type: 10.0 == 10 (and hashes alike), so a float would hit an int's key and
+    # skip the check that refuses it
+    return (type(v), v)
