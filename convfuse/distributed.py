@@ -59,12 +59,13 @@ int64s [h, -h, bad], h a hash of this rank's list of (shape, dtype, checkpoint l
 when this rank holds an array it cannot receive into (read-only, or a dtype the backend
 cannot carry): the result is [h, -h, 0] on every rank exactly when every rank's h is the
 same and none is bad, so either every rank raises or none does, and no rank is left
-waiting in a broadcast the others skipped. The pair is made like the arrays (a NumPy or a CuPy array,
-crossing as the arrays do), so it goes to the backend that will broadcast them. In a world
-of one there is nothing to compare and no collective. Reading the pair back is a host
-sync on the GPU, so broadcast_buffers, called before every forward, does not check: as DDP,
-which checks when it wraps the model and not at its per-forward buffer broadcast, it relies
-on broadcast_parameters having checked parameters and buffers once.
+waiting in a broadcast the others skipped. The three are made like the arrays (a NumPy or a
+CuPy array, crossing as the arrays do), so they go to the backend that will broadcast
+them. In a world of one there is nothing to compare and no collective (a rank's own bad
+array is refused all the same). Reading the result back is a host sync on the GPU, so
+broadcast_buffers, called before every forward, does not check: as DDP, which checks when
+it wraps the model and not at its per-forward buffer broadcast, it relies on
+broadcast_parameters having checked parameters and buffers once.
 
 Note [arguments before collectives]
 `src` and `group` are checked in Python before any collective (so that a bad one gives a
@@ -271,8 +272,8 @@ def broadcast_parameters(model: Any, src: int = 0, group: Any = None) -> None:
     are, so an optimizer's flat buffers (whose views they may be) see the new values.
     First, every rank checks that all ranks hold parameters and buffers of the same shapes,
     dtypes and layouts (one small all-reduce: Note [matching models]), and raises ValueError
-    if not (TypeError if any rank holds an array it cannot receive into). `src` is a global rank; on a rank outside `group` this does nothing, as torch's
-    collectives do there.
+    if not (TypeError if any rank holds an array it cannot receive into). `src` is a global
+    rank; on a rank outside `group` this does nothing, as torch's collectives do there.
     """
     params = _parameters(model)
     checked = _checked_call("broadcast_parameters", src, group)
