@@ -216,3 +216,89 @@ def test_linear_takes_any_leading_dims_as_torch(lead):
     with pytest.raises(ValueError, match=r"^Linear: expects input of shape \(\*, 5\), got "
                                          r"\(2, 4\)"):
         ours(np.zeros((2, 4)))
+
+
+class _Tower(cf.nn.Module):
+    """A model that keeps its blocks in a ModuleList, as torch models do."""
+
+    def __init__(self, list_type):
+        self.blocks = list_type(cf.Linear(3, 3, dtype="float64", seed=i) for i in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def backward(self, dy):
+        for block in reversed(list(self.blocks)):
+            dy = block.backward(dy)
+        return dy
+
+
+class _TorchTower(torch.nn.Module):
+    def __init__(self, ours):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(3, 3).double() for _ in range(3))
+        self.load_state_dict({k: torch.tensor(v) for k, v in ours.state_dict().items()})
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_module_list_registers_its_layers_as_torch():
+    """A plain list hides its layers from parameters() and state_dict(); a ModuleList
+    holds them with torch's keys, and the model trains as torch's."""
+    ours = _Tower(cf.ModuleList)
+    theirs = _TorchTower(ours)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert len(ours.parameters()) == 6
+    x = np.random.default_rng(4).standard_normal((2, 3))
+    xt = torch.tensor(x, requires_grad=True)
+    yt = theirs(xt)
+    yt.backward(torch.ones_like(yt))
+    np.testing.assert_allclose(ours(x), yt.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(ours.backward(np.ones((2, 3))), xt.grad.numpy(), rtol=1e-12)
+    ours.eval()
+    assert not any(m.training for m in ours.modules())
+    assert ours.get_submodule("blocks.1") is ours.blocks[1]
+
+
+def test_module_list_edits_as_torch():
+    ours = cf.ModuleList([cf.ReLU(), cf.Identity()])
+    theirs = torch.nn.ModuleList([torch.nn.ReLU(), torch.nn.Identity()])
+    for m, lib in ((ours, cf), (theirs, torch.nn)):
+        m.append(lib.ReLU())
+        m.insert(0, lib.Identity())
+        m.extend([lib.ReLU()])
+        m += [lib.Identity()]
+        del m[1]
+        m[0] = lib.ReLU()
+        m.pop(-1)
+    assert _names(ours) == _names(theirs)
+    assert _names(ours[1:]) == _names(theirs[1:])
+    assert _names(ours + cf.ModuleList([cf.Identity()])) == \
+        _names(theirs + torch.nn.ModuleList([torch.nn.Identity()]))
+    with pytest.raises(TypeError, match=r"^ModuleList.append: int is not a convfuse layer"):
+        ours.append(3)
+    with pytest.raises(NotImplementedError):
+        ours(np.zeros(2))
+
+
+def test_register_parameter_and_get_submodule_as_torch():
+    m = cf.Sequential(cf.Linear(2, 2, seed=0))
+    p = cf.Parameter(np.ones(3))
+    m[0].register_parameter("scale", p)
+    assert m[0].scale is p and "0.scale" in m.state_dict()
+    m[0].register_parameter("shift", None)
+    assert "0.shift" not in m.state_dict()
+    with pytest.raises(KeyError, match=r"parameter name 'a.b' can't be empty or contain"):
+        m[0].register_parameter("a.b", p)
+    with pytest.raises(TypeError, match=r"'w' is a ndarray, not a convfuse Parameter"):
+        m[0].register_parameter("w", np.ones(2))
+    with pytest.raises(KeyError, match=r"attribute 'forward' already exists"):
+        m[0].register_parameter("forward", p)
+    assert m.get_submodule("") is m and m.get_submodule("0") is m[0]
+    with pytest.raises(AttributeError, match=r"Linear has no child module 'x' \(in '0.x'\)"):
+        m.get_submodule("0.x")

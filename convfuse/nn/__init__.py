@@ -2,7 +2,7 @@
 
 from .adaptive_pool import AdaptiveAvgPool2d
 from .batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
-from .container import Flatten, Sequential
+from .container import Flatten, ModuleList, Sequential
 from .conv import Conv1d, Conv2d, Conv3d
 from .conv_transpose import ConvTranspose1d, ConvTranspose2d, ConvTranspose3d
 from .fold import fold_batchnorm
@@ -18,6 +18,7 @@ __all__ = [
     "Activation", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
     "Dropout", "Flatten", "Identity",
-    "IncompatibleKeys", "Layer", "Linear", "MaxPool2d", "Module", "Parameter", "ReLU",
+    "IncompatibleKeys", "Layer", "Linear", "MaxPool2d", "Module", "ModuleList", "Parameter",
+    "ReLU",
     "Residual", "Sequential", "fold_batchnorm",
 ]

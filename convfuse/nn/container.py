@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import math
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..backend import array_module
@@ -98,7 +98,124 @@ class Flatten(Layer):
         return dx
 
 
-class Sequential(Layer):
+class _LayerList(Layer):
+    """Children named "0", "1", ... in order, edited as torch.nn's Sequential and ModuleList
+    are (del, insert, extend and pop renumber them). Subclasses say what an edit means for
+    their layers' flags (`_edit_state`, `_edited`, `_replacing`)."""
+
+    @property
+    def layers(self) -> list[Layer]:
+        return list(self.children())
+
+    def __len__(self) -> int:
+        return len(self.__dict__.get("_module_names", ()))
+
+    def __iter__(self) -> Iterator[Layer]:
+        return iter(self.layers)
+
+    def _edit_state(self) -> Any:
+        return None
+
+    def _edited(self, layers: list[Layer], state: Any) -> None:
+        """After an edit that renumbered the list to `layers`."""
+
+    def _replacing(self, index: int, layer: Layer) -> None:
+        """Before `layer` replaces the layer at `index`."""
+
+    def __setitem__(self, i: int, layer: Layer) -> None:
+        """Replace the layer at index `i` in its place (torch.nn's)."""
+        self._check_new(layer, "__setitem__")
+        names = list(self.__dict__.get("_module_names", ()))
+        if not is_int(i):
+            raise TypeError(f"{type(self).__name__}: index must be an int, got "
+                            f"{type(i).__name__} {i!r}")
+        if not -len(names) <= i < len(names):
+            raise IndexError(f"{type(self).__name__}: index {i!r} is out of range for "
+                             f"{len(names)} layers")
+        index = int(i) % len(names)
+        self._replacing(index, layer)
+        setattr(self, names[index], layer)
+        self._take_device(layer)
+
+    def append(self, layer: Layer) -> _LayerList:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int | slice) -> Any:
+        raise NotImplementedError
+
+    def extend(self, layers: Any) -> _LayerList:
+        """Append each of `layers` (torch.nn's); all are checked first."""
+        new = list(layers)
+        for layer in new:
+            self._check_new(layer, "extend")
+        for layer in new:
+            self.append(layer)
+        return self
+
+    def insert(self, index: int, layer: Layer) -> _LayerList:
+        """Insert `layer` before position `index` (torch.nn's: -len..len, the layers
+        renumbered "0", "1", ...)."""
+        self._check_new(layer, "insert")
+        n = len(self)
+        if not is_int(index):
+            raise TypeError(f"{type(self).__name__}.insert: index must be an int, got "
+                            f"{type(index).__name__} {index!r}")
+        if not -n <= index <= n:
+            raise IndexError(f"{type(self).__name__}.insert: index {index} is out of range "
+                             f"for {n} layers")
+        layers = self.layers
+        layers.insert(int(index) % (n + 1) if index >= 0 else int(index) + n, layer)
+        self._renumber(layers)
+        return self
+
+    def pop(self, i: int | slice) -> Any:
+        """Remove and return the layer(s) at `i` (torch.nn's)."""
+        out = self[i]
+        del self[i]
+        return out
+
+    def __delitem__(self, i: int | slice) -> None:
+        """Remove the layer(s) at `i`; the others are renumbered "0", "1", ..., as torch.nn
+        renumbers them."""
+        layers = self.layers
+        if isinstance(i, slice):
+            del layers[i]
+        elif is_int(i):
+            if not -len(layers) <= i < len(layers):
+                raise IndexError(f"{type(self).__name__}: index {i!r} is out of range for "
+                                 f"{len(layers)} layers")
+            del layers[int(i)]
+        else:
+            raise TypeError(f"{type(self).__name__}: index must be an int or a slice, got "
+                            f"{type(i).__name__} {i!r}")
+        self._renumber(layers)
+
+    def _renumber(self, layers: list[Layer]) -> None:
+        """Hold exactly `layers`, named "0", "1", ..."""
+        state = self._edit_state()
+        for name in list(self.__dict__.get("_module_names", ())):
+            delattr(self, name)
+        for j, layer in enumerate(layers):
+            self.add_module(str(j), layer)
+            self._take_device(layer)
+        self._edited(layers, state)
+
+    def _check_new(self, layer: Any, fn: str) -> None:
+        if not isinstance(layer, Layer):
+            raise TypeError(f"{type(self).__name__}.{fn}: {type(layer).__name__} is not a "
+                            "convfuse layer")
+        device = getattr(layer, "device", None)
+        if device and self.device and device != self.device:  # the constructor's rule
+            raise ValueError(f"{type(self).__name__}.{fn}: the layer is on {device!r}, the "
+                             f"other layers on {self.device!r}")
+
+    def _take_device(self, layer: Layer) -> None:
+        device = getattr(layer, "device", None)
+        if self.device is None and device:
+            self.device = device
+
+
+class Sequential(_LayerList):
     """Layers applied in order; backward runs them in reverse.
 
     Children are registered as "0", "1", ... so state_dict keys match torch.nn.Sequential;
@@ -143,9 +260,18 @@ class Sequential(Layer):
         self.device = devices.pop() if devices else None  # type: ignore[assignment]
         self._ctx = None
 
-    @property
-    def layers(self) -> list[Layer]:
-        return list(self.children())
+    # the edits' flags: the first layer takes the Sequential's needs_input_grad (as it was
+    # before the edit), the others pass gradients on
+    def _edit_state(self) -> Any:
+        return self.needs_input_grad
+
+    def _edited(self, layers: list[Layer], state: Any) -> None:
+        for j, layer in enumerate(layers):
+            layer.needs_input_grad = state if j == 0 else True
+        self.__dict__["_needs_input_grad"] = state
+
+    def _replacing(self, index: int, layer: Layer) -> None:
+        layer.needs_input_grad = self.needs_input_grad if index == 0 else True
 
     @property
     def needs_input_grad(self) -> bool:
@@ -172,76 +298,6 @@ class Sequential(Layer):
         self.add_module(str(len(self)), layer)
         self._take_device(layer)
         return self
-
-    def extend(self, layers: Any) -> Sequential:
-        """Append each of `layers` (torch.nn.Sequential's); all are checked first."""
-        new = list(layers)
-        for layer in new:
-            self._check_new(layer, "extend")
-        for layer in new:
-            self.append(layer)
-        return self
-
-    def insert(self, index: int, layer: Layer) -> Sequential:
-        """Insert `layer` before position `index` (torch.nn.Sequential's: -len..len, the
-        layers renumbered "0", "1", ...)."""
-        self._check_new(layer, "insert")
-        n = len(self)
-        if not is_int(index):
-            raise TypeError(f"Sequential.insert: index must be an int, got "
-                            f"{type(index).__name__} {index!r}")
-        if not -n <= index <= n:
-            raise IndexError(f"Sequential.insert: index {index} is out of range for {n} layers")
-        layers = self.layers
-        layers.insert(int(index) % (n + 1) if index >= 0 else int(index) + n, layer)
-        self._renumber(layers)
-        return self
-
-    def pop(self, i: int | slice) -> Any:
-        """Remove and return the layer(s) at `i` (torch.nn.Sequential's)."""
-        out = self[i]
-        del self[i]
-        return out
-
-    def __delitem__(self, i: int | slice) -> None:
-        """Remove the layer(s) at `i`; the others are renumbered "0", "1", ..., as
-        torch.nn.Sequential renumbers them."""
-        layers = self.layers
-        if isinstance(i, slice):
-            del layers[i]
-        elif is_int(i):
-            if not -len(layers) <= i < len(layers):
-                raise IndexError(f"Sequential: index {i!r} is out of range for {len(layers)} "
-                                 "layers")
-            del layers[int(i)]
-        else:
-            raise TypeError(f"Sequential: index must be an int or a slice, got "
-                            f"{type(i).__name__} {i!r}")
-        self._renumber(layers)
-
-    def _renumber(self, layers: list[Layer]) -> None:
-        """Hold exactly `layers`, named "0", "1", ...; the first layer takes the
-        Sequential's needs_input_grad, the others pass gradients on."""
-        flag = self.needs_input_grad
-        for name in list(self.__dict__.get("_module_names", ())):
-            delattr(self, name)
-        for j, layer in enumerate(layers):
-            self.add_module(str(j), layer)
-            layer.needs_input_grad = flag if j == 0 else True
-        self.__dict__["_needs_input_grad"] = flag
-
-    def _check_new(self, layer: Any, fn: str) -> None:
-        if not isinstance(layer, Layer):
-            raise TypeError(f"Sequential.{fn}: {type(layer).__name__} is not a convfuse layer")
-        device = getattr(layer, "device", None)
-        if device and self.device and device != self.device:  # the constructor's rule
-            raise ValueError(f"Sequential.{fn}: the layer is on {device!r}, the other layers "
-                             f"on {self.device!r}")
-
-    def _take_device(self, layer: Layer) -> None:
-        device = getattr(layer, "device", None)
-        if self.device is None and device:
-            self.device = device
 
     def __call__(self, x: Any, residual: Any = None) -> Any:
         """The layers in order; `residual=` goes to the last. If a layer raises, every
@@ -296,25 +352,6 @@ class Sequential(Layer):
         self._ctx = None
         return (dy, dres) if had_residual else dy
 
-    def __len__(self) -> int:
-        return len(self.__dict__.get("_module_names", ()))
-
-    def __setitem__(self, i: int, layer: Layer) -> None:
-        """Replace the layer at index `i` in its place (torch.nn.Sequential's)."""
-        self._check_new(layer, "__setitem__")
-        names = list(self.__dict__.get("_module_names", ()))
-        if not is_int(i):
-            raise TypeError(f"Sequential: index must be an int, got {type(i).__name__} {i!r}")
-        if not -len(names) <= i < len(names):
-            raise IndexError(f"Sequential: index {i!r} is out of range for {len(names)} "
-                             "layers")
-        index = int(i) % len(names)
-        # needs_input_grad flows to the first layer; the others need their input gradient
-        flag = self.needs_input_grad if index == 0 else True  # the replaced layer's
-        setattr(self, names[index], layer)
-        layer.needs_input_grad = flag
-        self._take_device(layer)
-
     def __getitem__(self, i: int | slice) -> Layer:
         if isinstance(i, slice):  # the layers keep their names, as torch.nn's slice does
             named = list(self.named_children())[i]
@@ -325,8 +362,36 @@ class Sequential(Layer):
             return part
         return self.layers[i]
 
-    def __iter__(self) -> Iterator[Layer]:
-        return iter(self.layers)
+
+
+class ModuleList(_LayerList):
+    """torch.nn.ModuleList: layers held as children "0", "1", ..., so that parameters(),
+    state_dict() (keys `name.0.weight`, as torch's), to() and train() see them, where a
+    plain Python list would hide them; indexed, iterated and edited as torch's. It has no
+    forward: the module holding it runs its layers (and their backward, in reverse)."""
+
+    def __init__(self, modules: Iterable[Layer] | None = None) -> None:
+        self.device = None  # type: ignore[assignment]
+        self._ctx = None
+        if modules is not None:
+            self.extend(modules)
+
+    def append(self, layer: Layer) -> ModuleList:
+        self._check_new(layer, "append")
+        self.add_module(str(len(self)), layer)
+        self._take_device(layer)
+        return self
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return ModuleList(self.layers[i])
+        return self.layers[i]
+
+    def __iadd__(self, layers: Iterable[Layer]) -> ModuleList:
+        return self.extend(layers)  # type: ignore[return-value]
+
+    def __add__(self, other: Iterable[Layer]) -> ModuleList:
+        return ModuleList([*self, *other])
 
 
 _TAKES_RESIDUAL: dict[type[Layer], bool] = {}

@@ -149,6 +149,37 @@ class Layer:
             nonpersistent.remove(name)
         object.__setattr__(self, name, value)
 
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        """Register `param` (a convfuse Parameter, or None) as parameter `name`, as
+        torch.nn's register_parameter: a str without '.', not empty, not another
+        attribute; checked before anything is registered."""
+        fn = f"{type(self).__name__}.register_parameter"
+        if not isinstance(name, str):
+            raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} {name!r}")
+        if not name or "." in name:
+            raise KeyError(f"{fn}: parameter name {name!r} can't be empty or contain '.'")
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"{fn}: {name!r} is a {type(param).__name__}, not a convfuse "
+                            "Parameter (or None)")
+        self._check_free(name, "_param_names", "register_parameter")
+        self._register("_param_names", name)
+        object.__setattr__(self, name, param)
+
+    def get_submodule(self, target: str) -> Layer:
+        """The descendant at dotted path `target` ('' is self), as torch.nn's; an
+        AttributeError names the first part that is not a child."""
+        mod: Layer = self
+        if target == "":
+            return mod
+        for part in target.split("."):
+            child = mod.__dict__.get(part) if part in mod.__dict__.get("_module_names", ()) \
+                else None
+            if child is None:
+                raise AttributeError(f"{type(mod).__name__} has no child module {part!r} "
+                                     f"(in {target!r})")
+            mod = child
+        return mod
+
     def add_module(self, name: str, module: Layer | None) -> None:
         """Register `module` (a convfuse layer, or None) as child `name`, as torch.nn's
         add_module: a str without '.', not empty, not another attribute (a parameter,
