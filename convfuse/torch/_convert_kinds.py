@@ -18,6 +18,7 @@ model holds them.
 
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 from collections.abc import Callable
@@ -166,7 +167,12 @@ _FUSED: dict[type, type] = {
 
 
 def _torch_conv(conv: Any, base: type, activation: str | None) -> nn.Module | None:
-    return on_parameters_of(conv, _FUSED[base], _conv_args(conv), activation)
+    new = on_parameters_of(conv, _FUSED[base], _conv_args(conv), activation)
+    if new is not None:
+        # torch.nn pads a padding_mode other than 'zeros' by this, set at construction and
+        # kept when `padding` is reassigned after it (_carry_attributes skips private names)
+        new._reversed_padding_repeated_twice = copy.copy(conv._reversed_padding_repeated_twice)
+    return new
 
 
 def _torch_conv_transpose(conv: Any, base: type, activation: str | None) -> nn.Module | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.fx import Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -274,6 +275,8 @@ def activation(node: Node, chain: Node) -> str | Refused | None:
     a = bind(node, names, defaults)
     if a.get("input") is not chain:
         return None
+    if a.get("out") is not None:  # the fused op would leave `out` unwritten
+        return Refused("an activation with out=")
     name = check(a)
     if name is None:
         shown = ", ".join(f"{k}={v!r}" for k, v in a.items() if k not in ("input", "inplace"))
@@ -283,6 +286,127 @@ def activation(node: Node, chain: Node) -> str | Refused | None:
 
 
 # -- in-place operations -------------------------------------------------------------------
+
+# operator's writing forms, as Dynamo records `t += r`, `t[i] = v`; the rest write nothing
+_OPERATOR_WRITES = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem, operator.delitem})
+_NO_RESULT = frozenset({operator.setitem, operator.delitem})  # write, but return None
+_DUNDER_WRITES = frozenset(f"__{f.__name__}__" for f in _OPERATOR_WRITES)  # Tensor.__iadd__
+# aten's batch_norm, native_batch_norm and instance_norm schemas (torch 2.13) do not mark
+# the running statistics they update as written
+_STATS = ("running_mean", "running_var")
+
+
+def _nodes(arg: Any) -> list[Node]:
+    """The nodes in an argument: a node, or those in a list or tuple (a `_foreach_` list)."""
+    found: list[Node] = []
+
+    def keep(n: Node) -> Node:
+        found.append(n)
+        return n
+
+    torch.fx.node.map_arg(arg, keep)
+    return found
+
+
+def _in_place_name(name: str) -> bool:
+    """torch's spelling of an in-place op: a trailing underscore (`add_`, `_foreach_mul_`),
+    or an in-place dunder (`__iadd__`, `__setitem__`)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _DUNDER_WRITES
+
+
+def _tensor_op_name(node: Node) -> str | None:
+    """The name of the torch builtin or Tensor method `node` calls, or None for another
+    call (their writes follow torch's naming and aten's schema of that name)."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if node.op != "call_function":
+        return None
+    if getattr(target, "__objclass__", None) is torch._C.TensorBase:  # torch.Tensor.add_
+        return str(getattr(target, "__name__", ""))
+    if inspect.isbuiltin(target) and str(getattr(target, "__module__", "")).startswith("torch"):
+        return str(getattr(target, "__name__", ""))
+    return None
+
+
+@cache
+def _schemas(target: Any) -> tuple[Any, ...]:
+    """The aten schemas a call may run: an OpOverload's, every overload of a packet (which
+    one runs depends on the arguments), or aten's operator named `target` (none, empty)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return (target._schema,)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return tuple(getattr(target, o)._schema for o in target.overloads())
+    return tuple(torch._C._jit_get_schemas_for_operator(f"aten::{target}"))
+
+
+def _by_schema(schemas: tuple[Any, ...], node: Node) -> list[Node]:
+    """The nodes `node` passes where any of `schemas` writes (`Tensor(a!)`, `Tensor(a!)[]`)."""
+    found: list[Node] = []
+    for schema in schemas:
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if not (info is not None and info.is_write) and arg.name not in _STATS:
+                continue
+            if not arg.kwarg_only and i < len(node.args):
+                found += _nodes(node.args[i])
+            else:  # torch's Python bindings call aten's `self` `input`
+                found += _nodes(node.kwargs.get(arg.name, node.kwargs.get("input")
+                                                if arg.name == "self" else None))
+    return found
+
+
+def _by_signature(target: Any, node: Node) -> list[Node] | None:
+    """What a torch.nn.functional (or torch.functional) Python function writes: its input
+    with inplace=True, the running statistics (batch_norm, instance_norm), the weight
+    embedding renormalises in place under max_norm."""
+    try:
+        bound = inspect.signature(target).bind_partial(*node.args, **node.kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    found = [n for k in _STATS for n in _nodes(bound.get(k))]
+    if bound.get("inplace") is True:
+        found += _nodes(next(iter(bound.values())))
+    if bound.get("max_norm") is not None:
+        found += _nodes(bound.get("weight"))
+    return found
+
+
+def _holds_tensor(node: Node) -> bool:
+    """Whether `node` is (or holds) a tensor; one recording no example value may."""
+    v = node.meta.get("example_value", node)
+    return v is node or any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v))
+
+
+def mutated(node: Node) -> Node | None:
+    """The tensor node an in-place operation writes into and returns (its first argument),
+    or None."""
+    if not node.args or not isinstance(node.args[0], Node) or node.target in _NO_RESULT:
+        return None
+    target, name = node.target, _tensor_op_name(node)
+    if name is not None:
+        ok = _in_place_name(name) and name not in ("__setitem__", "__delitem__")
+    elif node.op != "call_function":
+        ok = False
+    elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ok = any(s.arguments and s.returns and _returns_first(s) for s in _schemas(target))
+    elif target in _OPERATOR_WRITES:
+        ok = True
+    else:
+        i = _inplace_index(target) if inspect.isfunction(target) else None
+        ok = i is not None and (node.kwargs.get("inplace") is True
+                                or (len(node.args) > i and node.args[i] is True))
+    return node.args[0] if ok else None
+
+
+def _returns_first(schema: Any) -> bool:
+    first, result = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and first.is_write and result is not None \
+        and result.before_set == first.before_set
+
 
 @cache
 def _inplace_index(target: Any) -> int | None:
@@ -294,41 +418,33 @@ def _inplace_index(target: Any) -> int | None:
     return params.index("inplace") if "inplace" in params else None
 
 
-def mutated(node: Node) -> Node | None:
-    """The tensor node an in-place operation writes into (its first argument), or None."""
-    if not node.args or not isinstance(node.args[0], Node):
+def written(node: Node) -> list[Node] | None:
+    """The tensor nodes `node` writes into, by any spelling: an in-place method, builtin or
+    aten op (its schema's `(a!)` arguments, every tensor of a `_foreach_*_` list), `t[i] = v`,
+    `out=`, inplace=True, a batch norm's running statistics; [] for a node that writes none;
+    None for a call convfuse cannot tell (a Python function or module Dynamo did not inline,
+    a higher-order op): a caller assumes the worst."""
+    if node.op not in ("call_function", "call_method", "call_module") \
+            or not any(_holds_tensor(n) for n in node.all_input_nodes):
+        return []  # a call given no tensor of the graph writes none of them
+    target, name = node.target, _tensor_op_name(node)
+    out = _nodes(node.kwargs.get("out"))  # out=(values, indices) matches no schema name
+    if name is not None:
+        first = _nodes(node.args[0]) if node.args and _in_place_name(name) else []
+        return out + first + _by_schema(_schemas(name), node)
+    if node.op == "call_module":
         return None
-    if node.op == "call_method":
-        name = str(node.target)
-        return node.args[0] if name.endswith("_") and not name.startswith("_") else None
-    if node.op != "call_function":
-        return None
-    target = node.target
-    name = getattr(target, "__name__", "")
-    if target in (operator.iadd, operator.isub, operator.imul, operator.itruediv):
-        return node.args[0]
-    if name.endswith("_") and not name.startswith("_") and \
-            getattr(target, "__module__", None) in (None, "torch", "torch._C._nn"):
-        return node.args[0]
-    i = _inplace_index(target) if inspect.isfunction(target) else None
-    if i is not None and (node.kwargs.get("inplace") is True
-                          or (len(node.args) > i and node.args[i] is True)):
-        return node.args[0]
+    if target in _OPERATOR_WRITES:
+        return _nodes(node.args[0])
+    if getattr(target, "__module__", None) == "_operator":
+        return []
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return out + _by_schema(_schemas(target), node)
+    if inspect.isfunction(target) and target.__module__ in ("torch.nn.functional",
+                                                            "torch.functional"):
+        found = _by_signature(target, node)
+        return None if found is None else out + found
     return None
-
-
-def written(node: Node) -> Node | None:
-    """The tensor node `node` writes into, by any spelling: an in-place op (`mutated`),
-    `t[i] = v` (operator.setitem) or an `out=` argument; None for a node that writes
-    nothing."""
-    target = mutated(node)
-    if target is not None:
-        return target
-    if node.op == "call_function" and node.target is operator.setitem \
-            and node.args and isinstance(node.args[0], Node):
-        return node.args[0]
-    out = node.kwargs.get("out")
-    return out if isinstance(out, Node) else None
 
 
 def storage_of(node: Node) -> Any:

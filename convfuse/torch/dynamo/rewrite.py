@@ -237,8 +237,10 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
         while n is not nxt:
             if forms.changes_grad_mode(n):
                 return f"{n.name} switches grad mode in between"
-            target = forms.written(n)
-            if (target is not None and any(forms.may_alias(target, w) for w in watched)) \
+            targets = forms.written(n)
+            if targets is None:
+                return f"{n.name} ({_kind(n)}) in between may write an input: unknown what"
+            if any(forms.may_alias(t, w) for t in targets for w in watched) \
                     or (stats and _reads(n, stats)):
                 return f"{n.name} writes an input or reads the statistics in between"
             n = n.next
@@ -266,7 +268,7 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
         act = forms.activation(nxt, cur)
         if isinstance(act, str):
             # the residual too: the fused op reads it at the activation, after the add
-            why = step(nxt, chain.residual)
+            why = step(nxt, chain.residual) or _written_later(act, nxt, cur)
             if not why:
                 chain.nodes.append(nxt)
                 chain.activation = act
@@ -277,6 +279,34 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
             why = f"{nxt.name} is no activation" if nxt.op != "output" else ""
     chain.stop = why
     return chain
+
+
+# torch's leaky_relu and hardtanh (relu6) save their input for backward, the fused op its
+# output (Note [what backward saves] in activations.py), so writing that output in place
+# later (`y = F.leaky_relu(conv(x)); y += skip`), which torch allows, would fail the fused
+# op's backward. Their in-place spellings save their output in torch too.
+_SAVE_INPUT = ("leaky_relu", "relu6")
+
+
+def _written_later(act: str, node: Node, cur: Node) -> str:
+    """Why activation `node` (applied to `cur`) cannot join the chain for what is done
+    with its output after it ('' if it can)."""
+    if act not in _SAVE_INPUT or forms.mutated(node) is cur:
+        return ""
+    n = node.next
+    while n.op != "root":
+        if n.op == "output":  # the caller, or the graph after a graph break, may write it
+            if any(forms.may_alias(o, node) for o in n.all_input_nodes):
+                return (f"{node.name} is an output of the graph: torch's {act} saves its "
+                        "input, the fused op its output, which may be written in place")
+        else:
+            targets = forms.written(n)
+            if any(forms.may_alias(t, node) for t in
+                   (n.all_input_nodes if targets is None else targets)):
+                return (f"{n.name} writes {node.name} in place, which torch's {act} allows "
+                        "(it saves its input) and the fused op's backward does not")
+        n = n.next
+    return ""
 
 
 def _same_layout(a: Any, b: Any) -> bool:
@@ -294,13 +324,14 @@ def _reads(n: Node, stats: set[Node]) -> bool:
 
 def _apply(g: Graph, chain: _Chain, done: dict[Node, Node]) -> Node:
     """Replace the chain by its fused op (inserted at its last node, after every operand);
-    operands that were an earlier chain's last node are read from `done`."""
+    operands that were an earlier chain's last node (an input, a weight a convolution
+    computed, ...) are read from `done`."""
     head, tail = chain.head, chain.tail
 
     def new(n: Node | None) -> Node | None:
         return done.get(n, n) if n is not None else None
 
-    residual = new(chain.residual)
+    residual, weight, bias = new(chain.residual), new(head.weight), new(head.bias)
     with g.inserting_before(tail):
         if isinstance(head, forms.Conv):
             x: Any = new(head.x)
@@ -310,17 +341,17 @@ def _apply(g: Graph, chain: _Chain, done: dict[Node, Node]) -> Node:
                                                 for p in (0, e)]))
             if head.transposed:
                 op = g.call_function(torch.ops.convfuse.conv_transpose_bias_act.default, (
-                    x, head.weight, head.bias, residual, head.stride, head.padding,
+                    x, weight, bias, residual, head.stride, head.padding,
                     head.output_padding, head.dilation, head.groups, chain.activation))
             else:
                 op = g.call_function(torch.ops.convfuse.conv_bias_act.default, (
-                    x, head.weight, head.bias, residual, head.stride, head.padding,
+                    x, weight, bias, residual, head.stride, head.padding,
                     head.dilation, head.groups, chain.activation))
             out = g.call_function(operator.getitem, (op, 0))
         else:
             out = g.call_function(batchnorm_act, (
-                new(head.x), head.weight, head.bias, residual, head.running_mean,
-                head.running_var, head.training, head.momentum, head.eps, chain.activation))
+                new(head.x), weight, bias, residual, new(head.running_mean),
+                new(head.running_var), head.training, head.momentum, head.eps, chain.activation))
     out.meta.update(tail.meta)
     tail.replace_all_uses_with(out)
     for node in reversed(chain.nodes):
