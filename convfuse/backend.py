@@ -17,7 +17,7 @@ from .errors import DeviceMismatchError, DeviceUnavailableError
 
 @functools.cache
 def cupy_module() -> ModuleType | None:
-    """CuPy if it imports, else None."""
+    """CuPy if it imports, else None (cupy_import_error() says why, when it is installed)."""
     try:
         import cupy
     except Exception:
@@ -26,10 +26,31 @@ def cupy_module() -> ModuleType | None:
 
 
 @functools.cache
+def cupy_import_error() -> str | None:
+    """Why an installed CuPy does not import ('ImportError: libcudart.so.12 ...'); None
+    when it imports or is not installed at all (no module to find)."""
+    import importlib.util
+
+    if cupy_module() is not None:
+        return None
+    try:
+        if importlib.util.find_spec("cupy") is None:
+            return None
+        import cupy  # noqa: F401  (fails again, with the error to report)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.cache
 def gpu_unavailable_reason() -> str | None:
     """None when a CUDA device is usable, else a sentence saying why not."""
     cp = cupy_module()
     if cp is None:
+        error = cupy_import_error()
+        if error is not None:  # installed but broken: reinstalling it is not the fix
+            return (f"CuPy is installed but does not import ({error}); run `convfuse "
+                    "selfcheck` for the fix")
         return ("CuPy is not installed (pip install cupy-cuda12x nvidia-cudnn-cu12, or the "
                 "cu13 pair; from the convfuse checkout, its cu12 or cu13 extra)")
     try:
@@ -114,13 +135,20 @@ def resolve_device(device: str | None) -> str:
         return "cuda" if gpu_available() else "cpu"
     if not isinstance(device, str):
         raise TypeError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
-    name = device.lower()
-    if name.startswith("cuda"):
-        require_gpu(f"device={device!r}")
-        return "cuda"
-    if name == "cpu":
+    kind, _, index = device.lower().partition(":")
+    if kind not in ("cuda", "cpu") or (index and not (index.isdigit() and index.isascii())) \
+            or (kind == "cpu" and index not in ("", "0")) or (":" in device and not index):
+        raise ValueError(f"device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
+    if kind == "cpu":
         return "cpu"
-    raise ValueError(f"device must be 'cuda', 'cpu' or None, got {device!r}")
+    cp = require_gpu(f"device={device!r}")
+    if index and int(index) != cp.cuda.Device().id:
+        # native arrays live on CuPy's current device: another index would be ignored
+        raise ValueError(f"device={device!r}: convfuse's layers use CuPy's current device "
+                         f"({cp.cuda.Device().id}); make GPU {int(index)} current (with "
+                         f"cupy.cuda.Device({int(index)}):) around construction and calls, "
+                         "and pass device='cuda'")
+    return "cuda"
 
 
 def xp_for(device: str) -> ModuleType:

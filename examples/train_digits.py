@@ -168,7 +168,10 @@ def check_output_file(parser: argparse.ArgumentParser, option: str, path: Path) 
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         parser.error(f"{option} needs matplotlib: pip install matplotlib")
-    formats = FigureCanvasBase.get_supported_filetypes()
+    # pgf is listed, but writing it needs a LaTeX install (xelatex): after training, the
+    # curves would be lost to a RuntimeError
+    formats = {k: v for k, v in FigureCanvasBase.get_supported_filetypes().items()
+               if k != "pgf"}
     if path.suffix[1:].lower() not in formats:
         parser.error(f"{where}: matplotlib cannot write {path.suffix or 'a file with no suffix'}"
                      f"; use one of {', '.join('.' + f for f in sorted(formats))}")

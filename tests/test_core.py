@@ -139,6 +139,26 @@ def test_backend_without_gpu_says_why():
     assert resolve_device("cpu") == "cpu"
     with pytest.raises(ValueError, match="device must be"):
         resolve_device("tpu")
+    # torch's spellings, and nothing that only starts like one (any of these became 'cuda',
+    # the index dropped)
+    assert resolve_device("cpu:0") == "cpu"
+    for bad in ("cudax", "cuda:abc", "cuda:-1", "cuda:", "cpu:1", "cuda:0:1"):
+        with pytest.raises(ValueError, match=r"device must be 'cuda', 'cuda:N', 'cpu' or None"):
+            resolve_device(bad)
+
+
+def test_a_cuda_index_other_than_the_current_device_is_refused(monkeypatch):
+    """Native arrays live on CuPy's current device: 'cuda:1' built on GPU 0 silently."""
+    from types import SimpleNamespace
+
+    from convfuse import backend
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=0)))
+    monkeypatch.setattr(backend, "require_gpu", lambda what: fake)
+    assert resolve_device("cuda:0") == "cuda" and resolve_device("CUDA") == "cuda"
+    with pytest.raises(ValueError, match=r"device='cuda:1': convfuse's layers use CuPy's current "
+                                         r"device \(0\); make GPU 1 current"):
+        resolve_device("cuda:1")
 
 
 def test_array_module_and_device_of():

@@ -65,6 +65,8 @@ BAD_OPTIONS = [
                                         "does not exist"),
     (["--plot", "{tmp}"], "--plot {tmp}: is a directory"),
     (["--plot", "{tmp}/c.xyz"], "--plot {tmp}/c.xyz: matplotlib cannot write .xyz"),
+    # listed by matplotlib, but it needs LaTeX: it failed after training
+    (["--plot", "{tmp}/c.pgf"], "--plot {tmp}/c.pgf: matplotlib cannot write .pgf"),
     (["--plot", "{tmp}/curves"], "--plot {tmp}/curves: matplotlib cannot write a file with no "
                                  "suffix"),
 ]

@@ -61,7 +61,7 @@ def test_without_a_gpu_it_says_what_it_could_not_check(report):
 
     write_text(report, out)
     text = out.getvalue()
-    assert f"No GPU: {gpu_unavailable_reason()}" in text
+    assert f"GPU checks not run: {gpu_unavailable_reason()}" in text
     assert "Not checked here" in text and GPU_ONLY[0] in text
     assert "Result: PASS" in text and "CPU-side checks only" in text
 

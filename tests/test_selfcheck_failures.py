@@ -212,9 +212,30 @@ def test_cpu_only_on_a_gpu_machine_skips_the_gpu_checks(monkeypatch, quick):
     import convfuse.selfcheck as sc
 
     monkeypatch.setattr(sc, "gpu_unavailable_reason", lambda: None)
+    real_load = install.load_binding
+
+    class OnAGpu:  # the real binding, but cudnnCreate succeeds, as it does on a GPU
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+        def Handle(self):
+            return object()
+
+    def load():
+        path, lib, problems = real_load()
+        return path, OnAGpu(lib), problems
+
+    monkeypatch.setattr(install, "load_binding", load)
     rep = run(cpu_only=True, kernels=False)
     assert rep.gpu_reason == "GPU checks skipped (--cpu-only)"
     assert rep.not_checked == [*GPU_ONLY, NO_KERNELS] and rep.ok
+    # the binding's checks still know a GPU is there: cudnnCreate is expected to succeed
+    # (expecting NOT_INITIALIZED, the check failed on every working GPU machine)
+    [create] = [c for c in rep.checks if c.name == "cudnnCreate"]
+    assert create.status == "pass", create
     assert not any(c.group.startswith("gpu") for c in rep.checks)
 
 

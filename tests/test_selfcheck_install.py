@@ -107,6 +107,41 @@ def test_driver_too_old_for_the_wheels(monkeypatch):
     assert install.static_problems(driver_version=13000) == []
 
 
+def test_a_driver_older_than_every_supported_line_is_told_to_update(monkeypatch):
+    """A CUDA 11 driver has no convfuse line to switch to (there is no cu11 extra)."""
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "cupy-cuda12x": "14.2.0"})
+    text = " ".join(p.fix for p in install.static_problems(driver_version=11080))
+    assert "update the NVIDIA driver (convfuse needs a CUDA 12 or 13 driver)" in text
+    assert "cu11" not in text
+
+
+def test_a_cupy_that_is_installed_but_does_not_import(monkeypatch, quick, capsys):
+    """Reported as not installed before (and selfcheck passed): the import's own error is
+    the install problem, and the reason the GPU is unusable."""
+    from convfuse import backend
+
+    fake_dists(monkeypatch, {"nvidia-cudnn-cu12": "9.28.0", "cupy-cuda12x": "14.2.0"})
+    error = "ImportError: libcudart.so.12: cannot open shared object file"
+    for fn in (backend.cupy_module, backend.cupy_import_error, backend.gpu_unavailable_reason):
+        fn.cache_clear()
+    monkeypatch.setattr(backend, "cupy_module", lambda: None)
+    monkeypatch.setattr(backend, "cupy_import_error", lambda: error)
+    monkeypatch.setattr(install, "cupy_import_error", lambda: error)
+    monkeypatch.setattr(selfcheck.environment, "cupy_import_error", lambda: error)
+    monkeypatch.setattr(selfcheck.environment, "cupy_module", lambda: None)
+    try:
+        reason = backend.gpu_unavailable_reason()
+        assert reason.startswith(f"CuPy is installed but does not import ({error})")
+        rep, _ = broken_run(capsys)
+        assert f"cupy-cuda12x==14.2.0 is installed but does not import ({error})" in \
+            problems_text(rep)
+        assert "pip install --force-reinstall cupy-cuda12x" in problems_text(rep)
+        assert rep.environment["CuPy"].startswith("installed (cupy-cuda12x==14.2.0) but does "
+                                                  "not import: ImportError")
+    finally:
+        backend.gpu_unavailable_reason.cache_clear()
+
+
 def test_no_cudnn_wheel_and_no_library(monkeypatch, quick, fresh_loaders, capsys):
     fake_dists(monkeypatch, {"cupy-cuda12x": "14.2.0"})
 

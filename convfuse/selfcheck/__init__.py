@@ -49,6 +49,7 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
     report.environment = environment.collect(path, lib, load_error)
 
     reason = gpu_unavailable_reason()
+    gpu_usable = reason is None  # what the binding's checks expect of cudnnCreate
     if reason is None and cpu_only:  # (a GPU is usable, but the user asked us not to use it)
         reason = "GPU checks skipped (--cpu-only)"
     report.gpu_reason = reason
@@ -59,7 +60,7 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
     checks.append(run_check("binding", "libcudnn and convfuse._cudnn load",
                             lambda: cpu_checks.library_loaded(path, lib)))
     if lib is not None:
-        for name, fn in cpu_checks.binding_checks(lib, gpu=reason is None):
+        for name, fn in cpu_checks.binding_checks(lib, gpu=gpu_usable):
             checks.append(run_check("binding", name, fn))
     else:
         checks.append(CheckResult("binding", "descriptors, shape rules, plans", SKIP,
@@ -76,6 +77,7 @@ def run(cpu_only: bool = False, kernels: bool = True) -> Report:
 
         checks.extend(run_gpu_checks())
     elif reason is None:  # pragma: gpu
+        report.gpu_reason = "the cuDNN binding did not load, so no GPU check ran"
         report.not_checked[:0] = ["every GPU check: the cuDNN binding did not load",
                                   *GPU_ONLY]
     return report

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__, _binding
-from ..backend import cupy_module, gpu_unavailable_reason
+from ..backend import cupy_import_error, cupy_module, gpu_unavailable_reason
 from .install import cupy_wheels, dist_version, format_cuda, format_cudnn
 
 
@@ -59,8 +59,12 @@ def collect(library_path: str | None, binding: ModuleType | None,
     env["NumPy"] = np.__version__
     cp = cupy_module()
     wheels = cupy_wheels()
+    broken = cupy_import_error()
     env["CuPy"] = (f"{cp.__version__} ({', '.join(wheels) or 'not from a wheel'})"
-                   if cp is not None else "not installed (the GPU engine needs it)")
+                   if cp is not None else
+                   f"installed ({', '.join(wheels) or 'not from a wheel'}) but does not "
+                   f"import: {broken}" if broken is not None else
+                   "not installed (the GPU engine needs it)")
     rt, drv = runtime_version(), driver_version()
     env["CUDA runtime"] = format_cuda(rt) + " (CuPy's)" if rt else "unknown (no CuPy)"
     env["CUDA driver"] = format_cuda(drv) if drv else "none found"

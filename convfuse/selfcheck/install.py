@@ -14,6 +14,7 @@ import re
 from types import ModuleType
 
 from .. import _binding
+from ..backend import cupy_import_error
 from ..errors import CudnnLoadError
 from .report import Problem
 
@@ -50,6 +51,10 @@ def module_available(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+# the CUDA lines convfuse has extras and requirement files for (cu12, cu13)
+SUPPORTED_LINES = (12, 13)
 
 
 def cupy_wheels() -> list[str]:
@@ -91,6 +96,15 @@ def static_problems(driver_version: int = 0) -> list[Problem]:
             f"pip install nvidia-cudnn-cu{line} (the line matching your CuPy)",
         ))
     cupys = cupy_wheels()
+    broken = cupy_import_error()
+    if broken is not None:
+        named = ", ".join(cupys) or "CuPy"
+        problems.append(Problem(
+            f"{named} is installed but does not import ({broken}); the GPU engine cannot run",
+            f"pip install --force-reinstall {cupys[0].split('==')[0] if cupys else 'cupy-cuda12x'}"
+            " (its CUDA line must match the driver's and the cuDNN wheel's), then rerun "
+            "selfcheck",
+        ))
     if len(cupys) > 1:
         problems.append(Problem(
             f"more than one CuPy is installed ({', '.join(cupys)}); they overwrite each other",
@@ -112,13 +126,15 @@ def static_problems(driver_version: int = 0) -> list[Problem]:
         for wheel in cupys + cudnn:
             needed = cuda_line(wheel)
             if needed is not None and needed > driver_major:
+                # convfuse's wheels exist for CUDA 12 and 13 only: an older driver has no
+                # line to switch to
+                fix = (f"update the NVIDIA driver, or switch to the CUDA {driver_major} "
+                       f"wheels: {GPU_EXTRA.format(line=driver_major)}, after uninstalling "
+                       f"the cu{needed} ones" if driver_major in SUPPORTED_LINES else
+                       "update the NVIDIA driver (convfuse needs a CUDA 12 or 13 driver)")
                 problems.append(Problem(
                     f"the NVIDIA driver supports CUDA up to {format_cuda(driver_version)}, "
-                    f"but {wheel} needs a CUDA {needed} driver",
-                    f"update the NVIDIA driver, or switch to the CUDA {driver_major} wheels: "
-                    f"{GPU_EXTRA.format(line=driver_major)}, after uninstalling the "
-                    f"cu{needed} ones",
-                ))
+                    f"but {wheel} needs a CUDA {needed} driver", fix))
     return problems
 
 

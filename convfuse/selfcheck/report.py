@@ -182,7 +182,7 @@ def write_text(report: Report, out: TextIO) -> None:
     write_environment(report.environment, out)
     write_problems(report.problems, out)
     if report.gpu_reason is not None:
-        out.write(f"\nNo GPU: {report.gpu_reason}.\n"
+        out.write(f"\nGPU checks not run: {report.gpu_reason}.\n"
                   "Only the CPU-side checks ran; nothing below says a GPU result is right.\n")
     write_checks("CPU-side checks", (c for c in report.checks if not c.group.startswith("gpu")),
                  out)
