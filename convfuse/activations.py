@@ -73,7 +73,9 @@ def attribute(check: Callable[[Any], str] = normalize) -> property:
         try:
             return d["_activation"]
         except KeyError:  # pickled when the layer kept a plain attribute
-            return d["activation"]
+            if "activation" in d:
+                return d["activation"]
+        raise AttributeError(f"{type(self).__name__} has no activation set")
 
     def set_(self: Any, value: Any) -> None:
         try:

@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -203,20 +203,21 @@ def _buffers(model: Any) -> list[tuple[str, Any]]:
 
 # dtypes NumPy arrays may have that torch.distributed's backends cannot carry (gloo: "Invalid
 # scalar type"); checked on every rank before anything is broadcast
-_UNCARRIED = frozenset({"uint16", "uint32", "uint64"})
+_UNCARRIED = frozenset({"int16", "uint16", "uint32", "uint64"})
 
 
-def _receive_problem(named: Sequence[tuple[str, Any]]) -> str | None:
-    """Why this rank could not receive a broadcast into one of `named`'s arrays, or None:
-    a read-only array (a broadcast into it would write memory NumPy was told not to, or
-    hang the collective when the write fails) or a dtype the backend cannot carry."""
-    for name, a in named:
+def _receive_problem(arrays: Sequence[Any], name_of: Callable[[int], str]) -> str | None:
+    """Why this rank could not receive a broadcast into one of `arrays`, or None: a
+    read-only array (a broadcast into it would write memory NumPy was told not to, or hang
+    the collective when the write fails) or a dtype the backend cannot carry. Names are
+    made only for the array refused (broadcast_buffers runs before every forward)."""
+    for i, a in enumerate(arrays):
         if not getattr(getattr(a, "flags", None), "writeable", True):
-            return (f"{name} is a read-only array (a broadcast or memory-mapped array?); "
-                    "assign a writable copy")
-        if str(a.dtype) in _UNCARRIED:
-            return (f"{name} has dtype {a.dtype}, which torch.distributed cannot carry; "
-                    "store it as a signed integer")
+            return (f"{name_of(i)} is a read-only array (a broadcast or memory-mapped "
+                    "array?); assign a writable copy")
+        if a.dtype.name in _UNCARRIED:
+            return (f"{name_of(i)} has dtype {a.dtype}, which torch.distributed cannot "
+                    "carry; store it as int32, int64 or a float")
     return None
 
 
@@ -227,9 +228,9 @@ def _check_same_model(torch: Any, fn: str, params: Sequence[Parameter],
     rank cannot receive the broadcast: one all-reduce of three int64s (Note [matching
     models])."""
     dist = torch.distributed
-    named = [(f"parameter {i} ({p.name or 'unnamed'})", p.data) for i, p in enumerate(params)]
-    named += [(f"buffer {name!r}", b) for name, b in buffers]
-    problem = _receive_problem(named)
+    arrays = [p.data for p in params] + [b for _, b in buffers]
+    problem = _receive_problem(arrays, lambda i: f"parameter {i} ({params[i].name or 'unnamed'})"
+                               if i < len(params) else f"buffer {buffers[i - len(params)][0]!r}")
     if dist.get_world_size(group) <= 1:
         if problem:  # the same verdict as in a larger world
             raise TypeError(f"{fn}: {problem}. Nothing was broadcast.")
@@ -242,7 +243,6 @@ def _check_same_model(torch: Any, fn: str, params: Sequence[Parameter],
              [(tuple(b.shape), str(b.dtype), is_cupy(b)) for _, b in buffers]]
     digest = hashlib.blake2b(repr(kinds).encode(), digest_size=8).digest()
     h = int.from_bytes(digest, "little") >> 1  # -h fits an int64 too
-    arrays = [a for _, a in named]
     like = arrays[0] if arrays else np.empty(0)
     with _on_cupy_stream(torch, like):  # the device of the arrays, for CuPy ones
         got = array_module(like).asarray([h, -h, int(problem is not None)], dtype=np.int64)
@@ -305,13 +305,14 @@ def broadcast_buffers(model: Any, src: int = 0, group: Any = None) -> None:
         raise TypeError("broadcast_buffers expects a convfuse layer or model, got "
                         f"{type(model).__name__} (for torch.nn modules use "
                         "DistributedDataParallel, which broadcasts buffers)")
-    problem = _receive_problem([(f"buffer {name!r}", b) for name, b in model.named_buffers()])
+    named = list(model.named_buffers())
+    problem = _receive_problem([b for _, b in named], lambda i: f"buffer {named[i][0]!r}")
     if problem:  # on every rank alike: each checks its own model, which must match
         raise TypeError(f"broadcast_buffers: {problem}. Nothing was broadcast.")
     checked = _checked_call("broadcast_buffers", src, group)
     if checked is not None:
         torch, src = checked
-        _broadcast_buffers(torch, model, src, group)
+        _broadcast_buffers(torch, model, src, group, named)
 
 
 def _checked_call(fn: str, src: Any, group: Any) -> tuple[Any, int] | None:
@@ -324,9 +325,10 @@ def _checked_call(fn: str, src: Any, group: Any) -> tuple[Any, int] | None:
     return (torch, src) if member else None
 
 
-def _broadcast_buffers(torch: Any, model: Any, src: int, group: Any) -> None:
+def _broadcast_buffers(torch: Any, model: Any, src: int, group: Any,
+                       named: Sequence[tuple[str, Any]] | None = None) -> None:
     by_kind: dict[tuple[Any, bool], list[Any]] = {}
-    for _, b in model.named_buffers():
+    for _, b in model.named_buffers() if named is None else named:
         by_kind.setdefault((b.dtype, is_cupy(b)), []).append(b)
     for bufs in by_kind.values():
         if len(bufs) == 1:

@@ -122,7 +122,9 @@ def check_geometry_types(op: str, **args: Any) -> None:
             ok = is_int(value) or _is_index(value)
             want = "an int"
         elif name == "output_size":
-            ok = value is None or isinstance(value, (tuple, list)) or hasattr(value, "__len__")
+            sized = isinstance(value, (tuple, list)) or (hasattr(value, "__len__")
+                                                         and not isinstance(value, str))
+            ok = value is None or (sized and all(is_int(v) or _is_index(v) for v in value))
             want = "None or a sequence of ints"
         else:
             ok = is_int(value) or isinstance(value, (tuple, list)) or _is_index(value) \
@@ -145,7 +147,8 @@ def _is_index(value: Any) -> bool:
 
 
 # the ops name the weight and bias w and b; the functional API's signature says weight, bias
-_OP_ARG_NAMES = re.compile(r"\b(w|b)\b(?= (?:has|is|must) )|(?<=')(w|b)(?=')")
+_OP_ARG_NAMES = re.compile(r"(?<=: )(w|b)(?= (?:has|is|must) )|(?<=but )(w|b)(?= has )"
+                           r"|(?<=input ')(w|b)(?=')")
 
 
 def with_signature_names(exc: BaseException, op: str) -> BaseException:

@@ -157,6 +157,8 @@ def scenario_mismatch(rank: int) -> dict[str, Any]:
     before = first.weight.data.copy()
     out["uint32"] = _error(lambda: broadcast_parameters(cf.Sequential(first, Holder())))
     out["uint32_kept"] = np.array_equal(first.weight.data, before)
+    first.register_buffer("small", np.zeros(2, np.int16))  # gloo cannot carry int16 either
+    out["int16"] = _error(lambda: broadcast_parameters(first))
     # and the group is still in step: a matching model is broadcast as before
     lin = _lin(rank, 3, 4, dtype="float64")
     broadcast_parameters(lin)
@@ -352,8 +354,11 @@ def test_an_array_a_rank_cannot_receive_into_is_refused_on_every_rank(mismatch_r
     for rank, r in enumerate(mismatch_ranks):
         assert r["uint32"] == ("TypeError", f"broadcast_parameters: rank {rank}: buffer "
                                "'1.ids' has dtype uint32, which torch.distributed cannot "
-                               "carry; store it as a signed integer. Nothing was broadcast.")
+                               "carry; store it as int32, int64 or a float. Nothing was "
+                               "broadcast.")
         assert r["uint32_kept"]
+        assert r["int16"] is not None and r["int16"][0] == "TypeError" and \
+            "buffer 'small' has dtype int16" in r["int16"][1]
 
 
 def test_a_refused_broadcast_changes_nothing_and_the_group_goes_on(mismatch_ranks):

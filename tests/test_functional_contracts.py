@@ -35,6 +35,8 @@ def test_wrong_types_are_type_errors_naming_the_argument(kw, match):
     ({"output_padding": None}, r"output_padding must be an int, a tuple of ints, got None"),
     ({"groups": 1.0}, r"groups must be an int, got float 1.0"),
     ({"output_size": 7}, r"output_size must be None or a sequence of ints, got int 7"),
+    ({"output_size": (10.0, 10.0)}, r"output_size must be None or a sequence of ints, got "
+                                    r"tuple \(10.0, 10.0\)"),
 ])
 def test_transposed_wrong_types_are_type_errors(kw, match):
     with pytest.raises(TypeError, match=rf"^conv_transpose_bias_act: {match}"):
@@ -57,6 +59,16 @@ def test_errors_name_weight_and_bias_as_the_signature():
         F.conv_bias_act(X, W, np.ones(3))
     with pytest.raises(ValueError, match=r"^conv_transpose_bias_act: bias has shape"):
         FT.conv_transpose_bias_act(X[:, :3], WT, np.ones(3))
+
+
+@pytest.mark.parametrize("kw", [{"layout": "b"}, {"activation": "b"}, {"padding_mode": "w"}])
+def test_a_users_own_value_is_quoted_as_given(kw):
+    """Only the ops' names for the arguments become the signature's, not a value that
+    happens to read 'w' or 'b'."""
+    with pytest.raises(ValueError) as err:
+        F.conv_bias_act(X, W, **kw)
+    assert f"'{next(iter(kw.values()))}'" in str(err.value)
+    assert "weight" not in str(err.value) and "'bias'" not in str(err.value)
 
 
 def test_need_dx_must_be_a_bool():

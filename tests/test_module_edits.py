@@ -56,6 +56,42 @@ def test_sequential_edit_refusals_change_nothing():
     assert _names(seq) == [("0", "R"), ("1", "R")]
 
 
+@pytest.mark.parametrize("edit", [lambda s: s.__delitem__(1), lambda s: s.pop(1),
+                                  lambda s: s.insert(1, cf.Identity()),
+                                  lambda s: s.__setitem__(1, cf.Identity())],
+                         ids=["del", "pop", "insert", "setitem"])
+def test_an_edit_between_forward_and_backward_drops_the_context(edit):
+    """The backward would run the edited list's layers, not the forward's (a silently
+    wrong dx): refused, as a backward without a forward is."""
+    rng = np.random.default_rng(5)
+    seq = cf.Sequential(cf.Linear(3, 3, dtype="float64", seed=0), cf.ReLU(),
+                        cf.Linear(3, 2, dtype="float64", seed=1))
+    seq(rng.standard_normal((4, 3)))
+    edit(seq)
+    with pytest.raises(cf.BackwardBeforeForwardError):
+        seq.backward(np.ones((4, 2)))
+
+
+def test_a_folded_numbered_sequential_is_renumbered_and_appends_safely():
+    """A gap ("0", "3") made a later append reuse "3" and replace that layer; a child named
+    as add_module allows ("_stem") folds too."""
+    m = cf.Sequential(cf.Conv2d(3, 4, 3, seed=0), cf.BatchNorm2d(4), cf.ReLU(),
+                      cf.Conv2d(4, 5, 3, seed=1)).eval()
+    folded = cf.nn.fold_batchnorm(m)
+    folded.append(cf.Flatten())
+    folded.append(cf.Identity())
+    assert [type(c).__name__ for _, c in folded.named_children()] == \
+        ["Conv2d", "Conv2d", "Flatten", "Identity"]
+    stem = cf.Sequential()
+    stem.add_module("_stem", cf.Conv2d(3, 4, 3, dtype="float64", seed=0))
+    stem.add_module("bn", cf.BatchNorm2d(4, dtype="float64"))
+    stem.eval()
+    x = np.random.default_rng(6).standard_normal((1, 3, 5, 5))
+    folded = cf.nn.fold_batchnorm(stem)
+    assert [n for n, _ in folded.named_children()] == ["_stem"]
+    np.testing.assert_allclose(folded(x), stem(x), rtol=1e-12, atol=1e-14)
+
+
 def test_a_removed_first_layer_hands_needs_input_grad_on():
     """needs_input_grad flows to the first layer: after deleting it (or inserting before
     it) the new first layer takes the Sequential's flag, the others pass gradients on."""
@@ -282,6 +318,10 @@ def test_module_list_edits_as_torch():
         _names(theirs + torch.nn.ModuleList([torch.nn.Identity()]))
     with pytest.raises(TypeError, match=r"^ModuleList.append: int is not a convfuse layer"):
         ours.append(3)
+    with pytest.raises(TypeError, match=r"^ModuleList.extend: layers must be an iterable"):
+        cf.ModuleList(5)
+    with pytest.raises(IndexError, match=r"^ModuleList: index 9 is out of range for"):
+        ours[9]
     with pytest.raises(NotImplementedError):
         ours(np.zeros(2))
 

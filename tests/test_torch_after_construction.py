@@ -289,7 +289,13 @@ def test_an_assigned_activation_is_checked_at_the_assignment(make):
     with pytest.raises(TypeError, match=rf"^{name}: activation must be a str or None, got "
                                         r"list \['relu'\]"):
         m.activation = ["relu"]
-    assert m.activation == "identity"
+    with pytest.raises(TypeError, match=rf"^{name}: activation must be a str or None, got "
+                                        r"ReLU"):
+        m.activation = nn.ReLU()  # nn.Module's __setattr__ would register it as a child
+    assert m.activation == "identity" and not dict(m.named_children())
+    with pytest.raises(TypeError, match=rf"^{name}: activation must be a str or None"):
+        type(m)(3, 4, 3, activation=nn.ReLU()) if name != "BatchNorm2d" else \
+            type(m)(3, activation=nn.ReLU())
     m.activation = "ReLU"
     assert m.activation == "relu"
     x = torch.linspace(-2, 2, 2 * 3 * 5 * 5).reshape(2, 3, 5, 5)

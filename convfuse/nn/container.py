@@ -136,6 +136,7 @@ class _LayerList(Layer):
         self._replacing(index, layer)
         setattr(self, names[index], layer)
         self._take_device(layer)
+        self._ctx = None  # a backward now would run layers another forward did not
 
     def append(self, layer: Layer) -> _LayerList:
         raise NotImplementedError
@@ -145,7 +146,11 @@ class _LayerList(Layer):
 
     def extend(self, layers: Any) -> _LayerList:
         """Append each of `layers` (torch.nn's); all are checked first."""
-        new = list(layers)
+        try:
+            new = list(layers)
+        except TypeError:
+            raise TypeError(f"{type(self).__name__}.extend: layers must be an iterable of "
+                            f"convfuse layers, got {type(layers).__name__}") from None
         for layer in new:
             self._check_new(layer, "extend")
         for layer in new:
@@ -199,6 +204,7 @@ class _LayerList(Layer):
             self.add_module(str(j), layer)
             self._take_device(layer)
         self._edited(layers, state)
+        self._ctx = None  # a backward now would skip (or add) a layer the forward ran
 
     def _check_new(self, layer: Any, fn: str) -> None:
         if not isinstance(layer, Layer):
@@ -385,7 +391,14 @@ class ModuleList(_LayerList):
     def __getitem__(self, i: int | slice) -> Any:
         if isinstance(i, slice):
             return ModuleList(self.layers[i])
-        return self.layers[i]
+        layers = self.layers
+        if not is_int(i):
+            raise TypeError(f"ModuleList: index must be an int or a slice, got "
+                            f"{type(i).__name__} {i!r}")
+        if not -len(layers) <= i < len(layers):
+            raise IndexError(f"ModuleList: index {i!r} is out of range for {len(layers)} "
+                             "layers")
+        return layers[int(i)]
 
     def __iadd__(self, layers: Iterable[Layer]) -> ModuleList:
         return self.extend(layers)  # type: ignore[return-value]

@@ -58,9 +58,22 @@ def fold_layer(layer: Layer) -> Layer:
     if own is not None:
         return own()
     if isinstance(layer, Sequential):
-        # named as before (a forward or a checkpoint may reach a child by name): a fused
-        # Conv -> BatchNorm (-> activation) takes the conv's
-        seq = Sequential(dict(fold_named_chain(list(layer.named_children()))))
+        named = list(layer.named_children())
+        if [name for name, _ in named] == [str(i) for i in range(len(named))]:
+            # numbered: renumbered, as torch's Sequential numbers (a gap would make a later
+            # append reuse a name and replace that layer)
+            seq = Sequential(*fold_chain([child for _, child in named]))
+        else:
+            # named (a forward or a checkpoint may reach a child by name): a fused Conv ->
+            # BatchNorm (-> activation) takes the conv's; add_module's rules, which any name
+            # the model has passed, not the constructor's stricter ones
+            seq = Sequential()
+            for name, child in fold_named_chain(named):
+                seq.add_module(name, child)
+                seq._take_device(child)
+        for i, child in enumerate(seq):
+            if i:
+                child.needs_input_grad = True
         seq.needs_input_grad = layer.needs_input_grad
         return seq
     new = clone(layer)

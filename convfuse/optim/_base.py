@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -246,12 +244,12 @@ class FlatOptimizer:
 
     # -- public API -----------------------------------------------------------------------
     @property
-    def defaults(self) -> Mapping[str, Any]:
-        """The hyperparameters (but lr), read-only: every step reads them, and a value
-        written here would skip the constructor's checks (torch.optim's `defaults` only
-        seed new groups; convfuse has one group, fixed at construction or by
-        load_state_dict)."""
-        return MappingProxyType(self._defaults)
+    def defaults(self) -> dict[str, Any]:
+        """The hyperparameters (but lr), as a new dict: every step reads the optimizer's own,
+        and a value written into them would skip the constructor's checks. A write into this
+        copy changes nothing, as a write into torch.optim's `defaults` changes no existing
+        group (convfuse has one, fixed at construction or by load_state_dict)."""
+        return dict(self._defaults)
 
     @property
     def lr(self) -> float:

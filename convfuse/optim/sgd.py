@@ -33,7 +33,8 @@ class SGD(FlatOptimizer):
     refused, naming the argument); `foreach` and `fused` choose torch's implementation and
     any value is accepted (convfuse's step is always one fused launch). State dicts move
     both ways: `state_dict()` saves these flags at their defaults (torch.optim.SGD needs
-    `dampening` to step), and torch.optim.SGD's state, which counts no steps, loads as
+    `dampening` to step; its arrays are NumPy's, made tensors for torch), and
+    torch.optim.SGD's state, which counts no steps, loads as
     stepped (the rule reads only that). The momentum buffer is float32 for float16/bfloat16
     parameters.
     """

@@ -75,6 +75,12 @@ class _BatchNormNd(_host_arrays.HoldsViews):
     # only by the op, after a batch norm had counted the call)
     activation = activations.attribute()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "activation":  # to the validating property: nn.Module's own __setattr__
+            object.__setattr__(self, name, value)  # would register a Module value as a child
+            return
+        super().__setattr__(name, value)
+
     _version = 2  # torch.nn's: version 2 added num_batches_tracked
     _ndims: tuple[int, ...] = ()
     # Buffers (None without running stats); nn.Module's __getattr__ would type them Tensor | Module.

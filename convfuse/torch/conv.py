@@ -76,6 +76,12 @@ class _ConvLayer(_host_arrays.HoldsViews):
     # only by the op, after a batch norm had counted the call)
     activation = activations.attribute()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "activation":  # to the validating property: nn.Module's own __setattr__
+            object.__setattr__(self, name, value)  # would register a Module value as a child
+            return
+        super().__setattr__(name, value)
+
     _rank = 0
 
     def _hyper(self) -> tuple[Any, ...]:
