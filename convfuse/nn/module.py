@@ -154,10 +154,7 @@ class Layer:
         torch.nn's register_parameter: a str without '.', not empty, not another
         attribute; checked before anything is registered."""
         fn = f"{type(self).__name__}.register_parameter"
-        if not isinstance(name, str):
-            raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} {name!r}")
-        if not name or "." in name:
-            raise KeyError(f"{fn}: parameter name {name!r} can't be empty or contain '.'")
+        _check_name(fn, "parameter", name)
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"{fn}: {name!r} is a {type(param).__name__}, not a convfuse "
                             "Parameter (or None)")
@@ -185,10 +182,7 @@ class Layer:
         add_module: a str without '.', not empty, not another attribute (a parameter,
         buffer or method); checked before anything is registered."""
         fn = f"{type(self).__name__}.add_module"
-        if not isinstance(name, str):
-            raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} {name!r}")
-        if not name or "." in name:  # "a.b" would collide with child a's child b's keys
-            raise KeyError(f"{fn}: module name {name!r} can't be empty or contain '.'")
+        _check_name(fn, "module", name)
         if module is not None and not isinstance(module, Layer):
             raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a convfuse "
                             "layer")
@@ -628,6 +622,15 @@ def _already_on(modules: list[Layer], target: str) -> bool:
                 return False
             seen = True
     return seen
+
+
+def _check_name(fn: str, kind: str, name: Any) -> None:
+    """torch.nn's rule for a child's or parameter's name: a str, not empty, without '.'
+    ("a.b" would collide with child a's entry b in state_dict keys)."""
+    if not isinstance(name, str):
+        raise TypeError(f"{fn}: name must be a str, got {type(name).__name__} {name!r}")
+    if not name or "." in name:
+        raise KeyError(f"{fn}: {kind} name {name!r} can't be empty or contain '.'")
 
 
 def _check_array(value: Any, what: str) -> None:

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import activations
 from ..geometry import is_int
 from . import _bn_plan, _eager, _host_arrays
+from ._activation import FusedActivation
 from ._arrays import SUPPORTED_DTYPES
 from ._bn_ops import batchnorm_call, refuse_a_training_trace
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
@@ -68,18 +68,8 @@ GENERAL = "general"  # a checked call the layer's general path runs
 _PLAIN = PlainClasses("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 
 
-class _BatchNormNd(_host_arrays.HoldsViews):
+class _BatchNormNd(FusedActivation, _host_arrays.HoldsViews):
     """The shared body of BatchNorm1d/2d/3d; `_ndims` are the accepted input ranks."""
-
-    # validated on assignment, as the native layers' (a bad name assigned later was refused
-    # only by the op, after a batch norm had counted the call)
-    activation = activations.attribute()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "activation":  # to the validating property: nn.Module's own __setattr__
-            object.__setattr__(self, name, value)  # would register a Module value as a child
-            return
-        super().__setattr__(name, value)
 
     _version = 2  # torch.nn's: version 2 added num_batches_tracked
     _ndims: tuple[int, ...] = ()

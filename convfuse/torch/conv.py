@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import activations
 from ..geometry import ConvGeometry, IntOrTuple, as_tuple, is_int, same_padding
 from . import _autocast, _eager, _host_arrays, _ops  # _ops registers torch.ops.convfuse.*
+from ._activation import FusedActivation
 from ._arrays import SUPPORTED_DTYPES
 from ._call_plan import FusedCall
 from ._errors import InputDeviceError, InputShapeError, InputTypeError
@@ -68,19 +68,9 @@ def _size(n: Any) -> Any:
 _INT32_MAX = 2**31 - 1  # cuDNN's sizes are ints; the CPU engine's arrays would not fit either
 
 
-class _ConvLayer(_host_arrays.HoldsViews):
+class _ConvLayer(FusedActivation, _host_arrays.HoldsViews):
     """What Conv*d and ConvTranspose*d share: torch.nn's checks of the channel arguments and
     the dtype, their parameters and initialisation, and the checks of an input."""
-
-    # validated on assignment, as the native layers' (a bad name assigned later was refused
-    # only by the op, after a batch norm had counted the call)
-    activation = activations.attribute()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "activation":  # to the validating property: nn.Module's own __setattr__
-            object.__setattr__(self, name, value)  # would register a Module value as a child
-            return
-        super().__setattr__(name, value)
 
     _rank = 0
 
