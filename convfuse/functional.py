@@ -122,9 +122,7 @@ def check_geometry_types(op: str, **args: Any) -> None:
             ok = is_int(value) or _is_index(value)
             want = "an int"
         elif name == "output_size":
-            sized = isinstance(value, (tuple, list)) or (hasattr(value, "__len__")
-                                                         and not isinstance(value, str))
-            ok = value is None or (sized and all(is_int(v) or _is_index(v) for v in value))
+            ok = value is None or _int_sequence(value)
             want = "None or a sequence of ints"
         else:
             ok = is_int(value) or isinstance(value, (tuple, list)) or _is_index(value) \
@@ -133,6 +131,16 @@ def check_geometry_types(op: str, **args: Any) -> None:
         if not ok:
             raise TypeError(f"{op}: {name} must be {want}, got {type(value).__name__} "
                             f"{value!r}")
+
+
+def _int_sequence(value: Any) -> bool:
+    """A sequence (tuple, list, 1-d array, torch.Size) of ints; not a str or a 0-d array."""
+    if isinstance(value, str):
+        return False
+    try:
+        return all(is_int(v) or _is_index(v) for v in value)
+    except TypeError:  # not iterable (an int, a 0-d array)
+        return False
 
 
 def _is_index(value: Any) -> bool:

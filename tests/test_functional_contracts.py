@@ -35,6 +35,8 @@ def test_wrong_types_are_type_errors_naming_the_argument(kw, match):
     ({"output_padding": None}, r"output_padding must be an int, a tuple of ints, got None"),
     ({"groups": 1.0}, r"groups must be an int, got float 1.0"),
     ({"output_size": 7}, r"output_size must be None or a sequence of ints, got int 7"),
+    ({"output_size": np.array(7)}, r"output_size must be None or a sequence of ints, got "
+                                   r"ndarray array\(7\)"),
     ({"output_size": (10.0, 10.0)}, r"output_size must be None or a sequence of ints, got "
                                     r"tuple \(10.0, 10.0\)"),
 ])

@@ -58,8 +58,13 @@ def test_sequential_edit_refusals_change_nothing():
 
 @pytest.mark.parametrize("edit", [lambda s: s.__delitem__(1), lambda s: s.pop(1),
                                   lambda s: s.insert(1, cf.Identity()),
-                                  lambda s: s.__setitem__(1, cf.Identity())],
-                         ids=["del", "pop", "insert", "setitem"])
+                                  lambda s: s.__setitem__(1, cf.Identity()),
+                                  lambda s: s.append(cf.Identity()),
+                                  lambda s: s.extend([cf.Identity()]),
+                                  lambda s: s.add_module("extra", cf.Identity()),
+                                  lambda s: setattr(s, "extra", cf.Identity())],
+                         ids=["del", "pop", "insert", "setitem", "append", "extend",
+                              "add_module", "setattr"])
 def test_an_edit_between_forward_and_backward_drops_the_context(edit):
     """The backward would run the edited list's layers, not the forward's (a silently
     wrong dx): refused, as a backward without a forward is."""

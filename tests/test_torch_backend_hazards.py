@@ -184,3 +184,24 @@ def test_convert_keeps_the_padding_torch_pads_by(mode):
     new = ct.convert(copy.deepcopy(conv))
     assert isinstance(new, ct.Conv2d)
     torch.testing.assert_close(new(x), ref, rtol=1e-12, atol=1e-12)
+
+
+def _transposed_branch(m, x):
+    y = m.conv(x)
+    s = x.mean(1).mT  # a getattr node (a view): it writes nothing
+    return F.relu(y) + s.sum()
+
+
+def _sorted_branch(m, x):
+    y = m.conv(x)
+    s = x.flatten(2).sort(-1).values  # an out-of-place sort (not TorchScript's list sort_)
+    return F.relu(y) + s.sum()
+
+
+@pytest.mark.parametrize("forward", [_transposed_branch, _sorted_branch])
+def test_reads_in_between_do_not_stop_a_chain(forward):
+    """Being careful about writes must not refuse what writes nothing: a `.mT` (Dynamo's
+    getattr) and a sort (whose name also matches a list overload that sorts in place)."""
+    torch.manual_seed(0)
+    records, _ = assert_matches_torch(_Conv(forward), torch.randn(2, 4, 6, 6))
+    assert [r.pattern for r in records if r.fused] == ["conv2d+relu"]

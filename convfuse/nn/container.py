@@ -113,6 +113,22 @@ class _LayerList(Layer):
     def __iter__(self) -> Iterator[Layer]:
         return iter(self.layers)
 
+    # Every way a layer joins or leaves the list (append, extend, add_module, an attribute,
+    # the edits below) drops the forward's context: a backward now would run layers the
+    # forward did not, or skip one it ran (a silently wrong dx).
+    def add_module(self, name: str, module: Layer | None) -> None:
+        super().add_module(name, module)
+        Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if isinstance(value, Layer):
+            Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
+
     def _edit_state(self) -> Any:
         return None
 
@@ -136,7 +152,6 @@ class _LayerList(Layer):
         self._replacing(index, layer)
         setattr(self, names[index], layer)
         self._take_device(layer)
-        self._ctx = None  # a backward now would run layers another forward did not
 
     def append(self, layer: Layer) -> _LayerList:
         raise NotImplementedError
@@ -204,7 +219,6 @@ class _LayerList(Layer):
             self.add_module(str(j), layer)
             self._take_device(layer)
         self._edited(layers, state)
-        self._ctx = None  # a backward now would skip (or add) a layer the forward ran
 
     def _check_new(self, layer: Any, fn: str) -> None:
         if not isinstance(layer, Layer):

@@ -347,15 +347,26 @@ def _by_schema(schemas: tuple[Any, ...], node: Node) -> list[Node]:
     """The nodes `node` passes where any of `schemas` writes (`Tensor(a!)`, `Tensor(a!)[]`)."""
     found: list[Node] = []
     for schema in schemas:
+        mine: list[Node] = []
+        applies = True
         for i, arg in enumerate(schema.arguments):
             info = arg.alias_info
             if not (info is not None and info.is_write) and arg.name not in _STATS:
                 continue
             if not arg.kwarg_only and i < len(node.args):
-                found += _nodes(node.args[i])
+                given = node.args[i]
             else:  # torch's Python bindings call aten's `self` `input`
-                found += _nodes(node.kwargs.get(arg.name, node.kwargs.get("input")
-                                                if arg.name == "self" else None))
+                given = node.kwargs.get(arg.name, node.kwargs.get("input")
+                                        if arg.name == "self" else None)
+            if isinstance(arg.type, torch._C.ListType) and isinstance(given, Node) \
+                    and isinstance(value(given), torch.Tensor):
+                # an overload for a list (TorchScript's in-place list sort, `sort(Tensor[](a!)
+                # self)`) is not the one a single tensor runs
+                applies = False
+                break
+            mine += _nodes(given)
+        if applies:
+            found += mine
     return found
 
 
@@ -436,8 +447,8 @@ def written(node: Node) -> list[Node] | None:
         return None
     if target in _OPERATOR_WRITES:
         return _nodes(node.args[0])
-    if getattr(target, "__module__", None) == "_operator":
-        return []
+    if getattr(target, "__module__", None) == "_operator" or target is getattr:
+        return []  # (getattr: `.T`, `.mT`, a view, reads only)
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return out + _by_schema(_schemas(target), node)
     if inspect.isfunction(target) and target.__module__ in ("torch.nn.functional",

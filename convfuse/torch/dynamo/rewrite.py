@@ -92,6 +92,9 @@ def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
     _canonicalize_in_place(g)
     regions = _autocast_regions(g)
     claimed: set[Node] = set()
+    # what each node writes, asked once per node: the graph does not change until every
+    # chain has grown, and _written_later asks about every later node per candidate
+    writes: dict[Node, list[Node] | None] = {}
     chains: list[_Chain] = []
     records: list[Record] = []
     for node in list(g.nodes):
@@ -103,7 +106,7 @@ def fuse(gm: GraphModule, graph_index: int = 0) -> list[Record]:
             records.append(Record(False, _kind(node), (node.name,), why, graph_index))
             continue
         assert not isinstance(head, forms.Refused)
-        chain = _grow(head, claimed, regions)
+        chain = _grow(head, claimed, regions, writes)
         claimed.update(chain.nodes)
         chains.append(chain)
     done: dict[Node, Node] = {}  # a fused chain's last node -> the node now computing it
@@ -200,8 +203,15 @@ def _sole_user(node: Node) -> tuple[Node | None, str]:
     return users[0], ""
 
 
+def _written(n: Node, writes: dict[Node, list[Node] | None]) -> list[Node] | None:
+    if n not in writes:
+        writes[n] = forms.written(n)
+    return writes[n]
+
+
 def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
-          regions: dict[Node, tuple[Any, ...]]) -> _Chain:
+          regions: dict[Node, tuple[Any, ...]],
+          writes: dict[Node, list[Node] | None]) -> _Chain:
     chain = _Chain(head, [head.node])
     out = forms.value(head.node)
     assert out is not None  # _refuse_head refused a head without one
@@ -237,7 +247,7 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
         while n is not nxt:
             if forms.changes_grad_mode(n):
                 return f"{n.name} switches grad mode in between"
-            targets = forms.written(n)
+            targets = _written(n, writes)
             if targets is None:
                 return f"{n.name} ({_kind(n)}) in between may write an input: unknown what"
             if any(forms.may_alias(t, w) for t in targets for w in watched) \
@@ -268,7 +278,7 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
         act = forms.activation(nxt, cur)
         if isinstance(act, str):
             # the residual too: the fused op reads it at the activation, after the add
-            why = step(nxt, chain.residual) or _written_later(act, nxt, cur)
+            why = step(nxt, chain.residual) or _written_later(act, nxt, cur, writes)
             if not why:
                 chain.nodes.append(nxt)
                 chain.activation = act
@@ -288,7 +298,8 @@ def _grow(head: forms.Conv | forms.BatchNorm, claimed: set[Node],
 _SAVE_INPUT = ("leaky_relu", "relu6")
 
 
-def _written_later(act: str, node: Node, cur: Node) -> str:
+def _written_later(act: str, node: Node, cur: Node,
+                   writes: dict[Node, list[Node] | None]) -> str:
     """Why activation `node` (applied to `cur`) cannot join the chain for what is done
     with its output after it ('' if it can)."""
     if act not in _SAVE_INPUT or forms.mutated(node) is cur:
@@ -300,7 +311,7 @@ def _written_later(act: str, node: Node, cur: Node) -> str:
                 return (f"{node.name} is an output of the graph: torch's {act} saves its "
                         "input, the fused op its output, which may be written in place")
         else:
-            targets = forms.written(n)
+            targets = _written(n, writes)
             if any(forms.may_alias(t, node) for t in
                    (n.all_input_nodes if targets is None else targets)):
                 return (f"{n.name} writes {node.name} in place, which torch's {act} allows "
