@@ -163,3 +163,17 @@ def test_inference_without_statistics_gives_the_same_y_and_cannot_be_differentia
         ops.batchnorm_backward(np.ones_like(x), x, w, b, bare, activation=act,
                                weight_grad=dw, bias_grad=db)
     assert (dw == 7.0).all() and (db == 7.0).all()  # nothing written
+
+
+def test_backward_refuses_a_bias_without_a_weight():
+    """weight None is affine=False, whose gradients are none: a bias given with it had its
+    gradient dropped silently (torch.nn.functional.batch_norm gives it one). The forward
+    takes it (a shift without a scale), as the layers use it."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 3, 2, 2))
+    b = np.array([1.0, 2.0, 3.0])
+    y, saved = ops.batchnorm_forward_training(x, None, b, None, None)
+    with pytest.raises(ValueError, match=r"^batchnorm_backward: bias given without a weight"):
+        ops.batchnorm_backward(np.ones_like(y), x, None, b, saved)
+    _, _, db, _ = ops.batchnorm_backward(np.ones_like(y), x, np.ones(3), b, saved)
+    np.testing.assert_allclose(db, [16.0, 16.0, 16.0])

@@ -211,7 +211,7 @@ def test_identity_bias_gradient_shortcut_is_the_pass_it_skips(layout, shape, dty
     """activation_backward_bias for identity on a small contiguous dy in its compute dtype
     takes no pass over the samples; its dz and db are the pass's, bit for bit, out= and
     beta included."""
-    from convfuse.ops.reference.activation import _backward_cd
+    from convfuse.ops.reference.activation import _backward_cd, finish
 
     rank = len(shape) - 2
     c = shape[-1] if layout.endswith("C") else shape[1]
@@ -222,8 +222,11 @@ def test_identity_bias_gradient_shortcut_is_the_pass_it_skips(layout, shape, dty
     want_dz, rows = _backward_cd(dy, None, "identity", g.reduce_axes)
     np.testing.assert_array_equal(dz, want_dz)
     assert dz is not dy
-    np.testing.assert_array_equal(db, rows.sum(axis=0))
+    # what the pass returns: its rows summed (float64 rows for channels-last float32, Note
+    # [channels-last sums]) and rounded once
+    np.testing.assert_array_equal(db, finish(rows.sum(axis=0), dtype))
     out = np.full(c, 2.0, dtype)
     _, got = ref.activation_backward_bias(dy, None, "identity", g, out, 0.5)
     assert got is out
-    np.testing.assert_array_equal(got, rows.sum(axis=0) + dtype(0.5) * dtype(2.0))
+    np.testing.assert_array_equal(got, finish(rows.sum(axis=0), dtype, np.full(c, 2.0, dtype),
+                                              0.5))

@@ -6,7 +6,8 @@ arrays (x, residual, dy) share one dtype; the per-channel arrays (weight, bias, 
 statistics, the saved mean and invstd, gradient outputs) are (C,) in the data's compute
 dtype: float32 for float32/float16/bfloat16 data, float64 for float64 (cuDNN's derived BN
 descriptor type, Note [BatchNorm in cuDNN]). weight and bias may be None (affine=False:
-scale 1, shift 0). Outputs never alias inputs.
+scale 1, shift 0); the backward, whose weight and bias gradients come as a pair, refuses a
+bias without a weight. Outputs never alias inputs.
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ def batchnorm_backward(dy: Any, x: Any, weight: Any, bias: Any, saved: BatchNorm
         raise ValueError(f"{op}: pass weight_grad and bias_grad together, or neither")
     if weight_grad is not None and weight is None:
         raise ValueError(f"{op}: weight_grad given but weight is None (affine=False)")
+    if weight is None and bias is not None:
+        # the gradients come as a pair, and weight None means affine=False (none): the
+        # bias's would be dropped silently
+        raise ValueError(f"{op}: bias given without a weight: pass a weight of ones to get "
+                         "the bias's gradient (weight and bias None is affine=False)")
     if beta != 0.0 and weight_grad is None:
         raise ValueError(f"{op}: param_beta={param_beta!r} accumulates into weight_grad and "
                          "bias_grad, but they are None")

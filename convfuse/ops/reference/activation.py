@@ -343,7 +343,7 @@ def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str,
     if sum_axes is not None:
         inner = tuple(a for a in sum_axes if a != 0)
         keep = [d for a, d in enumerate(dy.shape) if a not in sum_axes]
-        rows = np.empty((n, *keep), cd)
+        rows = np.empty((n, *keep), _row_dtype(cd, dy.ndim, sum_axes))
     if dy.ndim == 0:
         _backward_piece(dy, saved, act, dz)
         return dz, None
@@ -351,10 +351,17 @@ def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str,
     def run(lo: int, hi: int) -> None:
         _backward_piece(dy[lo:hi], None if saved is None else saved[lo:hi], act, dz[lo:hi])
         if rows is not None:
-            np.sum(dz[lo:hi], axis=inner, out=rows[lo:hi])
+            np.add.reduce(dz[lo:hi], axis=inner, out=rows[lo:hi], dtype=rows.dtype)
 
     _threads.parallel_for(n, dy.size, run, cached=True)
     return dz, rows
+
+
+def _row_dtype(cd: np.dtype, ndim: int, sum_axes: tuple[int, ...]) -> np.dtype:
+    """The per-sample bias-gradient rows' dtype: float64 for channels-last float32 (Note
+    [channels-last sums] in _accumulate.py), else the compute dtype."""
+    wide = cd == np.float32 and ndim and (ndim - 1) not in sum_axes
+    return np.dtype(np.float64) if wide else np.dtype(cd)
 
 
 def activation_forward(z: np.ndarray, activation: str | None,
@@ -385,7 +392,8 @@ def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activatio
         # over the same layout), without the pass:
         # dz is a copy of dy, each sample's row its sum over the other axes
         inner = tuple(a for a in geom.reduce_axes if a != 0)
-        rows = np.add.reduce(dy, axis=inner)
+        rows = np.add.reduce(dy, axis=inner, dtype=_row_dtype(dy.dtype, dy.ndim,
+                                                               geom.reduce_axes))
         return dy.copy(), finish(np.add.reduce(rows, axis=0), dy.dtype, db_out, beta)
     dz, rows = _backward_cd(dy, saved, act, geom.reduce_axes)
     assert rows is not None

@@ -49,6 +49,7 @@ import numpy as np
 from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...plan.batchnorm import BatchNormGeometry
+from ._accumulate import channel_sum
 from .activation import _backward_cd, apply_activation
 
 
@@ -137,12 +138,10 @@ def _constant(cd: np.dtype, value: Any) -> np.ndarray:
     return a
 
 
-_reduce = np.add.reduce
-
-
 def _sum(a: np.ndarray, ax: _Axes) -> np.ndarray:
-    """a.sum over the reduce axes (what ndarray.sum runs, without its Python wrapper)."""
-    return _reduce(a, ax.reduce)
+    """a.sum over the reduce axes (what ndarray.sum runs, without its Python wrapper;
+    channels-last float32 in float64, Note [channels-last sums])."""
+    return channel_sum(a, ax.reduce)
 
 
 def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
@@ -150,7 +149,7 @@ def _mean(a: np.ndarray, ax: _Axes) -> np.ndarray:
     the count as an intp, in float64 for a float32 sum, then rounds; where the count is
     exact in a's dtype the division in that dtype gives the same bits (Note [batch norm's
     scalars])."""
-    total = _reduce(a, ax.reduce)
+    total = channel_sum(a, ax.reduce)
     count = ax.counts.get(a.dtype)
     if count is not None and count[1]:
         return total / count[0]

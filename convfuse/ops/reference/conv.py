@@ -64,6 +64,7 @@ from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
 from . import _threads, conv_flat, conv_images
+from ._accumulate import channel_sum
 from .activation import apply_activation, finish, relu
 from .conv_tiny import TinyConv
 
@@ -686,4 +687,5 @@ def conv_backward_bias(dz: np.ndarray, geom: ConvGeometry, out: np.ndarray | Non
     tiny = _tiny(geom, cd)
     if tiny is not None:
         return tiny.bias_grad(dz, out, beta)
-    return finish(np.sum(dz, axis=geom.reduce_axes, dtype=cd), dz.dtype, out, beta)
+    return finish(channel_sum(dz.astype(cd, copy=False), geom.reduce_axes), dz.dtype, out,
+                  beta)
