@@ -1,4 +1,4 @@
-"""Flatten and Sequential."""
+"""Flatten, Sequential and ModuleList."""
 
 from __future__ import annotations
 
