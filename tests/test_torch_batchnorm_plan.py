@@ -241,6 +241,13 @@ def test_backward_keeps_its_safety_rules_with_the_forwards_arrays():
     assert y.grad_fn.kept[2][0] is None and y.grad_fn.kept[2][3] is None
     g2 = torch.autograd.grad(y.sum(), x)[0]
     _same([g1], [g2])
+    # under saved-tensor hooks x, the output and the statistics are autograd's saved
+    # tensors only (Note [what a batch norm keeps]); the result is the same
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = layer(x)
+    assert y.grad_fn.kept[2][0] is None and y.grad_fn.kept[0] is None
+    assert len(y.grad_fn.saved_tensors) == 6  # x, weight, bias, y, mean, invstd
+    _same([torch.autograd.grad(y.sum(), x)[0]], [g1])
 
 
 def test_statistics_overlapping_an_input_get_the_ops_refusal_on_every_call():

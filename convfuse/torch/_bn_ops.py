@@ -361,7 +361,7 @@ class BatchNormFunction(torch.autograd.Function):
         training, eps, activation, eager = ctx.hyper
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         none7 = (None,) * 7
-        if _double.takes_recorded_path(dz_output):
+        if _double.takes_recorded_path(dz_output, dy):
             # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
             g = _double.preactivation_grad(dy, dz_output, saved, activation)
             if g is None:

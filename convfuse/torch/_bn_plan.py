@@ -82,7 +82,14 @@ from ..ops import validated
 from ..ops.batchnorm import as_factor
 from ..plan.batchnorm import BatchNormGeometry
 from . import _bound, _double, _eager
-from ._arrays import batchnorm_channels_last, logical, physical, to_array, to_tensor
+from ._arrays import (
+    batchnorm_channels_last,
+    host_array,
+    logical,
+    physical,
+    to_array,
+    to_tensor,
+)
 from ._bn_ops import _apart, _bump, _channel, _layout, _per_channel, _usable
 from ._host_arrays import HostArrays
 from ._ops import aligned, context, device_type
@@ -339,10 +346,10 @@ class BatchNormCall:
         if arrays is not None:  # the CPU: the engine returns dweight and dbias itself
             dya = dyp.numpy(force=True) if self.host else to_array(dyp)
             xa, wa, ba, sa = arrays
-            if xa is None:  # a copy of x, or released by an earlier backward
-                xa = to_array(physical(x, cl))
-            if sa is None and saved is not None:  # released by an earlier backward
-                sa = to_array(physical(saved, cl))
+            if xa is None:  # Note [what a batch norm keeps]
+                xa = host_array(x, cl) if self.host else to_array(physical(x, cl))
+            if sa is None and saved is not None:
+                sa = host_array(saved, cl) if self.host else to_array(physical(saved, cl))
             state = ops.BatchNormSaved(mean, invstd, sa, self.training)
             eng = validated_engine(prep, "cpu", _BACKWARD)
             if eng is not None:
@@ -461,6 +468,22 @@ def plan(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
                          residual, running_mean, running_var)
 
 
+# Note [what a batch norm keeps]
+# On the CPU the forward keeps on ctx the arrays it handed the engine (x's, the saved
+# output's, the batch statistics): the backward then converts nothing back (each
+# conversion is about a microsecond of host time). Under saved-tensor hooks
+# (torch.utils.checkpoint, offloading), which own what autograd saves, that would keep x
+# alive past a checkpoint and pair a recomputed x with the first run's statistics; there
+# x, the output and the statistics are autograd's saved tensors only, read back in the
+# backward (the parameters' arrays in the compute dtype stay on ctx: the parameters are
+# alive anyway). Asking for the hooks costs about 40 ns. On CUDA the statistics and the
+# fused forward's reserve space are still kept on ctx (not yet run on a GPU): a
+# checkpointed forward whose recompute differs from the first run (a spectral norm's
+# power iteration) would mix the two there.
+
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
 class BatchNormFunction(torch.autograd.Function):
     """A BatchNormCall as one autograd node: _bn_ops.BatchNormFunction's formula with the
     plan in place of the hyperparameters, and of the same name."""
@@ -472,8 +495,15 @@ class BatchNormFunction(torch.autograd.Function):
                 held: HostArrays | None) -> Any:
         y, z, kept = call.forward(x, weight, bias, residual, stats, held)
         kind = call.saves
-        ctx.save_for_backward(x, weight, bias,
-                              None if kind == "none" else y if kind == "output" else z)
+        out = None if kind == "none" else y if kind == "output" else z
+        arrays = kept[2]
+        if arrays is not None and _saved_tensors_hooks(False) is not None:
+            # the CPU under saved-tensor hooks: Note [what a batch norm keeps]
+            mean, invstd = torch.from_numpy(kept[0]), torch.from_numpy(kept[1])
+            ctx.save_for_backward(x, weight, bias, out, mean, invstd)
+            kept = (None, None, (None, arrays[1], arrays[2], None), kept[3])
+        else:
+            ctx.save_for_backward(x, weight, bias, out)
         ctx.call, ctx.kept = call, kept
         ctx.set_materialize_grads(False)
         if kind != "preactivation":
@@ -483,11 +513,13 @@ class BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor | None,
                  dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
-        x, weight, bias, saved = ctx.saved_tensors
+        x, weight, bias, saved, *stats = ctx.saved_tensors
+        if stats:  # the CPU: the statistics as saved (recomputed under a checkpoint)
+            ctx.kept = (stats[0].numpy(), stats[1].numpy(), *ctx.kept[2:])
         call: BatchNormCall = ctx.call
         need_dx, need_dw, need_db, need_dres, _, _, _ = ctx.needs_input_grad
         none3 = (None, None, None)
-        if _double.takes_recorded_path(dz_output):
+        if _double.takes_recorded_path(dz_output, dy):
             # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
             g = _double.preactivation_grad(dy, dz_output, saved, call.act)
             if g is None:
@@ -509,10 +541,9 @@ class BatchNormFunction(torch.autograd.Function):
                                                  bool(need_dx), want_dres)
                 arrays = kept[2]
                 if arrays is not None or kept[3] is not None:
-                    # x's and the output's memory (the CPU), the fused forward's reserve
-                    # space (CUDA) go when autograd frees the saved tensors, not when the
-                    # graph goes (retain_graph: the next backward makes the arrays again,
-                    # and takes the plain backward)
+                    # the fused forward's reserve space (CUDA) goes when autograd frees
+                    # the saved tensors, not when the graph goes (retain_graph: the next
+                    # backward takes the plain backward)
                     ctx.kept = (kept[0], kept[1], None if arrays is None else
                                 (None, arrays[1], arrays[2], None), None)
             else:  # a subclass gradient: the op, as _bn_ops.BatchNormFunction does

@@ -223,7 +223,7 @@ class _FusedFunction(torch.autograd.Function):
                  dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
         x, weight, saved = ctx.saved_tensors
         call: FusedCall = ctx.call
-        if _double.takes_recorded_path(dz_output):
+        if _double.takes_recorded_path(dz_output, dy):
             grads = getattr(_double, call.recorded)(ctx, dy, dz_output, x, weight, saved,
                                                     *call.hyper, call.act)
             return (*grads[:4], None, None)

@@ -56,16 +56,26 @@ from . import _autocast
 from ._arrays import geometry
 
 
-def takes_recorded_path(dz_output: torch.Tensor | None) -> bool:
+def takes_recorded_path(dz_output: torch.Tensor | None,
+                        dy: torch.Tensor | None = None) -> bool:
     """Whether a layer's backward must leave its fused op (Note [two backward paths]).
 
     Under torch.compile a gradient for z is only ever a placeholder: dynamo hands one for
     every output of an autograd.Function's backward, and compiled graphs do not support
-    double backward, the only way a real one arises (z is discarded by the layers)."""
+    double backward, the only way a real one arises (z is discarded by the layers).
+
+    A batched dy (autograd.grad's is_grads_batched, a vectorized jacobian or hessian,
+    gradcheck's batched check: torch's legacy vmap) takes it too: the engines take plain
+    arrays, the recorded path torch's ops, which vmap batches."""
     if torch.is_grad_enabled():
         return True
+    if dy is not None and not torch.compiler.is_compiling() and _legacy_batched(dy):
+        return True  # (dynamo traces no such query, and batches nothing this way)
     return (dz_output is not None and bool(dz_output.numel())
             and not torch.compiler.is_compiling())
+
+
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def _channel_dims(t: torch.Tensor) -> list[int]:

@@ -304,7 +304,7 @@ def fused_autograd(backward_op: Any, recorded: str) -> tuple[Any, Any]:
                  dz_output: torch.Tensor | None) -> tuple[Any, ...]:
         x, weight, saved = ctx.saved_tensors
         activation, rest = ctx.activation, (None,) * (len(ctx.hyper) + 1)
-        if _double.takes_recorded_path(dz_output):
+        if _double.takes_recorded_path(dz_output, dy):
             return getattr(_double, recorded)(ctx, dy, dz_output, x, weight, saved,
                                               *ctx.hyper, activation)
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
