@@ -153,14 +153,8 @@ class Layer:
         """Register `param` (a convfuse Parameter, or None) as parameter `name`, as
         torch.nn's register_parameter: a str without '.', not empty, not another
         attribute; checked before anything is registered."""
-        fn = f"{type(self).__name__}.register_parameter"
-        _check_name(fn, "parameter", name)
-        if param is not None and not isinstance(param, Parameter):
-            raise TypeError(f"{fn}: {name!r} is a {type(param).__name__}, not a convfuse "
-                            "Parameter (or None)")
-        self._check_free(name, "_param_names", "register_parameter")
-        self._register("_param_names", name)
-        object.__setattr__(self, name, param)
+        self._add_checked("register_parameter", "parameter", name, param, Parameter,
+                          "a convfuse Parameter (or None)")
 
     def get_submodule(self, target: str) -> Layer:
         """The descendant at dotted path `target` ('' is self), as torch.nn's; an
@@ -181,14 +175,19 @@ class Layer:
         """Register `module` (a convfuse layer, or None) as child `name`, as torch.nn's
         add_module: a str without '.', not empty, not another attribute (a parameter,
         buffer or method); checked before anything is registered."""
-        fn = f"{type(self).__name__}.add_module"
-        _check_name(fn, "module", name)
-        if module is not None and not isinstance(module, Layer):
-            raise TypeError(f"{fn}: {name!r} is a {type(module).__name__}, not a convfuse "
-                            "layer")
-        self._check_free(name, "_module_names", "add_module")
-        self._register("_module_names", name)
-        object.__setattr__(self, name, module)
+        self._add_checked("add_module", "module", name, module, Layer, "a convfuse layer")
+
+    def _add_checked(self, fn: str, kind: str, name: Any, value: Any, cls: type,
+                     what: str) -> None:
+        """`value` registered as the `kind` `name`, every check (torch.nn's) before."""
+        label = f"{type(self).__name__}.{fn}"
+        _check_name(label, kind, name)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{label}: {name!r} is a {type(value).__name__}, not {what}")
+        which = "_param_names" if kind == "parameter" else "_module_names"
+        self._check_free(name, which, fn)
+        self._register(which, name)
+        object.__setattr__(self, name, value)
 
     def _check_free(self, name: str, which: str, fn: str) -> None:
         """KeyError when `name` is an attribute other than one of registry `which` (torch.nn's
