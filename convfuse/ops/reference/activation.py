@@ -391,9 +391,9 @@ def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activatio
         # what _backward_cd computes for a pass it runs as one piece (the same reductions
         # over the same layout), without the pass:
         # dz is a copy of dy, each sample's row its sum over the other axes
-        inner = tuple(a for a in geom.reduce_axes if a != 0)
-        rows = np.add.reduce(dy, axis=inner, dtype=_row_dtype(dy.dtype, dy.ndim,
-                                                               geom.reduce_axes))
+        axes = geom.reduce_axes  # a property, computed at each access
+        inner = tuple(a for a in axes if a != 0)
+        rows = np.add.reduce(dy, axis=inner, dtype=_row_dtype(dy.dtype, dy.ndim, axes))
         return dy.copy(), finish(np.add.reduce(rows, axis=0), dy.dtype, db_out, beta)
     dz, rows = _backward_cd(dy, saved, act, geom.reduce_axes)
     assert rows is not None
