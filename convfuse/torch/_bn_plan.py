@@ -519,16 +519,8 @@ class BatchNormFunction(torch.autograd.Function):
         call: BatchNormCall = ctx.call
         need_dx, need_dw, need_db, need_dres, _, _, _ = ctx.needs_input_grad
         none3 = (None, None, None)
-        if _double.takes_recorded_path(dz_output, dy):
-            # Recorded backward (create_graph=True): Note [two backward paths] in _double.py.
-            g = _double.preactivation_grad(dy, dz_output, saved, call.act)
-            if g is None:
-                return (None,) * 4 + none3
-            mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
-            dx, dw, db = _double.batchnorm_backward(
-                g, x, weight, mean, invstd, call.training, call.eps,
-                (need_dx, need_dw, need_db))
-            return (dx, dw, db, g if need_dres else None, *none3)
+        if _double.takes_recorded_path(dz_output):
+            return _recorded(ctx, dy, dz_output, x, weight, saved, call)
         if dy is None:
             return (None,) * 4 + none3
         identity = call.identity
@@ -537,8 +529,13 @@ class BatchNormFunction(torch.autograd.Function):
             want_dres = bool(need_dres) and not identity
             if _eager.takes_eager_path(dy):
                 kept = ctx.kept
-                dx, dw, db, dres = call.backward(dy, x, weight, bias, saved, kept,
-                                                 bool(need_dx), want_dres)
+                try:
+                    dx, dw, db, dres = call.backward(dy, x, weight, bias, saved, kept,
+                                                     bool(need_dx), want_dres)
+                except Exception:  # reading dy failed before any engine ran
+                    if not _double.batched(dy):
+                        raise
+                    return _recorded(ctx, dy, dz_output, x, weight, saved, call)
                 arrays = kept[2]
                 if arrays is not None or kept[3] is not None:
                     # the fused forward's reserve space (CUDA) goes when autograd frees
@@ -555,6 +552,21 @@ class BatchNormFunction(torch.autograd.Function):
             dres = dy  # the gradient at the sum is dy itself: no copy, no op
         return (dx if need_dx else None, dw if need_dw else None, db if need_db else None,
                 dres if need_dres else None, *none3)
+
+
+def _recorded(ctx: Any, dy: Any, dz_output: Any, x: torch.Tensor,
+              weight: torch.Tensor | None, saved: torch.Tensor | None,
+              call: BatchNormCall) -> tuple[Any, ...]:
+    """BatchNormFunction.backward on the recorded path (create_graph=True, or a batched
+    dy): Note [two backward paths] in _double.py."""
+    need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
+    g = _double.preactivation_grad(dy, dz_output, saved, call.act)
+    if g is None:
+        return (None,) * 7
+    mean, invstd = (to_tensor(a) for a in ctx.kept[:2])
+    dx, dw, db = _double.batchnorm_backward(g, x, weight, mean, invstd, call.training,
+                                            call.eps, (need_dx, need_dw, need_db))
+    return (dx, dw, db, g if need_dres else None, None, None, None)
 
 
 #: BatchNormFunction.apply less its Python wrapper (Note [the host path]).

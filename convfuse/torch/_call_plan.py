@@ -223,18 +223,21 @@ class _FusedFunction(torch.autograd.Function):
                  dz_output: torch.Tensor | None = None) -> tuple[Any, ...]:
         x, weight, saved = ctx.saved_tensors
         call: FusedCall = ctx.call
-        if _double.takes_recorded_path(dz_output, dy):
-            grads = getattr(_double, call.recorded)(ctx, dy, dz_output, x, weight, saved,
-                                                    *call.hyper, call.act)
-            return (*grads[:4], None, None)
+        if _double.takes_recorded_path(dz_output):
+            return _recorded(ctx, dy, dz_output, x, weight, saved, call)
         if dy is None:  # y itself fed nothing that needs a gradient
             return None, None, None, None, None, None
         need_dx, need_dw, need_db, need_dres = ctx.needs_input_grad[:4]
         need_db = bool(need_db and ctx.has_bias)
         identity = call.identity
-        dx, dw, db, dz = call.backward(dy, x, weight, saved,
-                                       (need_dx, need_dw, need_db,
-                                        need_dres and not identity))
+        try:
+            dx, dw, db, dz = call.backward(dy, x, weight, saved,
+                                           (need_dx, need_dw, need_db,
+                                            need_dres and not identity))
+        except Exception:  # reading dy failed before any engine ran
+            if not _double.batched(dy):
+                raise
+            return _recorded(ctx, dy, dz_output, x, weight, saved, call)
         if dw is not None:
             restride = call.dw_restride
             if restride is None:
@@ -242,6 +245,14 @@ class _FusedFunction(torch.autograd.Function):
             if restride:
                 dw = strided_like(dw, weight)
         return (dx, dw, db, (dy if identity else dz) if need_dres else None, None, None)
+
+
+def _recorded(ctx: Any, dy: Any, dz_output: Any, x: torch.Tensor, weight: torch.Tensor,
+              saved: torch.Tensor | None, call: FusedCall) -> tuple[Any, ...]:
+    """_FusedFunction.backward on the recorded path (Note [two backward paths])."""
+    grads = getattr(_double, call.recorded)(ctx, dy, dz_output, x, weight, saved,
+                                            *call.hyper, call.act)
+    return (*grads[:4], None, None)
 
 
 class ConvBiasAct(_FusedFunction):

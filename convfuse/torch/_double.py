@@ -66,16 +66,24 @@ def takes_recorded_path(dz_output: torch.Tensor | None,
 
     A batched dy (autograd.grad's is_grads_batched, a vectorized jacobian or hessian,
     gradcheck's batched check: torch's legacy vmap) takes it too: the engines take plain
-    arrays, the recorded path torch's ops, which vmap batches."""
+    arrays, the recorded path torch's ops, which vmap batches. (The eager paths' nodes do
+    not ask this per call: they take it when reading such a dy fails, see `batched`.)"""
     if torch.is_grad_enabled():
         return True
-    if dy is not None and not torch.compiler.is_compiling() and _legacy_batched(dy):
+    if dy is not None and not torch.compiler.is_compiling() and batched(dy):
         return True  # (dynamo traces no such query, and batches nothing this way)
     return (dz_output is not None and bool(dz_output.numel())
             and not torch.compiler.is_compiling())
 
 
 _legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
+def batched(dy: torch.Tensor | None) -> bool:
+    """Whether `dy` is batched by torch's legacy vmap (takes_recorded_path). The eager
+    paths' backward asks only after reading dy as an array failed: a query per call would
+    cost every backward host time for a rare case."""
+    return dy is not None and bool(_legacy_batched(dy))
 
 
 def _channel_dims(t: torch.Tensor) -> list[int]:
