@@ -62,9 +62,11 @@ def test_sequential_edit_refusals_change_nothing():
                                   lambda s: s.append(cf.Identity()),
                                   lambda s: s.extend([cf.Identity()]),
                                   lambda s: s.add_module("extra", cf.Identity()),
-                                  lambda s: setattr(s, "extra", cf.Identity())],
+                                  lambda s: setattr(s, "extra", cf.Identity()),
+                                  lambda s: setattr(s, "1", None),
+                                  lambda s: setattr(s, "1", cf.Parameter(np.zeros(1)))],
                          ids=["del", "pop", "insert", "setitem", "append", "extend",
-                              "add_module", "setattr"])
+                              "add_module", "setattr", "setattr-None", "setattr-Parameter"])
 def test_an_edit_between_forward_and_backward_drops_the_context(edit):
     """The backward would run the edited list's layers, not the forward's (a silently
     wrong dx): refused, as a backward without a forward is."""

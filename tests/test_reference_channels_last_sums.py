@@ -43,3 +43,25 @@ def test_bias_gradients(activation):
     y = np.maximum(X, 0) if activation == "relu" else None
     _, db = ops.activation_backward_bias(X, y, activation, geom)
     assert _rel(db, want) < TOL
+
+
+@pytest.mark.parametrize("shape", [(1048576, 2, 1), (65536, 2, 2)])
+def test_batchnorm1d_with_a_short_length(shape):
+    """(N, C, L) with a short L: NumPy runs one total per channel through all N rows too."""
+    x = (np.random.default_rng(1).standard_normal(shape) + 5.0).astype(np.float32)
+    bn = cf.BatchNorm1d(2, device="cpu")
+    bn(x)
+    want = 0.1 * x.astype(np.float64).mean((0, 2))
+    assert _rel(bn.running_mean, want) < TOL
+
+
+def test_the_blocked_sum_is_a_float64_sum_and_small_sums_are_numpys():
+    from convfuse.ops.reference._accumulate import channel_sum
+
+    a = (RNG.standard_normal((300, 7, 5, 3)) + 5.0).astype(np.float32)
+    for axes in [(0, 1, 2), (1, 2), (0,), (0, 3), (0, 2, 3)]:
+        got = channel_sum(a, axes)
+        assert got.dtype == np.float32
+        assert _rel(got, a.astype(np.float64).sum(axes)) < 1e-6
+    small = a[:2, :3]
+    np.testing.assert_array_equal(channel_sum(small, (0, 1, 2)), small.sum((0, 1, 2)))

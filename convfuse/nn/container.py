@@ -121,8 +121,10 @@ class _LayerList(Layer):
         Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # a child replaced by anything (None, a Parameter) leaves the list too
+        was_child = name in self.__dict__.get("_module_names", ())
         super().__setattr__(name, value)
-        if isinstance(value, Layer):
+        if was_child or isinstance(value, Layer):
             Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
 
     def __delattr__(self, name: str) -> None:

@@ -55,6 +55,7 @@ from ... import activations as acts
 from ...dtypes import compute_dtype
 from ...geometry import ConvGeometry
 from . import _threads
+from ._accumulate import channel_sum
 
 _SQRT1_2 = math.sqrt(0.5)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -343,7 +344,7 @@ def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str,
     if sum_axes is not None:
         inner = tuple(a for a in sum_axes if a != 0)
         keep = [d for a, d in enumerate(dy.shape) if a not in sum_axes]
-        rows = np.empty((n, *keep), _row_dtype(cd, dy.ndim, sum_axes))
+        rows = np.empty((n, *keep), cd)
     if dy.ndim == 0:
         _backward_piece(dy, saved, act, dz)
         return dz, None
@@ -351,17 +352,10 @@ def _backward_cd(dy: np.ndarray, saved: np.ndarray | None, act: str,
     def run(lo: int, hi: int) -> None:
         _backward_piece(dy[lo:hi], None if saved is None else saved[lo:hi], act, dz[lo:hi])
         if rows is not None:
-            np.add.reduce(dz[lo:hi], axis=inner, out=rows[lo:hi], dtype=rows.dtype)
+            channel_sum(dz[lo:hi], inner, out=rows[lo:hi])  # Note [channels-last sums]
 
     _threads.parallel_for(n, dy.size, run, cached=True)
     return dz, rows
-
-
-def _row_dtype(cd: np.dtype, ndim: int, sum_axes: tuple[int, ...]) -> np.dtype:
-    """The per-sample bias-gradient rows' dtype: float64 for channels-last float32 (Note
-    [channels-last sums] in _accumulate.py), else the compute dtype."""
-    wide = cd == np.float32 and ndim and (ndim - 1) not in sum_axes
-    return np.dtype(np.float64) if wide else np.dtype(cd)
 
 
 def activation_forward(z: np.ndarray, activation: str | None,
@@ -391,10 +385,9 @@ def activation_backward_bias(dy: np.ndarray, saved: np.ndarray | None, activatio
         # what _backward_cd computes for a pass it runs as one piece (the same reductions
         # over the same layout), without the pass:
         # dz is a copy of dy, each sample's row its sum over the other axes
-        axes = geom.reduce_axes  # a property, computed at each access
-        inner = tuple(a for a in axes if a != 0)
-        rows = np.add.reduce(dy, axis=inner, dtype=_row_dtype(dy.dtype, dy.ndim, axes))
-        return dy.copy(), finish(np.add.reduce(rows, axis=0), dy.dtype, db_out, beta)
+        inner = tuple(a for a in geom.reduce_axes if a != 0)
+        per_sample = channel_sum(dy, inner)
+        return dy.copy(), finish(channel_sum(per_sample, (0,)), dy.dtype, db_out, beta)
     dz, rows = _backward_cd(dy, saved, act, geom.reduce_axes)
     assert rows is not None
-    return finish(dz, dy.dtype), finish(rows.sum(axis=0), dy.dtype, db_out, beta)
+    return finish(dz, dy.dtype), finish(channel_sum(rows, (0,)), dy.dtype, db_out, beta)

@@ -687,5 +687,4 @@ def conv_backward_bias(dz: np.ndarray, geom: ConvGeometry, out: np.ndarray | Non
     tiny = _tiny(geom, cd)
     if tiny is not None:
         return tiny.bias_grad(dz, out, beta)
-    return finish(channel_sum(dz.astype(cd, copy=False), geom.reduce_axes), dz.dtype, out,
-                  beta)
+    return finish(channel_sum(dz, geom.reduce_axes, dtype=cd), dz.dtype, out, beta)
