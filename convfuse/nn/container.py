@@ -121,6 +121,9 @@ class _LayerList(Layer):
         Layer._ctx.fset(self, None)  # type: ignore[attr-defined]
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name == "_ctx":  # every forward sets it: the short way, as Layer's
+            Layer._ctx.fset(self, value)  # type: ignore[attr-defined]
+            return
         # a child replaced by anything (None, a Parameter) leaves the list too
         was_child = name in self.__dict__.get("_module_names", ())
         super().__setattr__(name, value)
@@ -186,7 +189,7 @@ class _LayerList(Layer):
             raise IndexError(f"{type(self).__name__}.insert: index {index} is out of range "
                              f"for {n} layers")
         layers = self.layers
-        layers.insert(int(index) % (n + 1) if index >= 0 else int(index) + n, layer)
+        layers.insert(int(index), layer)  # list.insert reads -len..len as torch does
         self._renumber(layers)
         return self
 
