@@ -97,10 +97,13 @@ class Linear(Layer):
             if x.dtype != self._dtype:
                 raise ValueError(f"has dtype {self._dtype} but its input has dtype {x.dtype}; "
                                  + _hyper.dtype_hint(self._dtype, x.dtype))
-            lead = tuple(x.shape[:-1])
             x = contiguous(x)
-            n = math.prod(lead)
-            if x.ndim != 2:
+            lead = None  # the usual (N, in_features): nothing to reshape, nothing kept
+            if x.ndim == 2:
+                n = int(x.shape[0])
+            else:
+                lead = tuple(x.shape[:-1])
+                n = math.prod(lead)
                 x = x.reshape(n, self._in)
             geom = checked_geometry(self, n, lambda: self._checked_geometry(n))
             bias = None if self.bias is None else self.bias.data
@@ -127,7 +130,10 @@ class Linear(Layer):
                 calls[key] = flags
         except USER_ERRORS as exc:
             raise self._renamed(exc) from None
-        self._ctx = (ctx, lead)
+        if lead is None:
+            self._ctx = ctx
+            return y.reshape(n, self._out)
+        self._ctx = (ctx, lead)  # an N-d input's leading dims, for dy and dx
         return y.reshape(*lead, self._out)
 
     forward = __call__
@@ -137,10 +143,13 @@ class Linear(Layer):
         return self._backward_with(dy, self._backward)
 
     def _backward(self, saved: Any, dy: Any) -> Any:
-        ctx, lead = saved
-        dy = self._check_dy(dy, (*lead, self._out), ctx.x.dtype)
-        if dy.ndim != 2:
+        if type(saved) is tuple:  # an N-d input's (context, leading dims)
+            ctx, lead = saved
+            dy = self._check_dy(dy, (*lead, self._out), ctx.x.dtype)
             dy = dy.reshape(ctx.geom.batch, self._out)
+        else:
+            ctx, lead = saved, None
+            dy = self._check_dy(dy, (ctx.geom.batch, self._out), ctx.x.dtype)
         grads = conv_bias_act_backward(
             self._as_conv(dy), ctx, need_dx=self.needs_input_grad,
             dweight=self._as_conv(self.weight.grad),
@@ -148,7 +157,8 @@ class Linear(Layer):
         )
         if grads.dx is None:
             return None
-        return grads.dx.reshape(*lead, self._in)
+        return grads.dx.reshape(ctx.geom.batch, self._in) if lead is None else \
+            grads.dx.reshape(*lead, self._in)
 
     def extra_repr(self) -> str:
         return (
